@@ -1,0 +1,284 @@
+"""`Checkpointer`: the one object users hold. Ties the traced side, the host hand-off,
+the writer thread and restore together; each lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import jax
+
+from . import _restore, _traced, _tree
+from ._errors import CheckpointError, CheckpointerClosedError, ConfigError, UnflushedSaveWarning
+from ._handoff import HostSide, Signature
+from ._stats import Stats, StatsRecorder
+from ._writer import Writer, register_for_exit, unregister_for_exit
+
+logger = logging.getLogger("jax_cb_ckpt")
+
+_ON_FULL = ("block", "skip")
+
+
+def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        allowed = "a positive int" + (" or None" if optional else "")
+        raise ConfigError(
+            f"Checkpointer({name}=...): {name} must be {allowed} ({meaning}), got "
+            f"{value!r} of type {type(value).__name__}."
+        )
+    return value
+
+
+class Checkpointer:
+    """Saves checkpoints from inside jitted code and restores them.
+
+    Example:
+        ```python
+        ckpt = jax_cb_ckpt.Checkpointer("/tmp/run", every=1000, max_to_keep=3)
+
+        @jax.jit
+        def train(state):
+            def body(state, step):
+                state = update(state)
+                ckpt.maybe_save(state, step)  # fine inside jit / scan / while_loop
+                return state, None
+            return jax.lax.scan(body, state, jnp.arange(10_000))[0]
+
+        with ckpt:  # exit waits for the writes and re-raises any writer error
+            state = train(state)
+        state = ckpt.restore(state)  # the latest checkpoint, same pytree types
+        ```
+
+    What blocks and what runs in the background: on a step that saves, the device
+    program waits only while the state is handed to host memory the library keeps (and,
+    with `on_full="block"`, while the queue is full). A writer thread (one per
+    Checkpointer) writes standard Orbax checkpoints in the background. `wait()`,
+    `close()`, `restore()` and context exit block the calling thread until pending
+    saves are on disk, and re-raise the first writer error.
+
+    Args:
+        directory: where the step directories go; created if missing. Existing
+            checkpoints there are kept (and count towards `max_to_keep`).
+        every: default predicate of `maybe_save`: save when `step % every == 0`.
+        max_to_keep: keep only the newest this many checkpoints (None: keep all).
+        queue_size: at most this many saves in flight (handed over, not yet written).
+        on_full: when `queue_size` saves are in flight, `"block"` makes the device
+            wait (nothing lost); `"skip"` drops the save, counts it in `stats.skipped`
+            and warns with its step at the next `wait()`/`close()`.
+        compression: compress arrays with zstd (costs CPU the training may need).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: int | None = None,
+        max_to_keep: int | None = None,
+        queue_size: int = 2,
+        on_full: str = "block",
+        compression: bool = False,
+    ) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(
+                "Checkpointer(directory=...): directory must be a str or os.PathLike, "
+                f"got {type(directory).__name__}."
+            )
+        path = os.path.abspath(os.fspath(directory))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(
+                f"Checkpointer(directory={path!r}): that path is an existing file, not "
+                "a directory. Fix: pass a directory path (it is created if missing)."
+            )
+        self._every = _positive_int(every, "every", "save when step % every == 0", optional=True)
+        self._max_to_keep = _positive_int(
+            max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
+        )
+        queue_size = _positive_int(
+            queue_size, "queue_size", "saves in flight at most", optional=False
+        )
+        assert queue_size is not None
+        if on_full not in _ON_FULL:
+            raise ConfigError(
+                f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
+                "'block' makes the device wait when the queue is full (nothing lost), "
+                "'skip' drops that save and counts it."
+            )
+        self.directory = path
+        self.queue_size = queue_size
+        self.on_full = on_full
+        self._closed = False
+        self._stats = StatsRecorder()
+        self._writer = Writer(
+            path,
+            max_to_keep=self._max_to_keep,
+            compression=bool(compression),
+            queue_size=queue_size,
+            stats=self._stats,
+        )
+        self._host = HostSide(self._writer, self._stats, on_full=on_full, queue_size=queue_size)
+        register_for_exit(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"Checkpointer({self.directory!r}, every={self._every}, "
+            f"max_to_keep={self._max_to_keep}, queue_size={self.queue_size}, "
+            f"on_full={self.on_full!r}; {state})"
+        )
+
+    # -- saving ---------------------------------------------------------------------
+
+    def maybe_save(self, state: Any, step: Any, *, when: Any = None) -> None:
+        """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
+
+        Safe anywhere in traced code (jit, scan, fori_loop, while_loop, cond, nested)
+        and eagerly. The predicate is evaluated on the device; steps that do not save
+        move no data to the host. On a step that saves, the device waits only for the
+        hand-off of the state to host memory; the write runs in the writer thread.
+
+        Args:
+            state: a pytree of arrays (jax or numpy, any numeric dtype, typed PRNG keys)
+                and Python numbers.
+            step: integer scalar, the checkpoint's step number.
+            when: optional boolean scalar (traced or Python) overriding `every`.
+        """
+        where = "maybe_save"
+        self._check_usable(where)
+        step_arr = _traced.check_step(step, where)
+        if when is None:
+            if self._every is None:
+                raise ConfigError(
+                    "maybe_save: no predicate. Fix: pass when=<bool scalar>, or create "
+                    "the Checkpointer with every=N to save when step % N == 0."
+                )
+            if isinstance(step, int):  # decided in Python: no cond in the program
+                pred = None if step % self._every == 0 else False
+            else:
+                pred = step_arr % self._every == 0
+        else:
+            pred = _traced.check_when(when, where)
+            if isinstance(when, bool):
+                pred = None if when else False
+        if pred is False:
+            _tree.describe_state(state, where)  # still check the state
+            return
+        self._cross(state, step_arr, pred, where)
+
+    def save(self, state: Any, step: Any) -> None:
+        """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
+
+        Same hand-off and blocking behaviour as `maybe_save`.
+        """
+        where = "save"
+        self._check_usable(where)
+        self._cross(state, _traced.check_step(step, where), None, where)
+
+    def _cross(self, state: Any, step: jax.Array, pred: Any, where: str) -> None:
+        _, specs, leaves = _tree.describe_state(state, where)
+        payload = [_tree.to_payload(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
+        _traced.cross(self._host, Signature(specs), step, payload, pred)
+
+    def _check_usable(self, where: str) -> None:
+        if self._closed:
+            raise CheckpointerClosedError(
+                f"{where}: this Checkpointer on {self.directory!r} is closed. Fix: "
+                "create a new Checkpointer (it continues after the latest step on disk)."
+            )
+        # A writer failure surfaces at the next hand-off; in the user's thread when the
+        # call happens here (eagerly or while tracing).
+        self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        self._emit_notes()
+        error = self._writer.take_error()
+        if error is not None:
+            raise error
+
+    def _emit_notes(self) -> None:
+        for category, message in self._writer.take_notes():
+            warnings.warn(message, category, stacklevel=4)
+
+    # -- waiting and closing --------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every save handed over so far is on disk; re-raise writer errors.
+
+        Also waits for callbacks of jitted code still running (`jax.effects_barrier()`),
+        so call it from your own thread, never from inside a callback.
+        """
+        if not self._closed:
+            jax.effects_barrier()
+            self._writer.drain()
+        self._raise_writer_error()
+
+    def close(self) -> None:
+        """`wait()`, then stop the writer thread. Idempotent; blocks the calling thread."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._host.closed = True
+            self._writer.stop()
+            unregister_for_exit(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        # The body's exception wins; a writer error is reported alongside it.
+        try:
+            self.close()
+        except CheckpointError as error:
+            logger.error("jax_cb_ckpt: %s", error)
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"jax_cb_ckpt writer error: {error}")
+
+    def _flush_at_exit(self) -> None:
+        """Called at interpreter exit for Checkpointers never closed."""
+        if self._closed:
+            return
+        jax.effects_barrier()
+        pending = self._writer.pending
+        if pending:
+            warnings.warn(
+                f"jax_cb_ckpt: {pending} save(s) to {self.directory!r} were still "
+                "pending at interpreter exit and were written now. Fix: call "
+                "ckpt.close() or use `with ckpt:` to flush explicitly.",
+                UnflushedSaveWarning,
+                stacklevel=2,
+            )
+        self.close()
+
+    # -- reading --------------------------------------------------------------------
+
+    @property
+    def stats(self) -> Stats:
+        """A snapshot of the counters and timings (see `Stats`)."""
+        return self._stats.snapshot()
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete checkpoint on disk, ascending (pending saves excluded)."""
+        return _restore.all_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest complete step on disk, or None."""
+        return _restore.latest_step(self.directory)
+
+    def restore(self, like: Any, *, step: int | None = None) -> Any:
+        """Restore `step` (default: the latest) into the pytree types of `like`.
+
+        Waits for pending saves first (see `wait()`), then blocks while reading. `like`
+        may hold concrete arrays or `jax.ShapeDtypeStruct`s. See `jax_cb_ckpt.restore`.
+        """
+        self.wait()
+        self._host.forget_steps()
+        return _restore.restore(self.directory, like, step=step)
