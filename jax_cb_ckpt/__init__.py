@@ -2,24 +2,49 @@
 
 from ._checkpointer import Checkpointer as Checkpointer
 from ._errors import (
-    CheckpointError as CheckpointError,
     CheckpointerClosedError as CheckpointerClosedError,
+)
+from ._errors import (
+    CheckpointError as CheckpointError,
+)
+from ._errors import (
     ConfigError as ConfigError,
+)
+from ._errors import (
     DuplicateStepWarning as DuplicateStepWarning,
+)
+from ._errors import (
     InvalidStateError as InvalidStateError,
+)
+from ._errors import (
     NoCheckpointError as NoCheckpointError,
+)
+from ._errors import (
     RestoreError as RestoreError,
+)
+from ._errors import (
     SaveError as SaveError,
+)
+from ._errors import (
     SkippedSaveWarning as SkippedSaveWarning,
+)
+from ._errors import (
     StructureMismatchError as StructureMismatchError,
+)
+from ._errors import (
     UnflushedSaveWarning as UnflushedSaveWarning,
 )
 from ._restore import (
     all_steps as all_steps,
+)
+from ._restore import (
     latest_step as latest_step,
+)
+from ._restore import (
     restore as restore,
 )
-from ._stats import SaveRecord as SaveRecord, Stats as Stats
+from ._stats import SaveRecord as SaveRecord
+from ._stats import Stats as Stats
 from ._version import version as _version
 
 __version__ = _version()

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from . import _restore, _traced, _tree
-from ._errors import CheckpointError, CheckpointerClosedError, ConfigError, UnflushedSaveWarning
+from ._errors import CheckpointerClosedError, CheckpointError, ConfigError, UnflushedSaveWarning
 from ._handoff import HostSide, Signature
 from ._stats import Stats, StatsRecorder
 from ._writer import Writer, register_for_exit, unregister_for_exit
@@ -97,10 +97,9 @@ class Checkpointer:
         self._max_to_keep = _positive_int(
             max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
         )
-        queue_size = _positive_int(
-            queue_size, "queue_size", "saves in flight at most", optional=False
-        )
-        assert queue_size is not None
+        size = _positive_int(queue_size, "queue_size", "saves in flight at most", optional=False)
+        assert size is not None
+        queue_size = size
         if on_full not in _ON_FULL:
             raise ConfigError(
                 f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "

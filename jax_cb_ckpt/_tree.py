@@ -138,7 +138,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or is_abstract:
         shape = tuple(int(d) for d in leaf.shape)
         if _is_key(leaf.dtype):
-            impl = str(jax.random.key_impl(leaf)) if not is_abstract else _abstract_impl(leaf)
+            impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
         np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
         return LeafSpec(path, name, ARRAY, np_dtype.name, shape)
@@ -231,9 +231,7 @@ def unnest(tree: dict[str, Any], spec: LeafSpec) -> Any:
     return node
 
 
-def check_like(
-    like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], where: str
-) -> None:
+def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], where: str) -> None:
     """Raise `StructureMismatchError` naming the first leaf where `like` and the save differ."""
     saved_by_name = {spec.name: spec for spec in saved}
     like_names = {spec.name for spec in like_specs}
@@ -271,6 +269,9 @@ def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
         if np.dtype(saved.dtype).name.startswith("bfloat"):
             saved_kind = "f"
         return saved_kind in kinds.get(like.pytype or "", "")
+    if like.kind == ARRAY and saved.kind == SCALAR:
+        # A Python number saved eagerly comes back as the 0-d array a traced run has.
+        return like.shape == () and like.dtype == saved.dtype
     if like.kind != saved.kind or like.shape != saved.shape:
         return False
     if like.kind == KEY:

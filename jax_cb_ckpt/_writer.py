@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -110,8 +111,7 @@ class Writer:
         self._ready.wait()
         if self._init_error is not None:
             raise SaveError(
-                f"could not open a checkpoint manager on {directory!r}: "
-                f"{self._init_error}"
+                f"could not open a checkpoint manager on {directory!r}: {self._init_error}"
             ) from self._init_error
 
     # -- called from the callback or user thread -------------------------------------
@@ -165,9 +165,7 @@ class Writer:
 
     def _run(self, max_to_keep: int | None, compression: bool) -> None:
         try:
-            manager = make_manager(
-                self.directory, max_to_keep=max_to_keep, compression=compression
-            )
+            manager = make_manager(self.directory, max_to_keep=max_to_keep, compression=compression)
         except BaseException as e:  # reported by __init__ in the user's thread
             self._init_error = e
             self._ready.set()
@@ -192,6 +190,7 @@ class Writer:
     def _write(self, manager: Any, item: SaveItem) -> None:
         step = item.step
         try:
+            _check_directory(self.directory)
             if step in manager.all_steps():
                 self._stats.count("duplicates")
                 self.note(
@@ -215,17 +214,45 @@ class Writer:
             write_s = time.perf_counter() - start
         except BaseException as e:
             self._stats.count("failed")
+            kept = (
+                " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
+            )
             error = SaveError(
-                f"saving step {step} to {self.directory!r} failed: "
-                f"{type(e).__name__}: {e}. Checkpoints written before it are intact."
+                f"saving step {step} to {self.directory!r} failed: {type(e).__name__}: {e}.{kept}"
             )
             error.__cause__ = e
             logger.error("%s", error)
+            _remove_partial(self.directory, step)
             with self._cond:
                 if self._error is None:
                     self._error = error
             return
         self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
+
+
+def _check_directory(directory: str) -> None:
+    """Orbax would silently re-create a removed directory; a vanished run is an error."""
+    if not os.path.exists(directory):
+        raise FileNotFoundError(
+            f"the checkpoint directory {directory!r} no longer exists (it was removed "
+            "while the run was saving)"
+        )
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"{directory!r} is no longer a directory")
+
+
+def _remove_partial(directory: str, step: int) -> None:
+    """Delete the temporary directory a failed save left, so it does not hold disk space.
+
+    Only `<step>.orbax-checkpoint-tmp*` of the failed step is touched; complete
+    checkpoints are never removed here."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 # -- interpreter exit ------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""At most queue_size saves in flight; block loses nothing, skip drops and says so."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cb_ckpt
+
+N_SAVES = 30
+SIZE = 1 << 18  # 1 MB of float32: each write takes far longer than a hand-off
+
+
+def fast_saving_scan(ckpt):
+    @jax.jit
+    def run(x):
+        def body(x, i):
+            x = x + 1.0
+            ckpt.save({"x": x}, i)  # a save on every step: much faster than the disk
+            return x, None
+
+        return jax.lax.scan(body, x, jnp.arange(N_SAVES))[0]
+
+    return run(jnp.zeros(SIZE))
+
+
+def test_block_loses_nothing(make_ckpt):
+    ckpt = make_ckpt(queue_size=1, on_full="block")
+    fast_saving_scan(ckpt)
+    ckpt.wait()
+    stats = ckpt.stats
+    assert ckpt.all_steps() == list(range(N_SAVES))
+    assert (stats.saves, stats.skipped) == (N_SAVES, 0)
+    assert stats.queue_high_water == 1
+    # The device waited for the writer: blocking time includes the back-pressure wait.
+    assert stats.blocking_total_s > sum(r.handoff_s for r in stats.recent)
+    for step in (0, 17, N_SAVES - 1):
+        restored = ckpt.restore({"x": jnp.zeros(SIZE)}, step=step)
+        np.testing.assert_array_equal(restored["x"], np.full(SIZE, step + 1, np.float32))
+
+
+def test_skip_drops_counts_and_warns_with_step(make_ckpt):
+    ckpt = make_ckpt(queue_size=1, on_full="skip")
+    fast_saving_scan(ckpt)
+    with pytest.warns(jax_cb_ckpt.SkippedSaveWarning) as record:
+        ckpt.wait()
+    stats = ckpt.stats
+    saved = ckpt.all_steps()
+    assert stats.skipped > 0
+    assert stats.saves + stats.skipped == N_SAVES
+    assert len(saved) == stats.saves and saved[0] == 0
+    assert stats.queue_high_water == 1
+    skipped_steps = sorted(set(range(N_SAVES)) - set(saved))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == stats.skipped
+    for step, message in zip(skipped_steps, messages, strict=True):
+        assert f"skipped the save of step {step}: the queue was full" in message
+    for step in saved:  # what was saved is right
+        restored = ckpt.restore({"x": jnp.zeros(SIZE)}, step=step)
+        np.testing.assert_array_equal(restored["x"], np.full(SIZE, step + 1, np.float32))
+
+
+def test_bigger_queue_absorbs_a_burst(make_ckpt):
+    ckpt = make_ckpt(queue_size=N_SAVES, on_full="skip")
+    fast_saving_scan(ckpt)
+    ckpt.wait()
+    assert ckpt.stats.skipped == 0
+    assert ckpt.all_steps() == list(range(N_SAVES))
+    assert 1 < ckpt.stats.queue_high_water <= N_SAVES

@@ -1,0 +1,229 @@
+"""Bad input is caught while tracing with a message that names and fixes it; writer
+failures reach the user's thread with the step, the directory and the cause."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cb_ckpt
+from jax_cb_ckpt import ConfigError, InvalidStateError, SaveError
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(every=0), r"every must be a positive int or None .* got 0"),
+        (dict(every=-3), r"every must be a positive int or None .* got -3"),
+        (dict(every=2.5), r"every must be a positive int or None .* got 2.5 of type float"),
+        (dict(every=True), r"every must be a positive int or None .* got True of type bool"),
+        (dict(max_to_keep=0), r"max_to_keep must be a positive int or None"),
+        (dict(queue_size=0), r"queue_size must be a positive int \(saves in flight"),
+        (dict(queue_size=None), r"queue_size must be a positive int \("),
+        (dict(on_full="drop"), r"on_full must be one of \('block', 'skip'\)"),
+    ],
+)
+def test_bad_config(ckpt_dir, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        jax_cb_ckpt.Checkpointer(ckpt_dir, **kwargs)
+
+
+def test_directory_is_a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"that path is an existing file, not a directory"):
+        jax_cb_ckpt.Checkpointer(path)
+    assert path.read_text() == "not a directory"
+
+
+def test_directory_wrong_type():
+    with pytest.raises(ConfigError, match=r"directory must be a str or os.PathLike, got int"):
+        jax_cb_ckpt.Checkpointer(3)  # type: ignore[arg-type]
+
+
+class Opaque:
+    pass
+
+
+class Twin:
+    """A pytree node whose two children claim the same key: their stored names collide."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+jax.tree_util.register_pytree_with_keys(
+    Twin,
+    lambda t: (((jax.tree_util.GetAttrKey("a"), t.x), (jax.tree_util.GetAttrKey("a"), t.y)), None),
+    lambda _, children: Twin(*children),
+)
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        (
+            {"params": jnp.zeros(2), "name": "adam"},
+            r"maybe_save: leaf state\['name'\] is a str \('adam'\), which cannot be saved",
+        ),
+        (
+            {"cfg": [jnp.zeros(2), Opaque()]},
+            r"leaf state\['cfg'\]\[1\] is a Opaque \(.*\), which cannot be saved",
+        ),
+        (
+            {"s": np.array(["a", "b"])},
+            r"leaf state\['s'\] has dtype <U1 \(ndarray\), which cannot be saved",
+        ),
+        (
+            {"a.b": jnp.zeros(2)},
+            r"under the key 'a.b'; keys stored in a checkpoint must be non-empty and contain",
+        ),
+        (Twin(jnp.zeros(2), jnp.ones(2)), r"would be stored under the same name 'a'"),
+        ({"b": {True: jnp.zeros(2)}}, r"sits under a dict key of type bool \(True\)"),
+        ({}, r"the state has no leaves, so there is nothing to save"),
+        (
+            {"w": jax.ShapeDtypeStruct((2,), jnp.float32)},
+            r"leaf state\['w'\] is a jax.ShapeDtypeStruct, which has no data to save",
+        ),
+    ],
+)
+def test_bad_state_is_caught_while_tracing(make_ckpt, state, match):
+    ckpt = make_ckpt(every=1)
+    with pytest.raises(InvalidStateError, match=match):
+        jax.jit(lambda step: ckpt.maybe_save(state, step))(jnp.int32(0))
+    assert ckpt.stats.saves == 0
+
+
+@pytest.mark.parametrize(
+    "step, match",
+    [
+        (jnp.float32(3.0), r"step must be an integer scalar .* got float32\[\]"),
+        (3.0, r"step must be an integer scalar .* got float \(3.0\)"),
+        (True, r"step must be an integer scalar .* got bool \(True\)"),
+        (jnp.arange(3), r"step must be an integer scalar .* got int32\[3\]"),
+    ],
+)
+def test_bad_step(make_ckpt, step, match):
+    ckpt = make_ckpt(every=2)
+    with pytest.raises(InvalidStateError, match=match):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, step)
+    with pytest.raises(InvalidStateError, match=match):
+        ckpt.save({"x": jnp.zeros(2)}, step)
+
+
+def test_bad_when_and_missing_predicate(make_ckpt):
+    ckpt = make_ckpt()
+    with pytest.raises(InvalidStateError, match=r"when must be a boolean scalar .* got int32\[\]"):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, 1, when=jnp.int32(1))
+    with pytest.raises(ConfigError, match=r"maybe_save: no predicate. Fix: pass when="):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, 1)
+
+
+def test_closed_checkpointer_refuses_saves(make_ckpt):
+    ckpt = make_ckpt(every=1)
+    ckpt.close()
+    ckpt.close()  # idempotent
+    with pytest.raises(jax_cb_ckpt.CheckpointerClosedError, match="is closed"):
+        ckpt.save({"x": jnp.zeros(2)}, 1)
+
+
+def wait_for_failure(ckpt, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while ckpt.stats.failed == 0:
+        assert time.monotonic() < deadline, "the writer never failed"
+        time.sleep(0.01)
+
+
+def test_directory_removed_mid_run_surfaces_everywhere(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt(every=2)
+
+    @jax.jit
+    def run(x, steps):
+        def body(x, i):
+            x = x + 1
+            ckpt.maybe_save({"x": x}, i)
+            return x, None
+
+        return jax.lax.scan(body, x, steps)[0]
+
+    x = run(jnp.zeros(3), jnp.arange(0, 4))
+    ckpt.wait()
+    assert ckpt.all_steps() == [0, 2]
+    shutil.rmtree(ckpt_dir)
+    x = run(x, jnp.arange(4, 6))  # one save (step 4), which fails in the writer
+    wait_for_failure(ckpt)
+    # The next hand-off inside jitted code fails the computation, naming the cause...
+    with pytest.raises(Exception, match=r"saving step 4 to .* no longer exists"):
+        jax.block_until_ready(run(x, jnp.arange(8, 12)))
+    # ...and the user's thread gets the real SaveError with the cause chained.
+    with pytest.raises(SaveError) as info:
+        ckpt.wait()
+    assert f"saving step 4 to {str(ckpt_dir)!r} failed" in str(info.value)
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert not ckpt_dir.exists()  # never silently re-created
+
+
+def test_eager_save_after_failure_raises_in_user_thread(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt()
+    ckpt.save({"x": jnp.zeros(3)}, 1)
+    ckpt.wait()
+    shutil.rmtree(ckpt_dir)
+    ckpt_dir.write_text("replaced by a file")
+    ckpt.save({"x": jnp.zeros(3)}, 2)
+    wait_for_failure(ckpt)
+    with pytest.raises(SaveError, match=r"saving step 2 to .* is no longer a directory"):
+        ckpt.save({"x": jnp.zeros(3)}, 3)
+    ckpt.close()  # the error was delivered once; closing is clean
+    assert ckpt_dir.read_text() == "replaced by a file"
+
+
+def test_error_at_context_exit(ckpt_dir):
+    with pytest.raises(SaveError, match="saving step 2"):
+        with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+            ckpt.save({"x": jnp.zeros(3)}, 1)
+            ckpt.wait()
+            shutil.rmtree(ckpt_dir)
+            ckpt.save({"x": jnp.zeros(3)}, 2)
+
+
+def _mount_tmpfs(size):
+    path = tempfile.mkdtemp()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True
+    )
+    if result.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+    return path
+
+
+def test_disk_full_keeps_earlier_checkpoints(make_ckpt):
+    mount = _mount_tmpfs("512k")
+    try:
+        directory = os.path.join(mount, "ckpt")
+        ckpt = make_ckpt(directory)
+        small = {"x": jnp.arange(4.0)}
+        ckpt.save(small, 1)
+        ckpt.wait()
+        ckpt.save({"x": jnp.zeros(1 << 20)}, 2)  # 4 MB cannot fit
+        with pytest.raises(SaveError, match=r"saving step 2 to .* No space left on device") as info:
+            ckpt.wait()
+        assert "Earlier checkpoints in it are untouched" in str(info.value)
+        assert ckpt.all_steps() == [1]
+        # The partial write was cleaned up, so a later small save fits again.
+        assert not [n for n in os.listdir(directory) if "tmp" in n]
+        ckpt.save(small, 3)
+        ckpt.close()
+        assert jax_cb_ckpt.all_steps(directory) == [1, 3]
+        np.testing.assert_array_equal(
+            jax_cb_ckpt.restore(directory, small, step=1)["x"], small["x"]
+        )
+    finally:
+        subprocess.run(["umount", mount], check=False)
+        os.rmdir(mount)

@@ -1,0 +1,44 @@
+import importlib
+
+import jax_cb_ckpt
+
+PUBLIC = [
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointerClosedError",
+    "ConfigError",
+    "DuplicateStepWarning",
+    "InvalidStateError",
+    "NoCheckpointError",
+    "RestoreError",
+    "SaveError",
+    "SaveRecord",
+    "SkippedSaveWarning",
+    "Stats",
+    "StructureMismatchError",
+    "UnflushedSaveWarning",
+    "all_steps",
+    "latest_step",
+    "restore",
+]
+
+
+def test_every_public_name_imports():
+    module = importlib.import_module("jax_cb_ckpt")
+    for name in PUBLIC:
+        assert getattr(module, name) is not None, name
+    public = {n for n in dir(module) if not n.startswith("_")}
+    assert public == set(PUBLIC), public ^ set(PUBLIC)
+
+
+def test_version_is_set():
+    assert jax_cb_ckpt.__version__ and jax_cb_ckpt.__version__ != "0+unknown"
+
+
+def test_errors_have_useful_bases():
+    assert issubclass(jax_cb_ckpt.InvalidStateError, TypeError)
+    assert issubclass(jax_cb_ckpt.ConfigError, ValueError)
+    assert issubclass(jax_cb_ckpt.StructureMismatchError, ValueError)
+    assert issubclass(jax_cb_ckpt.NoCheckpointError, FileNotFoundError)
+    for name in ["SaveError", "RestoreError", "InvalidStateError", "ConfigError"]:
+        assert issubclass(getattr(jax_cb_ckpt, name), jax_cb_ckpt.CheckpointError)

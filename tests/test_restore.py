@@ -1,0 +1,214 @@
+"""Round trips through real Orbax files: pytree types, dtypes, keys; plain-Orbax reads;
+mismatch errors that name the leaf."""
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_same_state
+from flax.training import train_state
+
+import jax_cb_ckpt
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Env:
+    pos: jax.Array
+    vel: jax.Array
+    name: str = dataclasses.field(default="cartpole", metadata=dict(static=True))
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
+
+
+def rich_state():
+    model = MLP()
+    params = model.init(jax.random.key(1), jnp.ones((2, 5)))
+    ts = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    ts = ts.apply_gradients(grads=grads)  # non-trivial optimizer state and step
+    return {
+        "train": ts,
+        "key": jax.random.key(7),
+        "rbg_keys": jax.random.split(jax.random.key(3, impl="rbg"), 4),
+        "raw_key": jax.random.PRNGKey(5),  # legacy uint32 key
+        "half": jnp.linspace(0, 1, 6, dtype=jnp.bfloat16),
+        "ints": {"i8": jnp.arange(3, dtype=jnp.int8), "u16": jnp.arange(3, dtype=jnp.uint16)},
+        "flag": jnp.array([True, False]),
+        "pair": Pair(jnp.zeros(2), jnp.ones((2, 2), jnp.float16)),
+        "env": Env(jnp.ones(3), jnp.zeros(3)),
+        "tuple": (jnp.float32(1.5), [jnp.int32(2)]),
+        "py": {"lr": 0.25, "epoch": 3, "done": True},
+        "np": np.arange(4, dtype=np.float64).reshape(2, 2),
+    }
+
+
+@pytest.mark.parametrize("where", ["eager", "jit"])
+def test_round_trip_rich_state(make_ckpt, where):
+    state = rich_state()
+    ckpt = make_ckpt()
+    if where == "eager":
+        ckpt.save(state, 11)
+    else:
+        # Python scalars and numpy leaves become arrays inside jit; keep them outside.
+        traced = {k: v for k, v in state.items() if k not in ("py", "np")}
+        jax.jit(lambda s: ckpt.save(s, 11))(traced)
+        state = traced
+    ckpt.wait()
+    restored = ckpt.restore(state)
+    assert_same_state(restored, state)
+    assert type(restored["train"]) is train_state.TrainState
+    assert restored["train"].apply_fn is state["train"].apply_fn
+    assert type(restored["pair"]) is Pair
+    assert type(restored["env"]) is Env
+    assert restored["train"].step == 1
+    if where == "eager":
+        assert restored["py"] == {"lr": 0.25, "epoch": 3, "done": True}
+        assert type(restored["py"]["epoch"]) is int and type(restored["py"]["done"]) is bool
+        assert type(restored["np"]) is np.ndarray
+
+
+def test_restore_into_abstract_like(make_ckpt):
+    state = {k: v for k, v in rich_state().items() if k not in ("py", "np")}
+    ckpt = make_ckpt()
+    ckpt.save(state, 3)
+    ckpt.wait()
+    like = jax.eval_shape(lambda: state)
+    restored = ckpt.restore(like)
+    # The Python int TrainState.step comes back as the int32 array the abstract like asks for.
+    assert isinstance(restored["train"].step, jax.Array) and restored["train"].step == 1
+    state["train"] = state["train"].replace(step=jnp.asarray(1, jnp.int32))
+    assert_same_state(restored, state)
+
+
+def test_module_level_restore_without_checkpointer(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt()
+    state = {"w": jnp.arange(6.0).reshape(2, 3)}
+    for step in (1, 2):
+        ckpt.save({"w": state["w"] * step}, step)
+    ckpt.close()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 2]
+    assert jax_cb_ckpt.latest_step(ckpt_dir) == 2
+    restored = jax_cb_ckpt.restore(ckpt_dir, state, step=1)
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    np.testing.assert_array_equal(jax_cb_ckpt.restore(ckpt_dir, state)["w"], state["w"] * 2)
+
+
+def test_plain_orbax_reads_the_checkpoint(make_ckpt, ckpt_dir):
+    state = rich_state()
+    ckpt = make_ckpt()
+    ckpt.save(state, 42)
+    ckpt.close()
+    restored = ocp.CheckpointManager(ckpt_dir).restore(42)
+    tree, meta = restored["state"], restored["meta"]
+    assert meta["step"] == 42
+    np.testing.assert_array_equal(tree["half"], np.asarray(state["half"]))
+    np.testing.assert_array_equal(
+        tree["train"]["params"]["params"]["Dense_0"]["kernel"],
+        np.asarray(state["train"].params["params"]["Dense_0"]["kernel"]),
+    )
+    # Typed keys are stored as their raw key data, with the impl in the metadata.
+    np.testing.assert_array_equal(tree["key"], np.asarray(jax.random.key_data(state["key"])))
+    key_spec = next(leaf for leaf in meta["leaves"] if leaf["path"] == "state['key']")
+    assert key_spec["kind"] == "key" and key_spec["impl"] == "threefry2x32"
+
+
+def test_no_pickle_in_checkpoint_files(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt()
+    ckpt.save(rich_state(), 1)
+    ckpt.close()
+    for path in ckpt_dir.rglob("*"):
+        if path.is_file():
+            head = path.read_bytes()[:2]
+            assert head not in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"), path
+
+
+def saved(make_ckpt, state, step=5):
+    ckpt = make_ckpt()
+    ckpt.save(state, step)
+    ckpt.wait()
+    return ckpt
+
+
+def test_mismatch_shape_names_leaf_and_both_values(make_ckpt):
+    ckpt = saved(make_ckpt, {"params": {"w": jnp.zeros((4, 8))}, "b": jnp.zeros(3)})
+    like = {"params": {"w": jnp.zeros((8, 8))}, "b": jnp.zeros(3)}
+    with pytest.raises(jax_cb_ckpt.StructureMismatchError) as info:
+        ckpt.restore(like)
+    message = str(info.value)
+    assert "like['params']['w'] differs" in message
+    assert "the checkpoint has float32[4,8], like has float32[8,8]" in message
+    assert "step=5" in message
+
+
+def test_mismatch_dtype(make_ckpt):
+    ckpt = saved(make_ckpt, {"w": jnp.zeros(3, jnp.bfloat16)})
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError, match=r"bfloat16\[3\], like has float32\[3\]"
+    ):
+        ckpt.restore({"w": jnp.zeros(3)})
+
+
+def test_mismatch_missing_and_extra_leaves(make_ckpt):
+    ckpt = saved(make_ckpt, {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError,
+        match=r"leaf like\['c'\] \(float32\[2\]\) is not in the checkpoint",
+    ):
+        ckpt.restore({"a": jnp.zeros(2), "b": jnp.zeros(2), "c": jnp.zeros(2)})
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError,
+        match=r"checkpoint has leaf state\['b'\] \(float32\[2\]\), which like does not have",
+    ):
+        ckpt.restore({"a": jnp.zeros(2)})
+
+
+def test_mismatch_key_type(make_ckpt):
+    ckpt = saved(make_ckpt, {"k": jax.random.key(0)})
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError, match=r"key<threefry2x32>\[\], like has key<rbg>\[\]"
+    ):
+        ckpt.restore({"k": jax.random.key(0, impl="rbg")})
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError, match=r"key<threefry2x32>\[\], like has uint32\[2\]"
+    ):
+        ckpt.restore({"k": jax.random.PRNGKey(0)})
+
+
+def test_restore_missing_step_and_empty_dir(make_ckpt, tmp_path):
+    ckpt = saved(make_ckpt, {"a": jnp.zeros(2)}, step=3)
+    with pytest.raises(
+        jax_cb_ckpt.NoCheckpointError,
+        match=r"no checkpoint for step 4 .* the steps there are \[3\]",
+    ):
+        ckpt.restore({"a": jnp.zeros(2)}, step=4)
+    with pytest.raises(jax_cb_ckpt.NoCheckpointError, match="no checkpoint in"):
+        jax_cb_ckpt.restore(tmp_path / "empty", {"a": jnp.zeros(2)})
+    assert jax_cb_ckpt.latest_step(tmp_path / "empty") is None
+
+
+def test_restore_places_leaves_with_like_sharding(make_ckpt):
+    devices = jax.devices()
+    assert len(devices) >= 2
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    state = {"w": jax.device_put(jnp.arange(8.0), sharding)}
+    ckpt = saved(make_ckpt, state)
+    restored = ckpt.restore(state)
+    assert restored["w"].sharding == sharding
+    np.testing.assert_array_equal(restored["w"], state["w"])
