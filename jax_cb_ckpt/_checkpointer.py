@@ -12,7 +12,7 @@ import jax
 
 from . import _restore, _traced, _tree
 from ._errors import CheckpointerClosedError, CheckpointError, ConfigError, UnflushedSaveWarning
-from ._handoff import HostSide, Signature
+from ._handoff import HostSide, Signature, probe_callback_arrays
 from ._stats import Stats, StatsRecorder
 from ._writer import Writer, register_for_exit, unregister_for_exit
 
@@ -106,6 +106,7 @@ class Checkpointer:
                 "'block' makes the device wait when the queue is full (nothing lost), "
                 "'skip' drops that save and counts it."
             )
+        probe_callback_arrays()  # once per process; decides copy-free hand-off
         self.directory = path
         self.queue_size = queue_size
         self.on_full = on_full

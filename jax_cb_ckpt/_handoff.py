@@ -11,9 +11,14 @@ callback numpy views of its own buffers (no owner: valid only during the call), 
 support copies them into fresh JAX-owned buffers. Those copies are immutable and owned by
 the `jax.Array`, so holding a reference keeps them valid: the hand-off needs no second
 copy. If a JAX version ever made that `device_put` alias its input, the kept arrays would
-alias XLA's scratch memory; `callback_arrays_are_owned()` checks the behaviour once per
+alias XLA's scratch memory; `probe_callback_arrays()` checks the behaviour once per
 process, and the library then copies into its reused staging buffers instead (touched
 memory copies at ~10 GB/s; fresh memory at ~0.5-1 GB/s on the machines we measured).
+
+That copy by JAX may still be running when the callback starts (it goes into fresh
+memory, ~2 GB/s here): reading the array waits for it. This wait is the dominant part of
+a large hand-off, and it is JAX's, not ours; a no-op callback that ignores its arguments
+returns without waiting, which is why it looks cheaper than any callback that reads them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import io_callback
 
 from . import _tree
 from ._errors import CheckpointerClosedError, SkippedSaveWarning
@@ -52,21 +58,31 @@ class Signature:
         }
 
 
-@functools.cache
-def callback_arrays_are_owned() -> bool:
-    """Whether `device_put` of a host numpy array to the CPU copies (see module doc).
+_OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
 
-    This is exactly the operation `io_callback` applies to the numpy views of XLA's
-    buffers before calling us; a 64-byte-aligned read-only input is the case where a
-    zero-copy alias would be possible.
+
+def probe_callback_arrays() -> bool:
+    """Whether the arrays `io_callback` hands a callback are JAX-owned copies (see module doc).
+
+    Runs once per process, in the user's thread (never inside a callback): a tiny jitted
+    `io_callback` receives a parameter buffer, and we check that the array the callback
+    sees does not alias it. If it did, holding on to callback arguments would mean
+    holding on to XLA's memory, and the library copies into staging buffers instead.
     """
-    cpu = jax.local_devices(backend="cpu")[0]
-    raw = np.zeros(4096 + 64, np.uint8)
-    view = raw[(-raw.ctypes.data) % 64 :][:4096]
-    view.flags.writeable = False
-    copy = jax.device_put(view, cpu)
-    copy.block_until_ready()
-    return copy.unsafe_buffer_pointer() != view.ctypes.data
+    global _OWNED
+    if _OWNED is None:
+        seen: list[int] = []
+
+        def probe(x):
+            seen.append(x.unsafe_buffer_pointer())
+
+        with jax.ensure_compile_time_eval():
+            cpu = jax.local_devices(backend="cpu")[0]
+            param = jax.device_put(np.arange(1024, dtype=np.float32), cpu)
+            jax.jit(lambda x: io_callback(probe, None, x, ordered=True))(param)
+            jax.effects_barrier()
+        _OWNED = bool(seen) and seen[0] != param.unsafe_buffer_pointer()
+    return _OWNED
 
 
 class StagingPool:
@@ -151,10 +167,12 @@ class HostSide:
             self._writer.slots.acquire()
         taken = time.perf_counter()
         try:
-            if not callback_arrays_are_owned():
-                hosts, release = self._pool.copy_in(arrays)
-            else:
+            if _OWNED:
+                # np.asarray waits until JAX's copy of the argument is complete (it may
+                # still be in flight), so what we keep is a finished, owned snapshot.
                 hosts, release = [np.asarray(a) for a in arrays], _noop
+            else:
+                hosts, release = self._pool.copy_in(arrays)
             tree = _tree.nest(signature.specs, hosts)
             meta = dict(signature.meta, step=step)
             nbytes = sum(h.nbytes for h in hosts)
