@@ -114,7 +114,7 @@ def measure(mb: int, saves: int, reps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--saves", type=int, default=6)
     parser.add_argument("--reps", type=int, default=5)

@@ -82,7 +82,7 @@ def probe_callback_arrays() -> bool:
             jax.jit(lambda x: io_callback(probe, None, x, ordered=True))(param)
             jax.effects_barrier()
         _OWNED = bool(seen) and seen[0] != param.unsafe_buffer_pointer()
-    return _OWNED
+    return bool(_OWNED)
 
 
 class StagingPool:

@@ -122,7 +122,7 @@ def run_and_kill(args) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--every", type=int, default=200)
     parser.add_argument("--kill-at", type=int, default=None, help="default: steps // 3")
