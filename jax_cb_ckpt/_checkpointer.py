@@ -132,19 +132,36 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------
 
-    def maybe_save(self, state: Any, step: Any, *, when: Any = None) -> None:
+    def maybe_save(
+        self,
+        state: Any,
+        step: Any,
+        *,
+        when: Any = None,
+        axis_name: Any = None,
+        replicated: bool = False,
+    ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
 
-        Safe anywhere in traced code (jit, scan, fori_loop, while_loop, cond, nested)
-        and eagerly. The predicate is evaluated on the device; steps that do not save
-        move no data to the host. On a step that saves, the device waits only for the
-        hand-off of the state to host memory; the write runs in the writer thread.
+        Safe anywhere in traced code (jit, scan, fori_loop, while_loop, cond, nested),
+        under vmap, grad/jvp/vjp, remat and donation, and eagerly. The predicate is
+        evaluated on the device; steps that do not save move no data to the host. On a
+        step that saves, the device waits only for the hand-off of the state to host
+        memory; the write runs in the writer thread.
+
+        Under `vmap` one checkpoint holds the whole batch (a leading axis per vmap); it
+        is made on a step where any member's predicate holds, and records which members
+        asked (`metadata(step)["members"]`). See docs/transforms.md.
 
         Args:
             state: a pytree of arrays (jax or numpy, any numeric dtype, typed PRNG keys)
                 and Python numbers.
             step: integer scalar, the checkpoint's step number.
             when: optional boolean scalar (traced or Python) overriding `every`.
+            axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
+                over: the state is gathered along it (a leading axis) and saved once.
+            replicated: with `axis_name`, the state is the same on every device: save
+                the first device's copy, without gathering.
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -166,21 +183,33 @@ class Checkpointer:
         if pred is False:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step_arr, pred, where)
+        self._cross(state, step_arr, pred, where, axis_name, replicated)
 
-    def save(self, state: Any, step: Any) -> None:
+    def save(
+        self, state: Any, step: Any, *, axis_name: Any = None, replicated: bool = False
+    ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
-        Same hand-off and blocking behaviour as `maybe_save`.
+        Same hand-off, blocking behaviour and arguments as `maybe_save`.
         """
         where = "save"
         self._check_usable(where)
-        self._cross(state, _traced.check_step(step, where), None, where)
+        self._cross(state, _traced.check_step(step, where), None, where, axis_name, replicated)
 
-    def _cross(self, state: Any, step: jax.Array, pred: Any, where: str) -> None:
+    def _cross(
+        self, state: Any, step: jax.Array, pred: Any, where: str, axis_name: Any, replicated: bool
+    ) -> None:
         _, specs, leaves = _tree.describe_state(state, where)
         payload = [_tree.to_payload(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
-        _traced.cross(self._host, Signature(specs), step, payload, pred)
+        _traced.cross(
+            self._host,
+            Signature(specs),
+            step,
+            payload,
+            pred,
+            axis_name=axis_name,
+            replicated=replicated,
+        )
 
     def _check_usable(self, where: str) -> None:
         if self._closed:
@@ -272,6 +301,15 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The newest complete step on disk, or None."""
         return _restore.latest_step(self.directory)
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON description saved with `step` (default: the latest).
+
+        Keys: `step`, `leaves` (path, stored dtype and shape, key impl of each leaf),
+        `library_version`, and for saves made under `vmap`: `batch_shape` and `members`
+        (which batch members' predicate held). Does not wait for pending saves.
+        """
+        return _restore.metadata(self.directory, step=step)
 
     def restore(self, like: Any, *, step: int | None = None) -> Any:
         """Restore `step` (default: the latest) into the pytree types of `like`.

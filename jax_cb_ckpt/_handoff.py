@@ -6,9 +6,10 @@ put one item on the writer's queue, return. It never calls JAX transformations o
 save), and it never touches the disk.
 
 Can the arrays JAX hands a callback be kept without a copy? On CPU, XLA passes the
-callback numpy views of its own buffers (no owner: valid only during the call), and
-`io_callback` then runs `jax.device_put(args, cpu_device)`, which in the JAX versions we
-support copies them into fresh JAX-owned buffers. Those copies are immutable and owned by
+callback numpy views of its own buffers (no owner: valid only during the call), and JAX's
+callback implementations (`debug.callback`, `io_callback`) then run
+`jax.device_put(args, cpu_device)`, which in the JAX versions we support copies them
+into fresh JAX-owned buffers. Those copies are immutable and owned by
 the `jax.Array`, so holding a reference keeps them valid: the hand-off needs no second
 copy. If a JAX version ever made that `device_put` alias its input, the kept arrays would
 alias XLA's scratch memory; `probe_callback_arrays()` checks the behaviour once per
@@ -33,10 +34,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import io_callback
 
 from . import _tree
-from ._errors import CheckpointerClosedError, SkippedSaveWarning
+from ._errors import CheckpointerClosedError, InvalidStateError, SkippedSaveWarning
 from ._stats import StatsRecorder
 from ._writer import SaveItem, Writer
 
@@ -46,6 +46,14 @@ class Signature:
     """What the callback needs to know about a traced state, fixed at trace time."""
 
     specs: tuple[_tree.LeafSpec, ...]
+
+    def stored(self, batch_shape: tuple[int, ...]) -> tuple[_tree.LeafSpec, ...]:
+        """The specs of the arrays as stored: every leaf gets the leading batch axes."""
+        if not batch_shape:
+            return self.specs
+        return tuple(
+            dataclasses.replace(spec, shape=(*batch_shape, *spec.shape)) for spec in self.specs
+        )
 
     @functools.cached_property
     def meta(self) -> dict[str, Any]:
@@ -62,12 +70,13 @@ _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, 
 
 
 def probe_callback_arrays() -> bool:
-    """Whether the arrays `io_callback` hands a callback are JAX-owned copies (see module doc).
+    """Whether the arrays a JAX callback receives are JAX-owned copies (see module doc).
 
     Runs once per process, in the user's thread (never inside a callback): a tiny jitted
-    `io_callback` receives a parameter buffer, and we check that the array the callback
-    sees does not alias it. If it did, holding on to callback arguments would mean
-    holding on to XLA's memory, and the library copies into staging buffers instead.
+    callback, made the way the library makes its crossings, receives a parameter buffer,
+    and we check that the array the callback sees does not alias it. If it did, holding
+    on to callback arguments would mean holding on to XLA's memory, and the library
+    copies into staging buffers instead.
     """
     global _OWNED
     if _OWNED is None:
@@ -79,7 +88,7 @@ def probe_callback_arrays() -> bool:
         with jax.ensure_compile_time_eval():
             cpu = jax.local_devices(backend="cpu")[0]
             param = jax.device_put(np.arange(1024, dtype=np.float32), cpu)
-            jax.jit(lambda x: io_callback(probe, None, x, ordered=True))(param)
+            jax.jit(lambda x: jax.debug.callback(probe, x))(param)
             jax.effects_barrier()
         _OWNED = bool(seen) and seen[0] != param.unsafe_buffer_pointer()
     return bool(_OWNED)
@@ -134,21 +143,24 @@ class HostSide:
         self._recent_steps: collections.deque[int] = collections.deque(maxlen=256)
         self.closed = False
 
-    def __call__(self, signature: Signature, step: Any, *arrays: Any) -> None:
+    def __call__(self, signature: Signature, step: Any, pred: Any, *arrays: Any) -> None:
         start = time.perf_counter()
+        self._stats.count("crossings")
         if self.closed:
             raise CheckpointerClosedError(
-                f"a save of step {int(step)} reached a closed Checkpointer on "
-                f"{self._writer.directory!r}. Fix: keep the Checkpointer open (e.g. "
-                "`with ckpt:`) until the jitted function that saves has finished."
+                f"a save reached a closed Checkpointer on {self._writer.directory!r}. "
+                "Fix: keep the Checkpointer open (e.g. `with ckpt:`) until the jitted "
+                "function that saves has finished."
             )
         error = self._writer.peek_error()
         if error is not None:
             raise error
-        step = int(step)
+        members = np.asarray(pred, dtype=bool)
+        step = _one_step(np.asarray(step), members)
         with self._lock:
             if step in self._recent_steps:
-                # The same step handed over twice (remat, a repeated call): keep the first.
+                # The same step handed over twice (remat recomputation, a repeated call):
+                # keep the first.
                 self._stats.count("duplicates")
                 return
             self._recent_steps.append(step)
@@ -173,8 +185,12 @@ class HostSide:
                 hosts, release = [np.asarray(a) for a in arrays], _noop
             else:
                 hosts, release = self._pool.copy_in(arrays)
-            tree = _tree.nest(signature.specs, hosts)
-            meta = dict(signature.meta, step=step)
+            specs = signature.stored(members.shape)
+            tree = _tree.nest(specs, hosts)
+            meta = dict(signature.meta, step=step, leaves=[s.to_json() for s in specs])
+            if members.shape:
+                meta["batch_shape"] = list(members.shape)
+                meta["members"] = members.tolist()
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
             self._writer.slots.release()
@@ -194,3 +210,18 @@ class HostSide:
 
 def _noop() -> None:
     pass
+
+
+def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
+    """The checkpoint's step. Under vmap each member may carry its own step (e.g.
+    TrainState.step); the members that save must agree on it."""
+    if steps.ndim == 0:
+        return int(steps)
+    saving = np.unique(steps[np.broadcast_to(members, steps.shape)])
+    if saving.size != 1:
+        raise InvalidStateError(
+            f"maybe_save under vmap: the members that save at once have different "
+            f"steps {saving.tolist()[:8]}; one checkpoint holds one step. Fix: pass a "
+            "step that is the same for every member (e.g. the scan index)."
+        )
+    return int(saving[0])

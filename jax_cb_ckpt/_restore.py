@@ -53,6 +53,33 @@ def _read(path: str, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return restored[META_ITEM], restored[STATE_ITEM]
 
 
+def _pick_step(path: str, step: int | None, what: str) -> int:
+    steps = all_steps(path)
+    if not steps:
+        raise NoCheckpointError(
+            f"{what}: no checkpoint in {path!r}. Fix: check the directory, or start "
+            "from the initial state when latest_step() is None."
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise NoCheckpointError(
+            f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
+            f"{_short(steps)}."
+        )
+    return step
+
+
+def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
+    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
+    path = os.fspath(directory)
+    step = _pick_step(path, step, "metadata")
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+        return checkpointer.restore(
+            os.path.join(path, str(step), META_ITEM), args=ocp.args.JsonRestore()
+        )
+
+
 def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = None) -> Any:
     """Restore checkpoint `step` (default: the latest) of `directory` into the shape of `like`.
 
@@ -67,19 +94,7 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
         StructureMismatchError: `like` differs from the checkpoint; names the first leaf.
     """
     path = os.fspath(directory)
-    steps = all_steps(path)
-    if not steps:
-        raise NoCheckpointError(
-            f"restore: no checkpoint in {path!r}. Fix: check the directory, or start "
-            "from the initial state when latest_step() is None."
-        )
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise NoCheckpointError(
-            f"restore: no checkpoint for step {step} in {path!r}; the steps there are "
-            f"{_short(steps)}."
-        )
+    step = _pick_step(path, step, "restore")
     where = f"restore(step={step}) from {path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True

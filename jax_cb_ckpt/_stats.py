@@ -31,6 +31,8 @@ class Stats:
         duplicates: saves dropped because their step was already handed over or
             already on disk.
         failed: saves the writer could not write (the first error is re-raised).
+        crossings: times a device program handed data to the host (one per saving
+            step, whatever the batch; the rest of the steps cross nothing).
         bytes: bytes of array data written.
         blocking_total_s / blocking_max_s: time the device waited inside the library's
             hand-off (copying into host buffers plus any back-pressure wait), summed and
@@ -44,6 +46,7 @@ class Stats:
     skipped: int = 0
     duplicates: int = 0
     failed: int = 0
+    crossings: int = 0
     bytes: int = 0
     blocking_total_s: float = 0.0
     blocking_max_s: float = 0.0
@@ -123,6 +126,7 @@ class StatsRecorder:
                 skipped=int(c["skipped"]),
                 duplicates=int(c["duplicates"]),
                 failed=int(c["failed"]),
+                crossings=int(c["crossings"]),
                 bytes=int(c["bytes"]),
                 blocking_total_s=float(c["blocking_total_s"]),
                 blocking_max_s=self._blocking_max,

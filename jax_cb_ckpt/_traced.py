@@ -1,15 +1,31 @@
 """The traced side of a save: checks in Python while tracing, then one guarded crossing.
 
-Why `io_callback(ordered=True)` and not the other callbacks:
-- `jax.pure_callback` may be removed by dead-code elimination (its result is unused) or
-  run more than once; a save is a side effect.
-- `jax.debug.callback` may be dropped, duplicated or reordered, and inside a vmapped
-  `lax.cond` it fires for every batch element on every step.
-- `ordered=True` makes the saves run in program order, so the writer sees steps in the
-  order the loop produced them, and `jax.effects_barrier()` waits for all of them.
+The crossing is `jax.debug.callback`, inside our own `lax.cond`, inside a
+`jax.custom_batching.custom_vmap`, on `stop_gradient`-ed leaves. Each layer is there for a
+transformation (docs/transforms.md has the evidence):
 
-Why `lax.cond`: the predicate is evaluated on the device, and only the true branch holds
-the callback, so steps that do not save move no data to the host.
+- `lax.cond`: the predicate is evaluated on the device and only the true branch holds
+  the callback, so steps that do not save move no data to the host.
+- `custom_vmap`: under `vmap` a `cond` with a batched predicate becomes a `select` that
+  runs both branches (a callback in it would fire for every member on every step), and
+  `io_callback` in a vmapped `cond` is refused outright. Our batching rule instead does
+  one `cond(any(pred))` for the whole batch: one crossing per save step, carrying the
+  per-member mask. Nested `vmap` applies the rule again (seeds x hyperparameters).
+- `stop_gradient`: a checkpoint saves primal values and must not touch gradients.
+- Why not `io_callback`: it refuses JVP ("IO callbacks do not support JVP"), refuses
+  `jax.checkpoint` (remat), and, worse, under `grad` of a `lax.scan` with
+  stop-gradient inputs it is silently dropped (JAX's partial evaluation does not keep
+  IO effects, so the backward pass never runs it): a training loop would save nothing.
+  `debug.callback` is kept by partial evaluation, has a JVP rule that runs on primals,
+  and is allowed under remat. Its documented caveat (it may be duplicated, e.g. by
+  remat recomputation) is handled on the host: a step handed over twice is dropped.
+- Why not `pure_callback`: it has no effect, so dead-code elimination removes it.
+- Unordered: ordered debug effects are refused for programs on more than one device
+  (any sharded state under `jit`), while an unordered callback on sharded arrays is made
+  once, with the arrays gathered. Order is not needed: a loop's iterations run one after
+  another, `jax.effects_barrier()` waits for unordered effects too, and the host side
+  keys everything by step. Inside `pmap`/`shard_map` every device would make its own
+  call, so there (`axis_name=` given) the state is gathered and the first device saves.
 """
 
 from __future__ import annotations
@@ -19,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import io_callback
 
 from ._errors import InvalidStateError
 
@@ -66,18 +81,72 @@ def check_when(when: Any, where: str) -> jax.Array:
     return jnp.asarray(when)
 
 
-def cross(host_fn: Any, signature: Any, step: jax.Array, payload: list[Any], pred: Any) -> None:
-    """Hand `payload` to `host_fn(signature, step, *payload)` on the host, if `pred`.
+def cross(
+    host_fn: Any,
+    signature: Any,
+    step: jax.Array,
+    payload: list[Any],
+    pred: Any,
+    *,
+    axis_name: Any = None,
+    replicated: bool = False,
+) -> None:
+    """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
 
     With `pred=None` the crossing is unconditional. Blocks the device program (not the
-    Python caller) until the host side has taken the data.
+    Python caller) until the host side has taken the data. With `axis_name` (inside
+    `pmap`/`shard_map`) the state is gathered along that axis (unless `replicated`) and
+    handed over once, by the first device.
+    """
+    payload = [jax.lax.stop_gradient(p) for p in payload]
+    pred = jnp.asarray(True) if pred is None else pred
+    if axis_name is None:
+        _batched_save(host_fn, signature)(step, pred, payload)
+        return
+    save = _batched_save(host_fn, signature)
+    # Every device must take the same branch around the collective below.
+    anyone = jax.lax.pmax(pred.astype(jnp.int32), axis_name) > 0
+
+    def gather_and_save(step, pred, payload):
+        if not replicated:
+            payload = [jax.lax.all_gather(p, axis_name) for p in payload]
+            pred = jax.lax.all_gather(pred, axis_name)
+        first = jax.lax.axis_index(axis_name) == 0
+        jax.lax.cond(first, lambda: save(step, pred, payload), lambda: None)
+
+    jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
+
+
+def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
+    x = jnp.asarray(x)
+    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
+
+
+def _batched_save(host_fn: Any, signature: Any):
+    """`save(step, pred, payload)`: one crossing when any member's `pred` holds.
+
+    Unbatched, `pred` is a scalar. Each `vmap` applied from outside prepends its axis to
+    `pred`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
+    the whole batch with a leading axis per `vmap` and the per-member mask.
     """
     callback = functools.partial(host_fn, signature)
 
-    def crossing(step, payload):
-        io_callback(callback, None, step, *payload, ordered=True)
+    @jax.custom_batching.custom_vmap
+    def save(step, pred, payload):
+        def crossing(step, pred, payload):
+            jax.debug.callback(callback, step, pred, *payload)
 
-    if pred is None:
-        crossing(step, payload)
-    else:
-        jax.lax.cond(pred, crossing, lambda step, payload: None, step, payload)
+        jax.lax.cond(jnp.any(pred), crossing, lambda *_: None, step, pred, payload)
+        return ()
+
+    @save.def_vmap
+    def _rule(axis_size, in_batched, step, pred, payload):
+        step_b, pred_b, payload_b = in_batched
+        save(
+            _broadcast(step, step_b, axis_size),
+            _broadcast(pred, pred_b, axis_size),
+            [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
+        )
+        return (), ()
+
+    return save

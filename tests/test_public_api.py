@@ -19,6 +19,7 @@ PUBLIC = [
     "UnflushedSaveWarning",
     "all_steps",
     "latest_step",
+    "metadata",
     "restore",
 ]
 
