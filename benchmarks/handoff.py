@@ -6,6 +6,7 @@ All in one process, interleaved, medians of --reps repetitions:
 - bare:      a jitted lax.scan of --saves steps over the state, no checkpointing;
 - noop:      the same scan with a no-op `io_callback(ordered=True)` taking the state on
              every step (inside the same `lax.cond`): JAX's own cost of a crossing;
+- noop_debug: the same with a no-op `jax.debug.callback` (the library's crossing);
 - maybe_save: the same scan with `ckpt.maybe_save(state, step)` on every step
              (queue_size = 2 x --saves, so the queue never blocks and we see the hand-off);
 - copyto:    one `np.copyto` of the state's bytes into an already-touched buffer.
@@ -55,6 +56,16 @@ def noop_save(state, step):
     )
 
 
+def noop_debug_save(state, step):
+    jax.lax.cond(
+        step >= 0,
+        lambda s, i: jax.debug.callback(lambda *_: None, i, s),
+        lambda s, i: None,
+        state,
+        step,
+    )
+
+
 def timed(fn, *args) -> float:
     jax.effects_barrier()
     start = time.perf_counter()
@@ -68,8 +79,15 @@ def measure(mb: int, saves: int, reps: int) -> dict:
     x0 = jnp.zeros(n, jnp.float32)
     bare = build(None)
     noop = build(noop_save)
+    noop_debug = build(noop_debug_save)
     warm, steps = jnp.arange(saves), jnp.arange(saves, 2 * saves)
-    times: dict[str, list[float]] = {"bare": [], "noop": [], "maybe_save": [], "copyto": []}
+    times: dict[str, list[float]] = {
+        "bare": [],
+        "noop": [],
+        "noop_debug": [],
+        "maybe_save": [],
+        "copyto": [],
+    }
     handoff: list[float] = []
     src = np.ones(n, np.float32)
     dst = np.zeros(n, np.float32)  # touched: zeros were written
@@ -78,12 +96,13 @@ def measure(mb: int, saves: int, reps: int) -> dict:
         with tempfile.TemporaryDirectory() as d:
             ckpt = jax_cb_ckpt.Checkpointer(d, every=1, queue_size=2 * saves)
             ours = build(ckpt.maybe_save)
-            for fn in (bare, noop, ours):  # compile outside the timed region
+            for fn in (bare, noop, noop_debug, ours):  # compile outside the timed region
                 jax.block_until_ready(fn(x0, warm))
             ckpt.wait()
             t = {
                 "bare": timed(bare, x0, steps),
                 "noop": timed(noop, x0, steps),
+                "noop_debug": timed(noop_debug, x0, steps),
                 "maybe_save": timed(ours, x0, steps),
             }
             start = time.perf_counter()
@@ -97,6 +116,7 @@ def measure(mb: int, saves: int, reps: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     per_save = {
         "noop": (med["noop"] - med["bare"]) / saves,
+        "noop_debug": (med["noop_debug"] - med["bare"]) / saves,
         "maybe_save": (med["maybe_save"] - med["bare"]) / saves,
     }
     return {
@@ -124,7 +144,8 @@ def main() -> None:
     ms = {k: v * 1e3 for k, v in result["blocking_per_save_s"].items()}
     print(
         f"\n{args.mb} MB state, per save: maybe_save {ms['maybe_save']:.1f} ms, "
-        f"no-op io_callback {ms['noop']:.1f} ms, np.copyto (touched) "
+        f"no-op io_callback {ms['noop']:.1f} ms, no-op debug.callback "
+        f"{ms['noop_debug']:.1f} ms, np.copyto (touched) "
         f"{result['copyto_s'] * 1e3:.1f} ms; library hand-off "
         f"{result['library_handoff_median_s'] * 1e3:.3f} ms; ratio to no-op "
         f"{result['ratio_maybe_save_to_noop']:.2f}"

@@ -9,6 +9,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _restore, _traced, _tree
 from ._errors import CheckpointerClosedError, CheckpointError, ConfigError, UnflushedSaveWarning
@@ -140,6 +141,7 @@ class Checkpointer:
         when: Any = None,
         axis_name: Any = None,
         replicated: bool = False,
+        tiled: bool = False,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
 
@@ -159,9 +161,14 @@ class Checkpointer:
             step: integer scalar, the checkpoint's step number.
             when: optional boolean scalar (traced or Python) overriding `every`.
             axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
-                over: the state is gathered along it (a leading axis) and saved once.
+                over: every leaf is gathered along it and the state is saved once, by
+                the first device. By default the devices' values are stacked on a new
+                leading axis (what `pmap` returns).
             replicated: with `axis_name`, the state is the same on every device: save
                 the first device's copy, without gathering.
+            tiled: with `axis_name`, concatenate the devices' blocks along the first
+                axis instead of stacking them (the global array of a `shard_map` leaf
+                sharded on its first axis, as with `lax.all_gather(tiled=True)`).
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -183,10 +190,16 @@ class Checkpointer:
         if pred is False:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step_arr, pred, where, axis_name, replicated)
+        self._cross(state, step_arr, pred, where, axis_name, replicated, tiled)
 
     def save(
-        self, state: Any, step: Any, *, axis_name: Any = None, replicated: bool = False
+        self,
+        state: Any,
+        step: Any,
+        *,
+        axis_name: Any = None,
+        replicated: bool = False,
+        tiled: bool = False,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
@@ -194,21 +207,36 @@ class Checkpointer:
         """
         where = "save"
         self._check_usable(where)
-        self._cross(state, _traced.check_step(step, where), None, where, axis_name, replicated)
+        step_arr = _traced.check_step(step, where)
+        self._cross(state, step_arr, None, where, axis_name, replicated, tiled)
 
     def _cross(
-        self, state: Any, step: jax.Array, pred: Any, where: str, axis_name: Any, replicated: bool
+        self,
+        state: Any,
+        step: jax.Array,
+        pred: Any,
+        where: str,
+        axis_name: Any,
+        replicated: bool,
+        tiled: bool,
     ) -> None:
+        if axis_name is None and (replicated or tiled):
+            raise ConfigError(
+                f"{where}: replicated= and tiled= describe how to gather over a device "
+                "axis; they need axis_name= (the pmap/shard_map axis name)."
+            )
+        _traced.check_axis_name(axis_name, where)
         _, specs, leaves = _tree.describe_state(state, where)
         payload = [_tree.to_payload(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
         _traced.cross(
             self._host,
-            Signature(specs),
+            Signature(specs, tuple(jnp.ndim(p) for p in payload)),
             step,
             payload,
             pred,
             axis_name=axis_name,
             replicated=replicated,
+            tiled=tiled,
         )
 
     def _check_usable(self, where: str) -> None:

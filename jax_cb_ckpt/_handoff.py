@@ -46,14 +46,17 @@ class Signature:
     """What the callback needs to know about a traced state, fixed at trace time."""
 
     specs: tuple[_tree.LeafSpec, ...]
+    data_ndims: tuple[int, ...]  # ndim of each payload array (key data has extra axes)
 
-    def stored(self, batch_shape: tuple[int, ...]) -> tuple[_tree.LeafSpec, ...]:
-        """The specs of the arrays as stored: every leaf gets the leading batch axes."""
-        if not batch_shape:
-            return self.specs
-        return tuple(
-            dataclasses.replace(spec, shape=(*batch_shape, *spec.shape)) for spec in self.specs
-        )
+    def stored(self, hosts: Sequence[np.ndarray]) -> tuple[_tree.LeafSpec, ...]:
+        """The specs of the arrays as they arrive: vmap and device gathers add or widen
+        leading axes, so the stored shape is read off the array (minus key-data axes)."""
+        specs = []
+        for spec, ndim, host in zip(self.specs, self.data_ndims, hosts, strict=True):
+            trailing = ndim - len(spec.shape)  # key-data axes of a typed key
+            shape = tuple(host.shape[: host.ndim - trailing])
+            specs.append(spec if shape == spec.shape else dataclasses.replace(spec, shape=shape))
+        return tuple(specs)
 
     @functools.cached_property
     def meta(self) -> dict[str, Any]:
@@ -185,7 +188,7 @@ class HostSide:
                 hosts, release = [np.asarray(a) for a in arrays], _noop
             else:
                 hosts, release = self._pool.copy_in(arrays)
-            specs = signature.stored(members.shape)
+            specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
             meta = dict(signature.meta, step=step, leaves=[s.to_json() for s in specs])
             if members.shape:

@@ -81,6 +81,26 @@ def check_when(when: Any, where: str) -> jax.Array:
     return jnp.asarray(when)
 
 
+def check_axis_name(axis_name: Any, where: str) -> None:
+    """Inside `pmap`/`shard_map` every device would save its own part as the same step:
+    require `axis_name`, and that it names a mapped axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    if axis_name is None and manual:
+        raise InvalidStateError(
+            f"{where} is inside pmap/shard_map over axes {manual}: every device would "
+            f"save its own part of the state as the same step. Fix: pass "
+            f"axis_name={manual[0]!r} (add replicated=True if the state is the same on "
+            "every device, tiled=True to concatenate shard_map blocks)."
+        )
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and manual and not set(names) <= set(manual):
+        raise InvalidStateError(
+            f"{where}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
+            f"mapped axes are {manual}."
+        )
+
+
 def cross(
     host_fn: Any,
     signature: Any,
@@ -90,13 +110,14 @@ def cross(
     *,
     axis_name: Any = None,
     replicated: bool = False,
+    tiled: bool = False,
 ) -> None:
     """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
 
     With `pred=None` the crossing is unconditional. Blocks the device program (not the
     Python caller) until the host side has taken the data. With `axis_name` (inside
-    `pmap`/`shard_map`) the state is gathered along that axis (unless `replicated`) and
-    handed over once, by the first device.
+    `pmap`/`shard_map`) the state is gathered along that axis (stacked, or concatenated
+    when `tiled`; not at all when `replicated`) and handed over once, by the first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     pred = jnp.asarray(True) if pred is None else pred
@@ -108,11 +129,18 @@ def cross(
     anyone = jax.lax.pmax(pred.astype(jnp.int32), axis_name) > 0
 
     def gather_and_save(step, pred, payload):
-        if not replicated:
+        if replicated or tiled:
+            pred = jnp.asarray(True)  # one state, not one per device: no per-device mask
+        if tiled:
+            payload = [jax.lax.all_gather(p, axis_name, tiled=True) for p in payload]
+        elif not replicated:
             payload = [jax.lax.all_gather(p, axis_name) for p in payload]
-            pred = jax.lax.all_gather(pred, axis_name)
-        first = jax.lax.axis_index(axis_name) == 0
-        jax.lax.cond(first, lambda: save(step, pred, payload), lambda: None)
+            pred = jax.lax.all_gather(pred, axis_name)  # per-device mask
+
+        def first_device_saves():
+            save(step, pred, payload)
+
+        jax.lax.cond(jax.lax.axis_index(axis_name) == 0, first_device_saves, lambda: None)
 
     jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
 

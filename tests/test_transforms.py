@@ -1,0 +1,298 @@
+"""One scan body with maybe_save, run under every transformation: the exact set of saved
+steps, the saved contents, and one host crossing per saving step (none otherwise)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_same_state, toy_reference, toy_state, toy_update
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cb_ckpt
+
+N_STEPS, EVERY = 12, 4
+SAVED = [0, 4, 8]
+N_DEV = 4
+
+
+def member_state(m):
+    """Member m of a batch: a different starting point per member."""
+    state = toy_state()
+    return {**state, "x": state["x"] + m, "key": jax.random.key(m)}
+
+
+def member_reference(m):
+    state = member_state(m)
+    out = {}
+    for step in range(N_STEPS):
+        state = toy_update(state, jnp.asarray(step, jnp.int32))
+        out[step] = state
+    return out
+
+
+def stack(states):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
+
+
+def make_train(ckpt, *, remat=False, unroll=1, **save_kwargs):
+    def body(state, step):
+        state = toy_update(state, step)
+        if ckpt is not None:
+            ckpt.maybe_save(state, step, **save_kwargs)
+        return state, None
+
+    if remat:
+        body = jax.checkpoint(body)
+
+    def train(state):
+        return jax.lax.scan(body, state, jnp.arange(N_STEPS), unroll=unroll)[0]
+
+    return train
+
+
+def float_loss(train):
+    """A scalar loss of the float leaf, for differentiation."""
+
+    def loss(x):
+        state = {**toy_state(), "x": x}
+        return jnp.sum(train(state)["x"] ** 2)
+
+    return loss
+
+
+def elementwise_state():
+    return {"x": jnp.arange(8, dtype=jnp.float32), "count": jnp.zeros(4, jnp.int32)}
+
+
+def elementwise_update(state, step):
+    return {"x": state["x"] * 0.5 + step.astype(jnp.float32), "count": state["count"] + step}
+
+
+def check_elementwise(ckpt, final):
+    state, refs = elementwise_state(), {}
+    for step in range(N_STEPS):
+        state = elementwise_update(state, jnp.asarray(step, jnp.int32))
+        refs[step] = state
+    assert_same_state(jax.device_get(final), jax.device_get(refs[N_STEPS - 1]))
+    for step in SAVED:
+        restored = ckpt.restore(elementwise_state(), step=step)
+        assert_same_state(restored, refs[step])
+        assert "members" not in ckpt.metadata(step)
+
+
+def check_single(ckpt, final):
+    reference = toy_reference(N_STEPS)
+    if final is not None:
+        assert_same_state(final, reference[N_STEPS - 1])
+    for step in SAVED:
+        assert_same_state(ckpt.restore(toy_state(), step=step), reference[step])
+
+
+def check_batch(ckpt, members, final):
+    refs = [member_reference(m) for m in range(members)]
+    if final is not None:
+        assert_same_state(final, stack([r[N_STEPS - 1] for r in refs]))
+    like = stack([member_state(m) for m in range(members)])
+    for step in SAVED:
+        assert_same_state(ckpt.restore(like, step=step), stack([r[step] for r in refs]))
+        meta = ckpt.metadata(step)
+        assert meta["batch_shape"] == [members] and meta["members"] == [True] * members
+
+
+def run_case(case, ckpt):
+    """Run the scan under one transformation; return what to check."""
+    if case == "plain":
+        return "single", make_train(ckpt)(toy_state())
+    if case == "jit":
+        return "single", jax.jit(make_train(ckpt))(toy_state())
+    if case == "unroll":
+        return "single", jax.jit(make_train(ckpt, unroll=5))(toy_state())
+    if case == "donation":
+        state = toy_state()
+        out = jax.jit(make_train(ckpt), donate_argnums=0)(state)
+        return "single", out
+    if case in ("grad", "remat"):
+        loss = float_loss(make_train(ckpt, remat=case == "remat"))
+        g = jax.jit(jax.grad(loss))(toy_state()["x"])
+        clean = jax.grad(float_loss(make_train(None)))(toy_state()["x"])
+        assert np.asarray(g).tobytes() == np.asarray(clean).tobytes()  # gradient unchanged
+        return "single", None
+    if case in ("jvp", "vjp"):
+        x = toy_state()["x"]
+        loss = float_loss(make_train(ckpt))
+        clean = float_loss(make_train(None))
+        if case == "jvp":
+            got, want = (
+                jax.jvp(loss, (x,), (jnp.ones_like(x),)),
+                jax.jvp(clean, (x,), (jnp.ones_like(x),)),
+            )
+        else:
+            got, want = jax.vjp(loss, x)[1](1.0), jax.vjp(clean, x)[1](1.0)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        return "single", None
+    if case in ("vmap", "jit_vmap"):
+        fn = jax.vmap(make_train(ckpt))
+        fn = jax.jit(fn) if case == "jit_vmap" else fn
+        return ("batch", 3), fn(stack([member_state(m) for m in range(3)]))
+    if case == "vmap_vmap":
+        states = stack([stack([member_state(2 * s + h) for h in range(2)]) for s in range(3)])
+        return ("grid", (3, 2)), jax.jit(jax.vmap(jax.vmap(make_train(ckpt))))(states)
+    if case == "pmap":
+        train = make_train(ckpt, axis_name="dev")
+        out = jax.pmap(train, axis_name="dev")(stack([member_state(m) for m in range(N_DEV)]))
+        return ("batch", N_DEV), out
+    if case == "pmap_replicated":
+        train = make_train(ckpt, axis_name="dev", replicated=True)
+        out = jax.pmap(train, axis_name="dev")(stack([toy_state()] * N_DEV))
+        return "single", jax.tree_util.tree_map(lambda x: x[0], out)
+    if case == "shard_map":
+        # Each device holds a block of the leading axis; the tiled gather stores the
+        # global arrays. (Elementwise body: no per-member PRNG keys to split.)
+        mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("d",))
+        state = jax.device_put(elementwise_state(), NamedSharding(mesh, P("d")))
+
+        def train(state):
+            def body(state, step):
+                state = elementwise_update(state, step)
+                ckpt.maybe_save(state, step, axis_name="d", tiled=True)
+                return state, None
+
+            return jax.lax.scan(body, state, jnp.arange(N_STEPS))[0]
+
+        out = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(state)
+        return "elementwise", out
+    raise AssertionError(case)
+
+
+CASES = [
+    "plain",
+    "jit",
+    "unroll",
+    "donation",
+    "grad",
+    "jvp",
+    "vjp",
+    "remat",
+    "vmap",
+    "jit_vmap",
+    "vmap_vmap",
+    "pmap",
+    "pmap_replicated",
+    "shard_map",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_transformation(make_ckpt, case):
+    ckpt = make_ckpt(every=EVERY)
+    kind, final = run_case(case, ckpt)
+    ckpt.wait()
+    stats = ckpt.stats
+    assert ckpt.all_steps() == SAVED
+    assert stats.saves == len(SAVED) and stats.failed == 0 and stats.skipped == 0
+    # One crossing per saving step for the whole batch / all devices. Remat may
+    # recompute a saving step in the backward pass: recognised and dropped.
+    assert stats.crossings == len(SAVED) + stats.duplicates
+    if case != "remat":
+        assert stats.duplicates == 0
+    if kind == "single":
+        check_single(ckpt, final)
+    elif kind == "elementwise":
+        check_elementwise(ckpt, final)
+    elif kind[0] == "batch":
+        check_batch(ckpt, kind[1], final)
+    elif kind[0] == "grid":
+        s, h = kind[1]
+        refs = [[member_reference(2 * i + j) for j in range(h)] for i in range(s)]
+        like = stack([stack([member_state(2 * i + j) for j in range(h)]) for i in range(s)])
+        for step in SAVED:
+            want = stack([stack([refs[i][j][step] for j in range(h)]) for i in range(s)])
+            assert_same_state(ckpt.restore(like, step=step), want)
+            assert ckpt.metadata(step)["batch_shape"] == [s, h]
+        assert_same_state(
+            final, stack([stack([refs[i][j][N_STEPS - 1] for j in range(h)]) for i in range(s)])
+        )
+    else:
+        raise AssertionError(kind)
+
+
+def test_members_that_differ_are_recorded(make_ckpt):
+    """A per-member predicate: one crossing when any member asks, all members' data
+    (each member's true state at that step), and the mask of who asked."""
+    ckpt = make_ckpt()
+
+    def train(state, every):
+        def body(state, step):
+            state = toy_update(state, step)
+            ckpt.maybe_save(state, step, when=(step % every == 0))
+            return state, None
+
+        return jax.lax.scan(body, state, jnp.arange(N_STEPS))[0]
+
+    everies = jnp.array([4, 6])  # member 0 saves at 0,4,8; member 1 at 0,6
+    states = stack([member_state(0), member_state(1)])
+    jax.jit(jax.vmap(train))(states, everies)
+    ckpt.wait()
+    assert ckpt.all_steps() == [0, 4, 6, 8]
+    assert ckpt.stats.crossings == 4
+    masks = {s: ckpt.metadata(s)["members"] for s in ckpt.all_steps()}
+    assert masks == {0: [True, True], 4: [True, False], 6: [False, True], 8: [True, False]}
+    refs = [member_reference(0), member_reference(1)]
+    for step in ckpt.all_steps():
+        assert_same_state(ckpt.restore(states, step=step), stack([refs[0][step], refs[1][step]]))
+
+
+def test_batched_steps_must_agree(make_ckpt):
+    ckpt = make_ckpt()
+
+    def save(state, step):
+        ckpt.save(state, step)
+        return state
+
+    with pytest.raises(Exception, match="members that save at once have different steps"):
+        out = jax.jit(jax.vmap(save))(stack([toy_state(), toy_state()]), jnp.array([3, 4]))
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    ckpt.close()
+
+
+def test_batched_step_equal_across_members(make_ckpt):
+    """TrainState.step style: each member carries the same step."""
+    ckpt = make_ckpt(every=2)
+
+    def body(state, _):
+        state = {**toy_update(state, state["count"]), "count": state["count"] + 1}
+        ckpt.maybe_save(state, state["count"])
+        return state, None
+
+    states = stack([member_state(0), member_state(1)])
+    jax.jit(jax.vmap(lambda s: jax.lax.scan(body, s, None, length=5)[0]))(states)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4]
+    assert ckpt.stats.crossings == 2
+
+
+def test_axis_options_need_axis_name(make_ckpt):
+    ckpt = make_ckpt(every=1)
+    with pytest.raises(jax_cb_ckpt.ConfigError, match="need axis_name="):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, 0, replicated=True)
+
+
+def test_pmap_without_axis_name_is_refused(make_ckpt):
+    ckpt = make_ckpt(every=1)
+    with pytest.raises(
+        jax_cb_ckpt.InvalidStateError,
+        match=r"inside pmap/shard_map over axes \('dev',\).*axis_name='dev'",
+    ):
+        jax.pmap(lambda x: ckpt.save({"x": x}, 0), axis_name="dev")(jnp.zeros((N_DEV, 2)))
+    with pytest.raises(
+        jax_cb_ckpt.InvalidStateError, match=r"axis_name='nope' is not a pmap/shard_map axis"
+    ):
+        jax.pmap(lambda x: ckpt.save({"x": x}, 0, axis_name="nope"), axis_name="dev")(
+            jnp.zeros((N_DEV, 2))
+        )
+    assert ckpt.stats.crossings == 0
