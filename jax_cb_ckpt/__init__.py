@@ -9,9 +9,11 @@ from ._errors import InvalidStateError as InvalidStateError
 from ._errors import NoCheckpointError as NoCheckpointError
 from ._errors import RestoreError as RestoreError
 from ._errors import SaveError as SaveError
+from ._errors import SaveFailedWarning as SaveFailedWarning
 from ._errors import SkippedSaveWarning as SkippedSaveWarning
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import UnflushedSaveWarning as UnflushedSaveWarning
+from ._preempt import Preempted as Preempted
 from ._restore import all_steps as all_steps
 from ._restore import latest_step as latest_step
 from ._restore import metadata as metadata

@@ -12,14 +12,22 @@ import jax
 import jax.numpy as jnp
 
 from . import _restore, _traced, _tree
-from ._errors import CheckpointerClosedError, CheckpointError, ConfigError, UnflushedSaveWarning
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointError,
+    ConfigError,
+    SaveFailedWarning,
+    UnflushedSaveWarning,
+)
 from ._handoff import HostSide, Signature, probe_callback_arrays
+from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
 from ._writer import Writer, register_for_exit, unregister_for_exit
 
 logger = logging.getLogger("jax_cb_ckpt")
 
 _ON_FULL = ("block", "skip")
+_ON_ERROR = ("raise", "continue")
 
 
 def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
@@ -71,6 +79,11 @@ class Checkpointer:
             wait (nothing lost); `"skip"` drops the save, counts it in `stats.skipped`
             and warns with its step at the next `wait()`/`close()`.
         compression: compress arrays with zstd (costs CPU the training may need).
+        on_error: what a failed write (disk full, directory removed, ...) does.
+            `"raise"`: the next hand-off fails the running computation, and `wait()` /
+            `close()` raise `SaveError`. `"continue"`: training goes on without that
+            checkpoint; failures are counted in `stats.failed`, the partial write is
+            removed, and `wait()` / `close()` warn (`SaveFailedWarning`) instead.
     """
 
     def __init__(
@@ -82,6 +95,7 @@ class Checkpointer:
         queue_size: int = 2,
         on_full: str = "block",
         compression: bool = False,
+        on_error: str = "raise",
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise ConfigError(
@@ -108,9 +122,16 @@ class Checkpointer:
                 "'skip' drops that save and counts it."
             )
         probe_callback_arrays()  # once per process; decides copy-free hand-off
+        if on_error not in _ON_ERROR:
+            raise ConfigError(
+                f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
+                "'raise' stops the run at a failed write, 'continue' trains on and counts it."
+            )
         self.directory = path
         self.queue_size = queue_size
         self.on_full = on_full
+        self.on_error = on_error
+        self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
         self._writer = Writer(
@@ -120,7 +141,9 @@ class Checkpointer:
             queue_size=queue_size,
             stats=self._stats,
         )
-        self._host = HostSide(self._writer, self._stats, on_full=on_full, queue_size=queue_size)
+        self._host = HostSide(
+            self._writer, self._stats, on_full=on_full, queue_size=queue_size, on_error=on_error
+        )
         register_for_exit(self)
 
     def __repr__(self) -> str:
@@ -252,8 +275,17 @@ class Checkpointer:
     def _raise_writer_error(self) -> None:
         self._emit_notes()
         error = self._writer.take_error()
-        if error is not None:
-            raise error
+        if error is None:
+            return
+        if self.on_error == "continue":
+            warnings.warn(
+                f"jax_cb_ckpt: {self._stats.snapshot().failed} save(s) failed so far and "
+                f"training continued (on_error='continue'); the first: {error}",
+                SaveFailedWarning,
+                stacklevel=4,
+            )
+            return
+        raise error
 
     def _emit_notes(self) -> None:
         for category, message in self._writer.take_notes():
@@ -314,6 +346,75 @@ class Checkpointer:
                 stacklevel=2,
             )
         self.close()
+
+    # -- runs that resume themselves ------------------------------------------------
+
+    def run(
+        self,
+        body: Any,
+        init: Any,
+        num_steps: int,
+        *,
+        batched: bool = False,
+        sigint: bool = False,
+        check_every: int | None = None,
+    ) -> Any:
+        """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
+
+        Restores the latest checkpoint of this directory if there is one (checkpoint `k`
+        holds the state after `k` steps) and runs only the remaining steps, in one jitted
+        `lax.while_loop`; saves every `every` steps, at the end, and when stopped. The
+        result equals, bit for bit, an uninterrupted run: a fresh run and a resumed one
+        execute the same compiled program.
+
+        Blocks until the loop has finished and its last save is on disk. While it runs,
+        SIGTERM (and SIGINT with `sigint=True`) is recorded instead of killing the
+        process; the loop reads the request every `check_every` steps (default: `every`;
+        each read is one host crossing), saves, stops, and `run` raises `Preempted` (a
+        `SystemExit`) once the save is on disk. Run the same script again to continue.
+
+        Args:
+            body: one step, `body(state, step) -> state`; `step` is the int32 index of
+                the step being taken (0-based).
+            init: the initial state; also the `like` of restore.
+            num_steps: total steps of the run.
+            batched: `init` has a leading axis (seeds, say) and `body` is written for
+                one member: the loop runs `vmap(body)` and saves the whole batch.
+
+        Example:
+            ```python
+            ckpt = jax_cb_ckpt.Checkpointer("runs/ppo", every=50, max_to_keep=3)
+            final = ckpt.run(update, init_state, num_steps=1000)
+            ```
+        """
+        from ._run import run
+
+        return run(
+            self,
+            body,
+            init,
+            num_steps,
+            batched=batched,
+            sigint=sigint,
+            check_every=check_every,
+        )
+
+    def should_stop(self, step: Any) -> jax.Array:
+        """Traced: has a stop been requested (signal during `run`, or `request_stop()`)?
+
+        Each evaluation is one host crossing; guard it, e.g.
+        `lax.cond(step % 100 == 0, ckpt.should_stop, lambda s: False, step)`. `step`
+        must be the loop counter (an input that varies), so the read is not hoisted.
+        """
+        return self._stop.traced(step)
+
+    def request_stop(self) -> None:
+        """Ask running loops to save and stop, as SIGTERM would (thread-safe)."""
+        self._stop.request()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.requested
 
     # -- reading --------------------------------------------------------------------
 

@@ -51,5 +51,9 @@ class DuplicateStepWarning(UserWarning):
     """A save for a step that already exists on disk was dropped (the disk copy is kept)."""
 
 
+class SaveFailedWarning(RuntimeWarning):
+    """With `on_error="continue"`: saves failed and training went on without them."""
+
+
 class UnflushedSaveWarning(RuntimeWarning):
     """Saves were still pending at interpreter exit; they were flushed then."""

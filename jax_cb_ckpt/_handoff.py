@@ -136,8 +136,17 @@ class StagingPool:
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
-    def __init__(self, writer: Writer, stats: StatsRecorder, *, on_full: str, queue_size: int):
+    def __init__(
+        self,
+        writer: Writer,
+        stats: StatsRecorder,
+        *,
+        on_full: str,
+        queue_size: int,
+        on_error: str = "raise",
+    ):
         self._writer = writer
+        self._on_error = on_error
         self._stats = stats
         self._on_full = on_full
         self._queue_size = queue_size
@@ -156,8 +165,8 @@ class HostSide:
                 "function that saves has finished."
             )
         error = self._writer.peek_error()
-        if error is not None:
-            raise error
+        if error is not None and self._on_error == "raise":
+            raise error  # fails the running computation: no hours of training unsaved
         members = np.asarray(pred, dtype=bool)
         step = _one_step(np.asarray(step), members)
         with self._lock:

@@ -12,6 +12,8 @@ PUBLIC = [
     "NoCheckpointError",
     "RestoreError",
     "SaveError",
+    "SaveFailedWarning",
+    "Preempted",
     "SaveRecord",
     "SkippedSaveWarning",
     "Stats",

@@ -1,0 +1,96 @@
+"""`Checkpointer.run`: a scan-shaped run that resumes itself, bit for bit.
+
+The loop is one jitted `lax.while_loop` over the step counter, started at the restored
+step. The start is a traced argument, so a fresh run and every resumed run execute the
+same compiled program: a resumed run computes exactly what the uninterrupted one would.
+Checkpoint `k` holds the state after `k` steps.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from ._errors import ConfigError
+from ._preempt import Preempted
+
+if TYPE_CHECKING:
+    from ._checkpointer import Checkpointer
+
+
+def run(
+    ckpt: Checkpointer,
+    body: Callable[[Any, jax.Array], Any],
+    init: Any,
+    num_steps: int,
+    *,
+    batched: bool,
+    sigint: bool,
+    check_every: int | None,
+) -> Any:
+    every = ckpt._every
+    if every is None:
+        raise ConfigError(
+            "run: the Checkpointer needs every=N (run saves after every N steps, at the "
+            "end and when stopped). Fix: Checkpointer(directory, every=N)."
+        )
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"run: num_steps must be a non-negative int, got {num_steps!r}.")
+    check = every if check_every is None else check_every
+    if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
+        raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
+
+    start = 0
+    state = init
+    if ckpt.latest_step() is not None:
+        start = ckpt.latest_step() or 0
+        if start > num_steps:
+            raise ConfigError(
+                f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "
+                f"num_steps={num_steps}. Fix: use another directory, or a larger num_steps."
+            )
+        state = ckpt.restore(init, step=start)
+    if start == num_steps:
+        return state
+
+    step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
+
+    def loop(state, start):
+        def cond(carry):
+            i, _, stop = carry
+            return (i < num_steps) & jnp.logical_not(stop)
+
+        def one_step(carry):
+            i, state, _ = carry
+            state = step_fn(state, i)
+            i = i + 1
+            at_save = (i % every == 0) | (i == num_steps)
+            # The stop request is read (one host crossing) only every `check` steps.
+            stop = jax.lax.cond(i % check == 0, ckpt._stop.traced, lambda i: jnp.asarray(False), i)
+            ckpt.maybe_save(state, i, when=at_save | stop)
+            return i, state, stop
+
+        carry = (jnp.asarray(start, jnp.int32), state, jnp.asarray(False))
+        i, state, stop = jax.lax.while_loop(cond, one_step, carry)
+        return state, i, stop
+
+    signums = (signal.SIGTERM, signal.SIGINT) if sigint else (signal.SIGTERM,)
+    with ckpt._stop.signals(signums):
+        out = jax.jit(loop)(state, jnp.int32(start))
+        # Poll instead of blocking in C++, so that signal handlers run promptly. (The
+        # counter is an output of the same computation as the state: ready together.)
+        while not out[1].is_ready():
+            time.sleep(0.01)
+        jax.block_until_ready(out)
+        ckpt.wait()  # the last save is on disk before we return or raise
+    state, i, stopped = out
+    if bool(stopped) and int(i) < num_steps:
+        signum = ckpt._stop.signum
+        ckpt._stop.clear()  # consumed: a later run in this process starts afresh
+        raise Preempted(int(i), signum)
+    return state
