@@ -9,7 +9,7 @@ Checkpoint `k` holds the state after `k` steps.
 from __future__ import annotations
 
 import signal
-import time
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -81,12 +81,7 @@ def run(
 
     signums = (signal.SIGTERM, signal.SIGINT) if sigint else (signal.SIGTERM,)
     with ckpt._stop.signals(signums):
-        out = jax.jit(loop)(state, jnp.int32(start))
-        # Poll instead of blocking in C++, so that signal handlers run promptly. (The
-        # counter is an output of the same computation as the state: ready together.)
-        while not out[1].is_ready():
-            time.sleep(0.01)
-        jax.block_until_ready(out)
+        out = _in_thread(lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))))
         ckpt.wait()  # the last save is on disk before we return or raise
     state, i, stopped = out
     if bool(stopped) and int(i) < num_steps:
@@ -94,3 +89,27 @@ def run(
         ckpt._stop.clear()  # consumed: a later run in this process starts afresh
         raise Preempted(int(i), signum)
     return state
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a helper thread while this thread waits in short, interruptible steps.
+
+    A jitted program with callbacks is dispatched synchronously: the calling thread stays
+    inside C++ until the loop ends, and Python would run a SIGTERM handler only then.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="jax_cb_ckpt-run", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+    if error:
+        raise error[0]
+    return result[0]

@@ -33,6 +33,9 @@ logger = logging.getLogger("jax_cb_ckpt")
 
 STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
 META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
+# Retention renames a step here (atomic) before deleting it, so a kill in the middle of
+# a deletion never leaves a half-deleted step that looks like a checkpoint.
+DELETED_SUBDIR = "_jax_cb_ckpt_deleted"
 
 
 @dataclasses.dataclass
@@ -62,6 +65,10 @@ def make_manager(directory: str, *, max_to_keep: int | None, compression: bool):
         max_to_keep=max_to_keep,
         enable_async_checkpointing=False,
         create=True,
+        # A killed run leaves `<step>.orbax-checkpoint-tmp*` directories; remove them
+        # when the directory is opened again (they are never listed as steps).
+        cleanup_tmp_directories=True,
+        todelete_subdir=DELETED_SUBDIR,
     )
     handlers = {
         STATE_ITEM: ocp.PyTreeCheckpointHandler(
@@ -171,6 +178,7 @@ class Writer:
             self._ready.set()
             return
         self._ready.set()
+        _empty_deleted(self.directory)
         try:
             while True:
                 item = self._queue.get()
@@ -212,6 +220,7 @@ class Writer:
             )
             manager.wait_until_finished()
             write_s = time.perf_counter() - start
+            _empty_deleted(self.directory)
         except BaseException as e:
             self._stats.count("failed")
             kept = (
@@ -239,6 +248,17 @@ def _check_directory(directory: str) -> None:
         )
     if not os.path.isdir(directory):
         raise NotADirectoryError(f"{directory!r} is no longer a directory")
+
+
+def _empty_deleted(directory: str) -> None:
+    """Finish deletions: steps that retention renamed into DELETED_SUBDIR."""
+    deleted = os.path.join(directory, DELETED_SUBDIR)
+    try:
+        names = os.listdir(deleted)
+    except OSError:
+        return
+    for name in names:
+        shutil.rmtree(os.path.join(deleted, name), ignore_errors=True)
 
 
 def _remove_partial(directory: str, step: int) -> None:
