@@ -2,6 +2,8 @@
 warnings are errors (see pyproject.toml)."""
 
 import os
+import subprocess
+import tempfile
 
 # Must be set before jax initialises its backends.
 os.environ["XLA_FLAGS"] = (
@@ -40,6 +42,29 @@ def make_ckpt(ckpt_dir):
             ckpt.close()
         except jax_cb_ckpt.CheckpointError:
             pass
+
+
+@pytest.fixture
+def small_disk():
+    """`small_disk("512k")`: a directory on a tmpfs of that size (a disk that fills up).
+    Mounting needs root, as in CI here; elsewhere the test is skipped, saying why."""
+    mounts = []
+
+    def make(size):
+        path = tempfile.mkdtemp()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True
+        )
+        if result.returncode != 0:
+            os.rmdir(path)
+            pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in mounts:
+        subprocess.run(["umount", "-l", path], check=False)
+        os.rmdir(path)
 
 
 def toy_state(n=4):
