@@ -84,7 +84,8 @@ def check_when(when: Any, where: str) -> jax.Array:
 def check_axis_name(axis_name: Any, where: str) -> None:
     """Inside `pmap`/`shard_map` every device would save its own part as the same step:
     require `axis_name`, and that it names a mapped axis."""
-    mesh = jax.sharding.get_abstract_mesh()
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
     manual = tuple(getattr(mesh, "manual_axes", ()) or ())
     if axis_name is None and manual:
         raise InvalidStateError(

@@ -138,7 +138,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or is_abstract:
         shape = tuple(int(d) for d in leaf.shape)
         if _is_key(leaf.dtype):
-            impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
+            impl = _abstract_impl(leaf) if is_abstract else _impl_name(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
         np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
         return LeafSpec(path, name, ARRAY, np_dtype.name, shape)
@@ -151,6 +151,18 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
         "state. Fix: keep static values such as strings and config objects out of the "
         "saved state, or convert numbers to arrays with jnp.asarray."
     )
+
+
+def _impl_name(impl: Any) -> str:
+    """The name `jax.random.wrap_key_data(impl=...)` accepts: `key_impl` returns a str in
+    some JAX versions and a PRNGSpec (wrapping a PRNGImpl) in others."""
+    if isinstance(impl, str):
+        return impl
+    for candidate in (impl, getattr(impl, "_impl", None)):
+        name = getattr(candidate, "name", None)
+        if isinstance(name, str):
+            return name
+    return str(impl)
 
 
 def _abstract_impl(leaf: Any) -> str | None:
