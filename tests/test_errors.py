@@ -3,6 +3,7 @@ failures reach the user's thread with the step, the directory and the cause."""
 
 import os
 import shutil
+import subprocess
 import time
 
 import jax
@@ -207,3 +208,24 @@ def test_disk_full_keeps_earlier_checkpoints(make_ckpt, small_disk):
     ckpt.close()
     assert jax_cb_ckpt.all_steps(directory) == [1, 3]
     np.testing.assert_array_equal(jax_cb_ckpt.restore(directory, small, step=1)["x"], small["x"])
+
+
+def test_read_only_directory_error_keeps_earlier_checkpoints(make_ckpt, small_disk):
+    """A file system remounted read-only (chmod means nothing to root; a read-only
+    mount stops everyone)."""
+    mount = small_disk("4m")
+    directory = os.path.join(mount, "ckpt")
+    ckpt = make_ckpt(directory)
+    state = {"x": jnp.arange(8.0)}
+    ckpt.save(state, 1)
+    ckpt.wait()
+    subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+    try:
+        ckpt.save(state, 2)
+        with pytest.raises(SaveError, match=r"saving step 2 to .* Read-only file system") as info:
+            ckpt.wait()
+        assert str(directory) in str(info.value)
+        assert ckpt.all_steps() == [1]
+        np.testing.assert_array_equal(ckpt.restore(state)["x"], state["x"])
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", mount], check=True)
