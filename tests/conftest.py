@@ -89,9 +89,10 @@ def toy_update(state, step):
     }
 
 
-def toy_reference(n_steps, n=4):
-    """The state after each step, computed eagerly one step at a time (no checkpointing)."""
-    state = toy_state(n)
+def toy_reference(n_steps, n=4, state=None):
+    """The state after each step, computed eagerly one step at a time (no checkpointing),
+    from `state` (default: `toy_state(n)`)."""
+    state = toy_state(n) if state is None else state
     out = {}
     for step in range(n_steps):
         state = toy_update(state, jnp.asarray(step, jnp.int32))
