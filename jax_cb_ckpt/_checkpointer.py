@@ -121,12 +121,12 @@ class Checkpointer:
                 "'block' makes the device wait when the queue is full (nothing lost), "
                 "'skip' drops that save and counts it."
             )
-        probe_callback_arrays()  # once per process; decides copy-free hand-off
         if on_error not in _ON_ERROR:
             raise ConfigError(
                 f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
                 "'raise' stops the run at a failed write, 'continue' trains on and counts it."
             )
+        probe_callback_arrays()  # once per process; decides copy-free hand-off
         self.directory = path
         self.queue_size = queue_size
         self.on_full = on_full

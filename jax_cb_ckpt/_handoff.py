@@ -62,11 +62,8 @@ class Signature:
     def meta(self) -> dict[str, Any]:
         from ._version import version
 
-        return {
-            "format": "jax_cb_ckpt/1",
-            "library_version": version(),
-            "leaves": [spec.to_json() for spec in self.specs],
-        }
+        # The leaves are described per save (`stored`): vmap and gathers change shapes.
+        return {"format": "jax_cb_ckpt/1", "library_version": version()}
 
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy

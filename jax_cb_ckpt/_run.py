@@ -45,10 +45,10 @@ def run(
     if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
         raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
 
-    start = 0
+    latest = ckpt.latest_step()
+    start = latest or 0
     state = init
-    if ckpt.latest_step() is not None:
-        start = ckpt.latest_step() or 0
+    if latest is not None:
         if start > num_steps:
             raise ConfigError(
                 f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "

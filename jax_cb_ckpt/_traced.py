@@ -122,10 +122,10 @@ def cross(
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     pred = jnp.asarray(True) if pred is None else pred
-    if axis_name is None:
-        _batched_save(host_fn, signature)(step, pred, payload)
-        return
     save = _batched_save(host_fn, signature)
+    if axis_name is None:
+        save(step, pred, payload)
+        return
     # Every device must take the same branch around the collective below.
     anyone = jax.lax.pmax(pred.astype(jnp.int32), axis_name) > 0
 
