@@ -82,8 +82,10 @@ def run_config(config: dict[str, Any], reps: int, root: str) -> dict[str, Any]:
     # The sweep measures the hand-off itself: a queue as deep as the saves per run, so
     # back-pressure never blocks; the loops keep the default queue_size=2.
     queue_size = n // every if config.get("deep_queue") else 2
-    suite.MaybeSave.queue_size = queue_size
-    methods = [suite.METHODS[name](wl, n, every, directory) for name in config["methods"]]
+    methods = [
+        suite.METHODS[name](wl, n, every, directory, queue_size=queue_size)
+        for name in config["methods"]
+    ]
     for m in methods:
         m.prepare()
     times: dict[str, list[float]] = {m.name: [] for m in methods}

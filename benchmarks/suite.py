@@ -181,8 +181,11 @@ class Method:
     name = ""
     saves_in_jit = False
 
-    def __init__(self, wl: Workload, n: int, every: int, directory: str) -> None:
+    def __init__(
+        self, wl: Workload, n: int, every: int, directory: str, *, queue_size: int = 2
+    ) -> None:
         self.wl, self.n, self.every, self.directory = wl, n, every, directory
+        self.queue_size = queue_size  # used by maybe_save: saves in flight at most
 
     def prepare(self) -> None:
         """Compile and warm up (outside the timed region); timed runs use offsets from
@@ -201,8 +204,8 @@ class Bare(Method):
 
     name = "bare"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         step, n = self.wl.step, self.n
         self.fn = jax.jit(lambda s: jax.lax.scan(lambda s, _: (step(s), None), s, None, n)[0])
 
@@ -222,8 +225,8 @@ class InJit(Method):
     def save_hook(self, state: Any) -> None:
         raise NotImplementedError
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         step, n = self.wl.step, self.n
 
         def body(s, _):
@@ -252,17 +255,14 @@ class MaybeSave(InJit):
 
     name = "maybe_save"
 
-    queue_size = 2
-
-    def __init__(self, *args: Any) -> None:
-        directory = args[3]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.ckpt = jax_cb_ckpt.Checkpointer(
-            os.path.join(directory, "maybe_save"),
-            every=args[2],
+            os.path.join(self.directory, "maybe_save"),
+            every=self.every,
             max_to_keep=2,
             queue_size=self.queue_size,
         )
-        super().__init__(*args)
 
     def save_hook(self, state: Any) -> None:
         self.ckpt.maybe_save(state, state["step"])
@@ -316,8 +316,8 @@ class OuterLoop(Method):
 
     name = "outer_loop_orbax"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.fn = jax.jit(self.wl.step)
         self.mgr = _orbax_manager(os.path.join(self.directory, self.name), async_=True)
 
@@ -343,8 +343,8 @@ class Chunked(OuterLoop):
 
     name = "chunked_orbax"
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         step, every = self.wl.step, self.every
         self.fn = jax.jit(lambda s: jax.lax.scan(lambda s, _: (step(s), None), s, None, every)[0])
 
@@ -366,10 +366,9 @@ class Naive(InJit):
 
     name = "naive_debug_callback"
 
-    def __init__(self, *args: Any) -> None:
-        directory = args[3]
-        self.mgr = _orbax_manager(os.path.join(directory, "naive"), async_=False)
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mgr = _orbax_manager(os.path.join(self.directory, "naive"), async_=False)
 
     def _callback(self, state: Any) -> None:
         step = int(state["step"])
