@@ -258,7 +258,7 @@ class MaybeSave(InJit):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ckpt = jax_cb_ckpt.Checkpointer(
-            os.path.join(self.directory, "maybe_save"),
+            os.path.join(self.directory, self.name),
             every=self.every,
             max_to_keep=2,
             queue_size=self.queue_size,

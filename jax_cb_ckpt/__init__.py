@@ -3,7 +3,9 @@
 from ._checkpointer import Checkpointer as Checkpointer
 from ._errors import CheckpointerClosedError as CheckpointerClosedError
 from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointWarning as CheckpointWarning
 from ._errors import ConfigError as ConfigError
+from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import DuplicateStepWarning as DuplicateStepWarning
 from ._errors import InvalidStateError as InvalidStateError
 from ._errors import NoCheckpointError as NoCheckpointError
@@ -11,6 +13,7 @@ from ._errors import RestoreError as RestoreError
 from ._errors import SaveError as SaveError
 from ._errors import SaveFailedWarning as SaveFailedWarning
 from ._errors import SkippedSaveWarning as SkippedSaveWarning
+from ._errors import StepExistsError as StepExistsError
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import UnflushedSaveWarning as UnflushedSaveWarning
 from ._preempt import Preempted as Preempted

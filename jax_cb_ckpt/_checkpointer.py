@@ -3,31 +3,37 @@ the writer thread and restore together; each lives in its own module."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import typing
 import warnings
+import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from . import _restore, _traced, _tree
+from . import _format, _restore, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     ConfigError,
+    SaveError,
     SaveFailedWarning,
-    UnflushedSaveWarning,
 )
-from ._handoff import HostSide, Signature, probe_callback_arrays
+from ._exchange import Exchange, OnExisting, is_failed_write
+from ._handoff import HostSide, OnError, OnFull, Signature, probe_callback_arrays
+from ._lock import DirectoryLock
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._writer import Writer, register_for_exit, unregister_for_exit
+from ._writer import Writer, emit_notes
 
 logger = logging.getLogger("jax_cb_ckpt")
 
-_ON_FULL = ("block", "skip")
-_ON_ERROR = ("raise", "continue")
+_ON_FULL = typing.get_args(OnFull)
+_ON_ERROR = typing.get_args(OnError)
+_ON_EXISTING = typing.get_args(OnExisting)
 
 
 def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
@@ -93,16 +99,12 @@ class Checkpointer:
         every: int | None = None,
         max_to_keep: int | None = None,
         queue_size: int = 2,
-        on_full: str = "block",
+        on_full: OnFull = "block",
         compression: bool = False,
-        on_error: str = "raise",
+        on_error: OnError = "raise",
+        on_existing: OnExisting = "raise",
     ) -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise ConfigError(
-                "Checkpointer(directory=...): directory must be a str or os.PathLike, "
-                f"got {type(directory).__name__}."
-            )
-        path = os.path.abspath(os.fspath(directory))
+        path = _format.resolve(directory, "Checkpointer(directory=...)")
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): that path is an existing file, not "
@@ -126,25 +128,62 @@ class Checkpointer:
                 f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
                 "'raise' stops the run at a failed write, 'continue' trains on and counts it."
             )
+        if on_existing not in _ON_EXISTING:
+            raise ConfigError(
+                f"Checkpointer(on_existing={on_existing!r}): on_existing must be one of "
+                f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
+                "run's steps in the directory, 'replace' deletes that run's steps from "
+                "the saved step on and writes the new one."
+            )
         probe_callback_arrays()  # once per process; decides copy-free hand-off
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"Checkpointer(directory={path!r}): cannot create the directory: {e}."
+            ) from e
         self.directory = path
         self.queue_size = queue_size
-        self.on_full = on_full
-        self.on_error = on_error
+        self.on_full: OnFull = on_full
+        self.on_error: OnError = on_error
+        self.on_existing: OnExisting = on_existing
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
-        self._writer = Writer(
-            path,
-            max_to_keep=self._max_to_keep,
-            compression=bool(compression),
-            queue_size=queue_size,
-            stats=self._stats,
-        )
-        self._host = HostSide(
-            self._writer, self._stats, on_full=on_full, queue_size=queue_size, on_error=on_error
-        )
-        register_for_exit(self)
+        lock = DirectoryLock(path)  # refuses a second live writer of this directory
+        try:
+            self._exchange = Exchange(
+                path,
+                queue_size=queue_size,
+                on_existing=on_existing,
+                old_steps=_format.list_steps(path),
+            )
+            self._host = HostSide(
+                self._exchange,
+                self._stats,
+                on_full=on_full,
+                queue_size=queue_size,
+                on_error=on_error,
+            )
+            self._writer = Writer(
+                path,
+                self._exchange,
+                lock,
+                max_to_keep=self._max_to_keep,
+                compression=bool(compression),
+                stats=self._stats,
+                # Not a bound method: the writer must not keep this object alive.
+                on_exit=functools.partial(_mark_closed, self._host, "was closed at exit"),
+            )
+        except BaseException as e:
+            lock.release()
+            if isinstance(e, CheckpointError):
+                raise
+            raise SaveError(f"could not open {path!r} for checkpoints: {e}") from e
+        # Unclosed and garbage collected (a local of `main()`, `del ckpt`): the writer
+        # still writes every save handed over, then stops; interpreter exit flushes it.
+        self._finalizer = weakref.finalize(self, _collected, self._host, self._writer)
+        self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -172,7 +211,9 @@ class Checkpointer:
         under vmap, grad/jvp/vjp, remat and donation, and eagerly. The predicate is
         evaluated on the device; steps that do not save move no data to the host. On a
         step that saves, the device waits only for the hand-off of the state to host
-        memory; the write runs in the writer thread.
+        memory; the write runs in the writer thread. Outside any trace the state is
+        copied before `maybe_save` returns: changing a numpy array afterwards does not
+        change the checkpoint.
 
         Under `vmap` one checkpoint holds the whole batch (a leading axis per vmap); it
         is made on a step where any member's predicate holds, and records which members
@@ -181,7 +222,8 @@ class Checkpointer:
         Args:
             state: a pytree of arrays (jax or numpy, any numeric dtype, typed PRNG keys)
                 and Python numbers.
-            step: integer scalar, the checkpoint's step number.
+            step: integer scalar >= 0, the checkpoint's step number. A step at or below
+                a step another run left in the directory is refused (`on_existing`).
             when: optional boolean scalar (traced or Python) overriding `every`.
             axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
                 over: every leaf is gathered along it and the state is saved once, by
@@ -195,17 +237,17 @@ class Checkpointer:
         """
         where = "maybe_save"
         self._check_usable(where)
-        step_arr = _traced.check_step(step, where)
+        known = _traced.check_step(step, where)
         if when is None:
             if self._every is None:
                 raise ConfigError(
                     "maybe_save: no predicate. Fix: pass when=<bool scalar>, or create "
                     "the Checkpointer with every=N to save when step % N == 0."
                 )
-            if isinstance(step, int):  # decided in Python: no cond in the program
-                pred = None if step % self._every == 0 else False
+            if known is not None:  # decided in Python: no cond in the program
+                pred = None if known % self._every == 0 else False
             else:
-                pred = step_arr % self._every == 0
+                pred = _traced.traced_step(step, known, where) % self._every == 0
         else:
             pred = _traced.check_when(when, where)
             if isinstance(when, bool):
@@ -213,7 +255,7 @@ class Checkpointer:
         if pred is False:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step_arr, pred, where, axis_name, replicated, tiled)
+        self._cross(state, step, known, pred, where, axis_name, replicated, tiled)
 
     def save(
         self,
@@ -230,13 +272,14 @@ class Checkpointer:
         """
         where = "save"
         self._check_usable(where)
-        step_arr = _traced.check_step(step, where)
-        self._cross(state, step_arr, None, where, axis_name, replicated, tiled)
+        known = _traced.check_step(step, where)
+        self._cross(state, step, known, None, where, axis_name, replicated, tiled)
 
     def _cross(
         self,
         state: Any,
-        step: jax.Array,
+        step: Any,
+        known: int | None,
         pred: Any,
         where: str,
         axis_name: Any,
@@ -250,11 +293,38 @@ class Checkpointer:
             )
         _traced.check_axis_name(axis_name, where)
         _, specs, leaves = _tree.describe_state(state, where)
-        payload = [_tree.to_payload(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
+        if axis_name is None and known is not None and not _traced.is_tracing(leaves, pred):
+            # Eagerly: no JAX callback at all. Every leaf is copied into host memory the
+            # library keeps, with its exact dtype, before this call returns.
+            if pred is not None and not bool(pred):
+                return
+            hosts = [
+                _tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)
+            ]
+            ndims = tuple(len(np.shape(h)) for h in hosts)
+            self._host.eager(Signature(specs, ndims), known, hosts)
+            self._raise_writer_error()
+            return
+        # Traced: leaves Python knows are constants of the program; they are copied now
+        # and never cross through JAX (which would narrow 64-bit dtypes). Under a tiled
+        # gather they must cross, to be tiled like the rest.
+        constants, payload = [], []
+        for index, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
+            if _tree.is_constant(leaf) and not tiled:
+                constants.append((index, _tree.host_copy(spec, leaf)))
+            elif 0 in spec.shape:  # no data, only a shape: nothing to cross
+                constants.append((index, _tree.empty_data(spec)))
+            else:
+                payload.append(_tree.to_payload(spec, leaf, where))
+        crossing = iter(payload)
+        constant = dict(constants)
+        ndims = tuple(
+            constant[i].ndim if i in constant else next(crossing).ndim for i in range(len(specs))
+        )
         _traced.cross(
             self._host,
-            Signature(specs, tuple(jnp.ndim(p) for p in payload)),
-            step,
+            Signature(specs, ndims, tuple(constants)),
+            _traced.traced_step(step, known, where),
             payload,
             pred,
             axis_name=axis_name,
@@ -273,11 +343,11 @@ class Checkpointer:
         self._raise_writer_error()
 
     def _raise_writer_error(self) -> None:
-        self._emit_notes()
-        error = self._writer.take_error()
+        emit_notes(self._exchange, stacklevel=4)
+        error = self._exchange.take_error()
         if error is None:
             return
-        if self.on_error == "continue":
+        if self.on_error == "continue" and is_failed_write(error):
             warnings.warn(
                 f"jax_cb_ckpt: {self._stats.snapshot().failed} save(s) failed so far and "
                 f"training continued (on_error='continue'); the first: {error}",
@@ -287,34 +357,32 @@ class Checkpointer:
             return
         raise error
 
-    def _emit_notes(self) -> None:
-        for category, message in self._writer.take_notes():
-            warnings.warn(message, category, stacklevel=4)
-
     # -- waiting and closing --------------------------------------------------------
 
     def wait(self) -> None:
         """Block until every save handed over so far is on disk; re-raise writer errors.
 
         Also waits for callbacks of jitted code still running (`jax.effects_barrier()`),
-        so call it from your own thread, never from inside a callback.
+        so call it from your own thread, never from inside a callback. When it returns,
+        every checkpoint written so far is fsynced: it survives a crash or power loss.
         """
         if not self._closed:
             jax.effects_barrier()
-            self._writer.drain()
+            self._exchange.drain()
         self._raise_writer_error()
 
     def close(self) -> None:
-        """`wait()`, then stop the writer thread. Idempotent; blocks the calling thread."""
+        """`wait()`, then stop the writer thread and release the directory. Idempotent;
+        blocks the calling thread."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
-            self._host.closed = True
+            self._host.closed_reason = "was closed"
+            self._finalizer.detach()
             self._writer.stop()
-            unregister_for_exit(self)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -330,22 +398,6 @@ class Checkpointer:
             logger.error("jax_cb_ckpt: %s", error)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"jax_cb_ckpt writer error: {error}")
-
-    def _flush_at_exit(self) -> None:
-        """Called at interpreter exit for Checkpointers never closed."""
-        if self._closed:
-            return
-        jax.effects_barrier()
-        pending = self._writer.pending
-        if pending:
-            warnings.warn(
-                f"jax_cb_ckpt: {pending} save(s) to {self.directory!r} were still "
-                "pending at interpreter exit and were written now. Fix: call "
-                "ckpt.close() or use `with ckpt:` to flush explicitly.",
-                UnflushedSaveWarning,
-                stacklevel=2,
-            )
-        self.close()
 
     # -- runs that resume themselves ------------------------------------------------
 
@@ -372,6 +424,10 @@ class Checkpointer:
         process; the loop reads the request every `check_every` steps (default: `every`;
         each read is one host crossing), saves, stops, and `run` raises `Preempted` (a
         `SystemExit`) once the save is on disk. Run the same script again to continue.
+        Ctrl-C with the default `sigint=False` stops the loop the same way (one note on
+        stderr; more presses change nothing, Ctrl-\\ quits unsaved) and `run` then
+        raises `KeyboardInterrupt`, as a Ctrl-C does; with `sigint=True` it raises
+        `Preempted` with code 130, for schedulers that stop jobs by SIGINT.
 
         Args:
             body: one step, `body(state, step) -> state`; `step` is the int32 index of
@@ -447,5 +503,18 @@ class Checkpointer:
         may hold concrete arrays or `jax.ShapeDtypeStruct`s. See `jax_cb_ckpt.restore`.
         """
         self.wait()
-        self._host.forget_steps()
-        return _restore.restore(self.directory, like, step=step)
+        restored = _restore.restore(self.directory, like, step=step)
+        # The run goes on from the restored step: every step on disk now belongs to the
+        # past, and saving at or below one of them is a conflict (see `on_existing`).
+        self._exchange.forget(_format.list_steps(self.directory))
+        return restored
+
+
+def _mark_closed(host: HostSide, reason: str) -> None:
+    host.closed_reason = reason
+
+
+def _collected(host: HostSide, writer: Writer) -> None:
+    """The Checkpointer was garbage collected without `close()` (weakref finalizer)."""
+    _mark_closed(host, "was garbage collected without close()")
+    writer.finish()  # writes what was handed over, then ends the thread

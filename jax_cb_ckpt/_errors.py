@@ -16,7 +16,11 @@ class InvalidStateError(CheckpointError, TypeError):
 
 
 class ConfigError(CheckpointError, ValueError):
-    """A Checkpointer argument is invalid (`every`, `queue_size`, `on_full`, `directory`, ...)."""
+    """An argument is invalid (`every`, `queue_size`, `on_full`, `directory`, `step`, ...)."""
+
+
+class DirectoryLockedError(ConfigError):
+    """Another live writer (Checkpointer or process) holds the checkpoint directory."""
 
 
 class SaveError(CheckpointError):
@@ -24,6 +28,14 @@ class SaveError(CheckpointError):
 
     The underlying exception (disk full, permission denied, ...) is chained as
     `__cause__`. Checkpoints written before the failure stay on disk.
+    """
+
+
+class StepExistsError(SaveError):
+    """A save would mix this run with another run's checkpoints in the same directory.
+
+    Raised at the first save of a step that is at or below a step an earlier run (or an
+    earlier Checkpointer) left in the directory. Nothing on disk is changed.
     """
 
 
@@ -43,17 +55,22 @@ class CheckpointerClosedError(CheckpointError, RuntimeError):
     """A save was handed to a `Checkpointer` after `close()`."""
 
 
-class SkippedSaveWarning(UserWarning):
+class CheckpointWarning(UserWarning):
+    """Base class of every warning issued by jax_cb_ckpt."""
+
+
+class SkippedSaveWarning(CheckpointWarning):
     """A save was dropped because the queue was full and `on_full="skip"`."""
 
 
-class DuplicateStepWarning(UserWarning):
-    """A save for a step that already exists on disk was dropped (the disk copy is kept)."""
+class DuplicateStepWarning(CheckpointWarning):
+    """A step handed over again by the same Checkpointer was dropped (the first is kept)."""
 
 
-class SaveFailedWarning(RuntimeWarning):
+class SaveFailedWarning(CheckpointWarning, RuntimeWarning):
     """With `on_error="continue"`: saves failed and training went on without them."""
 
 
-class UnflushedSaveWarning(RuntimeWarning):
-    """Saves were still pending at interpreter exit; they were flushed then."""
+class UnflushedSaveWarning(CheckpointWarning, RuntimeWarning):
+    """Saves were still pending at interpreter exit (or when a Checkpointer was garbage
+    collected unclosed); they were written then."""

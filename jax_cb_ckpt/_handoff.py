@@ -29,24 +29,58 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
 from . import _tree
-from ._errors import CheckpointerClosedError, InvalidStateError, SkippedSaveWarning
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointError,
+    InvalidStateError,
+    SkippedSaveWarning,
+)
+from ._exchange import Exchange, is_failed_write
+from ._format import FORMAT
 from ._stats import StatsRecorder
-from ._writer import SaveItem, Writer
+from ._version import version
+from ._writer import SaveItem
+
+OnFull = Literal["block", "skip"]
+OnError = Literal["raise", "continue"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Signature:
-    """What the callback needs to know about a traced state, fixed at trace time."""
+    """What the callback needs to know about a traced state, fixed at trace time.
+
+    `constants` are the leaves that were concrete while tracing (numpy arrays, numpy and
+    Python scalars): they are the same at every call of the compiled program, so they
+    are copied once, here, and never cross through JAX (which would canonicalize their
+    dtypes: an int64 leaf would arrive as int32 with x64 off).
+    """
 
     specs: tuple[_tree.LeafSpec, ...]
-    data_ndims: tuple[int, ...]  # ndim of each payload array (key data has extra axes)
+    data_ndims: tuple[int, ...]  # ndim of each leaf's data (key data has extra axes)
+    constants: tuple[tuple[int, np.ndarray], ...] = ()  # (leaf index, host copy)
+
+    def assemble(self, crossed: Sequence[np.ndarray], batch_shape: tuple[int, ...]):
+        """Every leaf's host array, in order: the arrays that crossed, and the constants
+        broadcast to the batch shape (vmap and device gathers prepend axes)."""
+        constant = dict(self.constants)
+        it = iter(crossed)
+        out = []
+        for index in range(len(self.specs)):
+            value = constant.get(index)
+            if value is None:
+                out.append(next(it))
+            elif batch_shape:
+                out.append(np.broadcast_to(value, batch_shape + value.shape))
+            else:
+                out.append(value)
+        return out
 
     def stored(self, hosts: Sequence[np.ndarray]) -> tuple[_tree.LeafSpec, ...]:
         """The specs of the arrays as they arrive: vmap and device gathers add or widen
@@ -57,13 +91,6 @@ class Signature:
             shape = tuple(host.shape[: host.ndim - trailing])
             specs.append(spec if shape == spec.shape else dataclasses.replace(spec, shape=shape))
         return tuple(specs)
-
-    @functools.cached_property
-    def meta(self) -> dict[str, Any]:
-        from ._version import version
-
-        # The leaves are described per save (`stored`): vmap and gathers change shapes.
-        return {"format": "jax_cb_ckpt/1", "library_version": version()}
 
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
@@ -135,86 +162,124 @@ class HostSide:
 
     def __init__(
         self,
-        writer: Writer,
+        exchange: Exchange,
         stats: StatsRecorder,
         *,
-        on_full: str,
+        on_full: OnFull,
         queue_size: int,
-        on_error: str = "raise",
+        on_error: OnError,
     ):
-        self._writer = writer
-        self._on_error = on_error
+        self._exchange = exchange
         self._stats = stats
-        self._on_full = on_full
+        self._on_full: OnFull = on_full
+        self._on_error: OnError = on_error
         self._queue_size = queue_size
         self._pool = StagingPool(keep=queue_size)
-        self._lock = threading.Lock()
-        self._recent_steps: collections.deque[int] = collections.deque(maxlen=256)
-        self.closed = False
+        self.closed_reason: str | None = None  # set when the Checkpointer is closed
+
+    @property
+    def directory(self) -> str:
+        return self._exchange.directory
 
     def __call__(self, signature: Signature, step: Any, pred: Any, *arrays: Any) -> None:
+        """The crossing's callback: `arrays` are the leaves that crossed through JAX."""
         start = time.perf_counter()
         self._stats.count("crossings")
-        if self.closed:
-            raise CheckpointerClosedError(
-                f"a save reached a closed Checkpointer on {self._writer.directory!r}. "
-                "Fix: keep the Checkpointer open (e.g. `with ckpt:`) until the jitted "
-                "function that saves has finished."
-            )
-        error = self._writer.peek_error()
-        if error is not None and self._on_error == "raise":
+        self._check_open()
+        error = self._exchange.peek_error()
+        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
             raise error  # fails the running computation: no hours of training unsaved
         members = np.asarray(pred, dtype=bool)
-        step = _one_step(np.asarray(step), members)
-        with self._lock:
-            if step in self._recent_steps:
-                # The same step handed over twice (remat recomputation, a repeated call):
-                # keep the first.
-                self._stats.count("duplicates")
-                return
-            self._recent_steps.append(step)
-        if self._on_full == "skip":
-            if not self._writer.slots.acquire(blocking=False):
-                self._stats.count("skipped")
-                self._writer.note(
-                    SkippedSaveWarning,
-                    f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
-                    f"({self._queue_size} saves in flight, on_full='skip').",
-                )
-                return
-        else:
-            # Blocking here blocks the device program: nothing is lost, the device waits
-            # for the writer to free a slot.
-            self._writer.slots.acquire()
-        taken = time.perf_counter()
         try:
+            step = _one_step(np.asarray(step), members)
+        except CheckpointError as e:
+            self._exchange.record(e)  # re-raised by wait()/close() as our own type
+            raise
+
+        def take() -> tuple[list[np.ndarray], Callable[[], None]]:
             if _OWNED:
                 # np.asarray waits until JAX's copy of the argument is complete (it may
                 # still be in flight), so what we keep is a finished, owned snapshot.
-                hosts, release = [np.asarray(a) for a in arrays], _noop
-            else:
-                hosts, release = self._pool.copy_in(arrays)
+                return [np.asarray(a) for a in arrays], _noop
+            return self._pool.copy_in(arrays)
+
+        self._hand_over(signature, step, members, start, take, in_callback=True)
+
+    def eager(self, signature: Signature, step: int, hosts: list[Any]) -> None:
+        """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
+        or jax arrays, read here). Copied into staging buffers before returning, so a
+        caller that mutates its numpy arrays afterwards does not change the save."""
+        start = time.perf_counter()
+        self._stats.count("crossings")
+        self._check_open()
+        take = functools.partial(self._pool.copy_in, hosts)
+        self._hand_over(signature, step, np.asarray(True), start, take, in_callback=False)
+
+    def _check_open(self) -> None:
+        if self.closed_reason is not None:
+            raise CheckpointerClosedError(
+                f"a save reached the Checkpointer on {self.directory!r}, which "
+                f"{self.closed_reason}. Fix: keep the Checkpointer open (e.g. `with "
+                "ckpt:`) until the jitted function that saves has finished; a jitted "
+                "function traced with an earlier Checkpointer keeps using that one, so "
+                "re-create the jitted function (or pass the new Checkpointer in) after "
+                "making a new Checkpointer."
+            )
+
+    def _hand_over(
+        self,
+        signature: Signature,
+        step: int,
+        members: np.ndarray,
+        start: float,
+        take: Callable[[], tuple[list[np.ndarray], Callable[[], None]]],
+        *,
+        in_callback: bool,
+    ) -> None:
+        exchange = self._exchange
+        try:
+            replace = exchange.claim(step)
+        except CheckpointError as e:
+            if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
+                exchange.record(e)
+            raise
+        if replace is None:  # a duplicate, noted for the user
+            self._stats.count("duplicates")
+            return
+        # Blocking here blocks the device program: nothing is lost, the device waits
+        # for the writer to free a slot.
+        if not exchange.take_slot(block=self._on_full == "block"):
+            exchange.unclaim(step)  # never written: a later save of it is welcome
+            self._stats.count("skipped")
+            exchange.note(
+                SkippedSaveWarning,
+                f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
+                f"({self._queue_size} saves in flight, on_full='skip').",
+            )
+            return
+        taken = time.perf_counter()
+        try:
+            crossed, release = take()
+            hosts = signature.assemble(crossed, members.shape)
             specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
-            meta = dict(signature.meta, step=step, leaves=[s.to_json() for s in specs])
+            meta = dict(_META_BASE, step=step, leaves=[s.to_json() for s in specs])
             if members.shape:
                 meta["batch_shape"] = list(members.shape)
                 meta["members"] = members.tolist()
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
-            self._writer.slots.release()
+            exchange.unclaim(step)
+            exchange.give_slot()
             raise
         end = time.perf_counter()
         blocking_s = end - start
         self._stats.handed_off(blocking_s)
-        in_flight = self._writer.submit(
-            SaveItem(step, tree, meta, nbytes, blocking_s, end - taken, release)
-        )
-        self._stats.in_flight(in_flight)
+        item = SaveItem(step, tree, meta, nbytes, blocking_s, end - taken, release, replace)
+        self._stats.in_flight(exchange.submit(item))
 
-    def forget_steps(self) -> None:
-        with self._lock:
-            self._recent_steps.clear()
+
+_META_BASE = {"format": FORMAT, "library_version": version()}
 
 
 def _noop() -> None:
@@ -225,7 +290,7 @@ def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
     """The checkpoint's step. Under vmap each member may carry its own step (e.g.
     TrainState.step); the members that save must agree on it."""
     if steps.ndim == 0:
-        return int(steps)
+        return _non_negative(int(steps))
     saving = np.unique(steps[np.broadcast_to(members, steps.shape)])
     if saving.size != 1:
         raise InvalidStateError(
@@ -233,4 +298,14 @@ def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
             f"steps {saving.tolist()[:8]}; one checkpoint holds one step. Fix: pass a "
             "step that is the same for every member (e.g. the scan index)."
         )
-    return int(saving[0])
+    return _non_negative(int(saving[0]))
+
+
+def _non_negative(step: int) -> int:
+    if step < 0:
+        raise InvalidStateError(
+            f"maybe_save/save: step {step} is negative; checkpoint steps are integers "
+            ">= 0 (they name the step directories). Fix: pass the loop counter, e.g. the "
+            "scan index or TrainState.step."
+        )
+    return step

@@ -1,8 +1,10 @@
 """Reading checkpoints back: which steps exist, and one step into the types of `like`.
 
 Runs in the caller's thread and blocks it until the arrays are in memory. Reads go
-through Orbax (a read-only manager), so anything Orbax can read, we can; and the JSON
-`meta` item says how each leaf was stored, so nothing is unpickled and no code runs.
+through Orbax (a read-only checkpointer), so anything Orbax can read, we can; and the
+JSON `meta` item says how each leaf was stored, so nothing is unpickled and no code
+runs. A checkpoint is trusted no further than its files: a `meta` item that does not
+match the arrays (hand-edited, corrupt, another program's) is a `RestoreError`.
 """
 
 from __future__ import annotations
@@ -10,74 +12,116 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import orbax.checkpoint as ocp
 
-from . import _tree
-from ._errors import NoCheckpointError, RestoreError
-from ._writer import META_ITEM, STATE_ITEM
+from . import _format, _tree
+from ._errors import ConfigError, NoCheckpointError, RestoreError
+from ._format import META_ITEM, STATE_ITEM
 
 
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps with a complete checkpoint in `directory`, ascending.
 
-    Orbax writes a step into a temporary directory and renames it when complete, so a
-    step that is listed here restores. Does not wait for pending saves.
+    Only checkpoints written by jax_cb_ckpt count (see docs/usage.md, "What is in the
+    directory"): other folders, even with integer names, are ignored. A step listed
+    here is complete and restores. Does not wait for pending saves.
     """
-    path = os.fspath(directory)
-    if not os.path.isdir(path):
-        return []
-    steps = []
-    for name in os.listdir(path):
-        if name.isdigit() and os.path.isdir(os.path.join(path, name)):
-            steps.append(int(name))
-    return sorted(steps)
+    return _format.list_steps(_format.resolve(directory, "all_steps"))
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The newest complete step in `directory`, or None when there is none."""
-    steps = all_steps(directory)
+    steps = _format.list_steps(_format.resolve(directory, "latest_step"))
     return steps[-1] if steps else None
 
 
-def _read(path: str, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    handler = ocp.CompositeCheckpointHandler(
-        **{STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
-    )
-    with ocp.Checkpointer(handler) as checkpointer:
-        restored = checkpointer.restore(
-            os.path.join(path, str(step)),
-            args=ocp.args.Composite(
-                **{STATE_ITEM: ocp.args.PyTreeRestore(), META_ITEM: ocp.args.JsonRestore()}
-            ),
+def _check_step_arg(step: Any, what: str) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ConfigError(
+            f"{what}(step={step!r}): step must be a non-negative int (a step listed by "
+            "all_steps()) or None for the latest."
         )
-    return restored[META_ITEM], restored[STATE_ITEM]
+    return int(step)
 
 
 def _pick_step(path: str, step: int | None, what: str) -> int:
-    steps = all_steps(path)
+    steps = _format.list_steps(path)
+    if step is not None and step in steps:
+        return step
+    foreign = _format.foreign_steps(path)
+    other = (
+        f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
+        f"complete jax_cb_ckpt checkpoints ({_short(foreign)}): a plain Orbax "
+        "checkpoint, a copy in progress, or an interrupted write. Read a plain Orbax "
+        "checkpoint with orbax.checkpoint directly."
+        if foreign
+        else ""
+    )
     if not steps:
         raise NoCheckpointError(
-            f"{what}: no checkpoint in {path!r}. Fix: check the directory, or start "
-            "from the initial state when latest_step() is None."
+            f"{what}: no checkpoint in {path!r}.{other} Fix: check the directory, or "
+            "start from the initial state when latest_step() is None."
         )
     if step is None:
         return steps[-1]
-    if step not in steps:
-        raise NoCheckpointError(
-            f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
-            f"{_short(steps)}."
+    raise NoCheckpointError(
+        f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
+        f"{_short(steps)}.{other}"
+    )
+
+
+def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
+    try:
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+            meta = checkpointer.restore(
+                os.path.join(path, str(step), META_ITEM), args=ocp.args.JsonRestore()
+            )
+    except Exception as e:
+        raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != _format.FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise RestoreError(
+            f"{where}: the checkpoint's '{META_ITEM}' item has format tag {found!r}, "
+            f"not {_format.FORMAT!r}: it was not written by this version of "
+            "jax_cb_ckpt (a newer version, another program, or a hand edit). Fix: "
+            "read it with the jax_cb_ckpt version that wrote it, or with "
+            "orbax.checkpoint directly."
         )
-    return step
+    return meta
 
 
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
-    path = os.fspath(directory)
-    step = _pick_step(path, step, "metadata")
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-        return checkpointer.restore(
-            os.path.join(path, str(step), META_ITEM), args=ocp.args.JsonRestore()
-        )
+    path = _format.resolve(directory, "metadata")
+    step = _pick_step(path, _check_step_arg(step, "metadata"), "metadata")
+    return _read_meta(path, step, f"metadata(step={step}) from {path!r}")
+
+
+def _saved_specs(meta: dict[str, Any], where: str) -> tuple[_tree.LeafSpec, ...]:
+    try:
+        leaves = meta["leaves"]
+        if not isinstance(leaves, list):
+            raise TypeError(f"'leaves' is a {type(leaves).__name__}, not a list")
+        return tuple(_tree.LeafSpec.from_json(leaf) for leaf in leaves)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RestoreError(
+            f"{where}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
+            f"{e}); it was edited or corrupted. Fix: restore another step."
+        ) from e
+
+
+def _read_state(path: str, step: int, where: str) -> dict[str, Any]:
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        with ocp.Checkpointer(handler) as checkpointer:
+            return checkpointer.restore(
+                os.path.join(path, str(step), STATE_ITEM), args=ocp.args.PyTreeRestore()
+            )
+    except Exception as e:
+        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
 
 
 def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = None) -> Any:
@@ -88,35 +132,53 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     NamedTuple, dataclass, dict, ...), dtypes, typed PRNG keys (re-wrapped with the
     recorded implementation) and Python scalar types; jax.Array leaves are placed with
     the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
+    `directory` may be relative (to the working directory), as everywhere.
 
     Raises:
         NoCheckpointError: no complete checkpoint for that step.
         StructureMismatchError: `like` differs from the checkpoint; names the first leaf.
+        RestoreError: the checkpoint cannot be read, or its description does not match
+            its data.
     """
-    path = os.fspath(directory)
-    step = _pick_step(path, step, "restore")
+    path = _format.resolve(directory, "restore")
+    step = _pick_step(path, _check_step_arg(step, "restore"), "restore")
     where = f"restore(step={step}) from {path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    meta, tree = _read(path, step)
-    try:
-        saved_specs = tuple(_tree.LeafSpec.from_json(leaf) for leaf in meta["leaves"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise RestoreError(
-            f"{where}: the checkpoint has no valid jax_cb_ckpt '{META_ITEM}' item, so "
-            "it was not written by jax_cb_ckpt. Read it with orbax.checkpoint directly."
-        ) from e
+    meta = _read_meta(path, step, where)
+    saved_specs = _saved_specs(meta, where)
     _tree.check_like(like_specs, saved_specs, where)
+    tree = _read_state(path, step, where)
     by_name = {spec.name: spec for spec in saved_specs}
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
-        array = _tree.unnest(tree, saved)
-        if array is None:
-            raise RestoreError(f"{where}: leaf {spec.path} is listed but has no data.")
-        leaves.append(_tree.rebuild(leaf, spec, saved, array))
+        array = _stored_array(tree, saved, where)
+        leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     return treedef.unflatten(leaves)
+
+
+def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> np.ndarray:
+    """The data of one leaf, checked against its description."""
+    shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+    dtype = np.dtype(saved.dtype)
+    if 0 in shape:  # zero-size leaves are described, not stored (Orbax cannot store them)
+        return np.zeros(shape, dtype)
+    array = _tree.unnest(tree, saved)
+    if array is None:
+        raise RestoreError(
+            f"{where}: leaf {saved.path} is described in the checkpoint but has no data; "
+            "the checkpoint was edited or corrupted. Fix: restore another step."
+        )
+    array = np.asarray(array)
+    if array.shape != shape or array.dtype != _format.storage_dtype(dtype):
+        raise RestoreError(
+            f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
+            f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
+            "or corrupted. Fix: restore another step."
+        )
+    return array.astype(dtype, copy=False)
 
 
 def _short(steps: list[int]) -> str:

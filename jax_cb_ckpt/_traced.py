@@ -35,6 +35,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 
 from ._errors import InvalidStateError
 
@@ -47,8 +49,16 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} ({x!r})"
 
 
-def check_step(step: Any, where: str) -> jax.Array:
-    """`step` as an integer scalar array, or an error that says how to fix it."""
+MAX_STEP = 2**63 - 1
+
+
+def check_step(step: Any, where: str) -> int | None:
+    """Check `step`; returns its value when Python knows it (None for a tracer).
+
+    A known step is checked here, in the caller's thread: it must be >= 0, and one that
+    will cross through JAX must fit JAX's integer type (int32 unless jax_enable_x64),
+    which would otherwise wrap it silently (2**32 + 5 would be saved as step 5).
+    """
     ok = not isinstance(step, bool) and (
         isinstance(step, int)
         or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
@@ -62,7 +72,43 @@ def check_step(step: Any, where: str) -> jax.Array:
             "scan index or TrainState.step), cast with step.astype(jnp.int32) if it is "
             "a float, or index out a single element if it is batched."
         )
+    if isinstance(step, Tracer):
+        return None
+    value = int(step)
+    if not 0 <= value <= MAX_STEP:
+        raise InvalidStateError(
+            f"{where}: step {value} is out of range; checkpoint steps are integers from "
+            f"0 to 2**63-1 (they name the step directories). Fix: pass the loop counter, "
+            "e.g. the scan index or TrainState.step."
+        )
+    return value
+
+
+def traced_step(step: Any, value: int | None, where: str) -> jax.Array:
+    """`step` as the integer array that crosses through JAX (checked to fit)."""
+    if value is not None:
+        dtype = jax.dtypes.canonicalize_dtype(getattr(step, "dtype", np.int64))
+        if value > np.iinfo(dtype).max:
+            raise InvalidStateError(
+                f"{where}: step {value} does not fit {np.dtype(dtype).name}, JAX's integer "
+                "type here (jax_enable_x64 is off), and would wrap around. Fix: enable "
+                "x64 (jax.config.update('jax_enable_x64', True)), save eagerly (outside "
+                "jit, where steps are exact), or number steps below 2**31."
+            )
+        return jnp.asarray(value, dtype)
     return jnp.asarray(step)
+
+
+def is_tracing(*values: Any) -> bool:
+    """Are we inside a trace (jit, scan, vmap, grad, ...) rather than running eagerly?
+
+    Either an argument is a tracer, or a fresh array is one: inside `jit` even a function
+    of constants only is staged out and runs later, so it must save at run time.
+    """
+    leaves = jax.tree_util.tree_leaves(values)
+    if any(isinstance(leaf, Tracer) for leaf in leaves):
+        return True
+    return isinstance(jnp.zeros(()), Tracer)
 
 
 def check_when(when: Any, where: str) -> jax.Array:

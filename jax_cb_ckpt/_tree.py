@@ -9,12 +9,15 @@ keys, whose key type numpy cannot represent.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _format
 from ._errors import InvalidStateError, StructureMismatchError
 
 ARRAY = "array"  # a jax/numpy array leaf, stored as is
@@ -63,14 +66,41 @@ class LeafSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LeafSpec:
+        """Parse one leaf description; `ValueError`/`TypeError` saying what is wrong."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a leaf description is a {type(data).__name__}, not an object")
+        name = data["name"]
+        if (
+            not isinstance(name, list)
+            or not name
+            or not all(isinstance(n, str) and n for n in name)
+        ):
+            raise ValueError(f"leaf name {name!r} is not a list of non-empty strings")
+        kind = data["kind"]
+        if kind not in (ARRAY, KEY, SCALAR):
+            raise ValueError(f"leaf kind {kind!r} is not one of {(ARRAY, KEY, SCALAR)}")
+        shape = data["shape"]
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(f"leaf shape {shape!r} is not a list of non-negative ints")
+        dtype = np.dtype(str(data["dtype"]))  # TypeError for an unknown dtype
+        impl = data.get("impl")
+        if kind == KEY and not isinstance(impl, str):
+            raise ValueError(f"key leaf has no PRNG implementation name (impl={impl!r})")
+        if kind == KEY:
+            key_data_shape(impl)  # ValueError for an unknown implementation
+        pytype = data.get("pytype")
+        if kind == SCALAR and pytype not in ("bool", "int", "float", "complex"):
+            raise ValueError(f"scalar leaf has Python type {pytype!r}")
         return cls(
             path=str(data["path"]),
-            name=tuple(str(n) for n in data["name"]),
-            kind=str(data["kind"]),
-            dtype=str(data["dtype"]),
-            shape=tuple(int(d) for d in data["shape"]),
-            impl=data.get("impl"),
-            pytype=data.get("pytype"),
+            name=tuple(name),
+            kind=kind,
+            dtype=dtype.name,
+            shape=tuple(shape),
+            impl=impl,
+            pytype=pytype,
         )
 
 
@@ -106,29 +136,48 @@ def _is_key(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+# ml_dtypes types numpy reports as kind 'V'; JAX and Orbax handle them as numbers.
+_ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "uint4")
+
+
 def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
     try:
         np_dtype = np.dtype(dtype)
     except TypeError:
         np_dtype = None
-    ok = np_dtype is not None and (
-        np_dtype.kind in "biufc" or np_dtype.name.startswith(("bfloat", "float8", "float4"))
-    )
+    ok = np_dtype is not None and (np_dtype.kind in "biufc" or np_dtype.name.startswith(_ML_DTYPES))
     if not ok or np_dtype is None:
         raise InvalidStateError(
             f"{where}: leaf {path} has dtype {dtype} ({type(leaf).__name__}), which "
-            "cannot be saved. Saved arrays must have a bool, integer, floating or "
-            "complex dtype (bfloat16 included) or be typed PRNG keys. Fix: convert the "
-            "leaf to a numeric array, or keep it out of the saved state."
+            "cannot be saved. Saved arrays must have a bool, integer (int2/int4 "
+            "included), floating (bfloat16, float8 included) or complex dtype, or be "
+            "typed PRNG keys. Fix: convert the leaf to a numeric array, or keep it out of "
+            "the saved state."
         )
     return np_dtype
 
 
+def _scalar_dtype(leaf: Any, where: str, path: str) -> str:
+    """The exact dtype a Python number is stored as (independent of jax_enable_x64)."""
+    if isinstance(leaf, bool):
+        return "bool"
+    if isinstance(leaf, int):
+        if not -(2**63) <= leaf < 2**63:
+            raise InvalidStateError(
+                f"{where}: leaf {path} is the Python int {leaf}, which does not fit in "
+                "int64, the widest integer a checkpoint stores. Fix: keep integers in the "
+                "saved state within int64, or keep this value out of it."
+            )
+        return "int64"
+    return "float64" if isinstance(leaf, float) else "complex128"
+
+
 def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstract_ok: bool):
     """The `LeafSpec` of one leaf, or an `InvalidStateError` that says how to fix it."""
-    if isinstance(leaf, _PY_SCALARS):
-        dtype = jnp.asarray(leaf).dtype
-        return LeafSpec(path, name, SCALAR, np.dtype(dtype).name, (), pytype=type(leaf).__name__)
+    # numpy scalars first: np.float64 and np.complex128 are also Python float/complex.
+    if isinstance(leaf, _PY_SCALARS) and not isinstance(leaf, np.generic):
+        dtype = _scalar_dtype(leaf, where, path)
+        return LeafSpec(path, name, SCALAR, dtype, (), pytype=type(leaf).__name__)
     is_abstract = isinstance(leaf, jax.ShapeDtypeStruct)
     if is_abstract and not abstract_ok:
         raise InvalidStateError(
@@ -215,21 +264,76 @@ def _check_prefixes(specs: list[LeafSpec], where: str) -> None:
                 )
 
 
-def to_payload(spec: LeafSpec, leaf: Any) -> Any:
-    """The array handed to the host for one leaf: key data for keys, an array otherwise."""
+def is_constant(leaf: Any) -> bool:
+    """A leaf whose value Python knows (numpy arrays and scalars, Python numbers): inside
+    a trace it is a constant of the compiled program."""
+    return isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS))
+
+
+def host_copy(spec: LeafSpec, leaf: Any) -> np.ndarray:
+    """An owned copy of a constant leaf with its exact dtype (a later in-place change of
+    the caller's array does not reach the checkpoint)."""
+    return np.array(leaf, dtype=np.dtype(spec.dtype), copy=True)
+
+
+def empty_data(spec: LeafSpec) -> np.ndarray:
+    """The stored data of a zero-size leaf (all there is to it is its shape)."""
+    trailing = key_data_shape(spec.impl) if spec.kind == KEY else ()
+    return np.zeros(spec.shape + trailing, np.dtype(spec.dtype))
+
+
+def to_payload(spec: LeafSpec, leaf: Any, where: str) -> Any:
+    """The array that crosses through JAX for one leaf: key data for keys."""
     if spec.kind == KEY:
         return jax.random.key_data(leaf)
+    if is_constant(leaf):
+        value = host_copy(spec, leaf)
+        if np.dtype(jax.dtypes.canonicalize_dtype(value.dtype)) != value.dtype:
+            raise InvalidStateError(
+                f"{where}: leaf {spec.path} is a {value.dtype} constant, which JAX would "
+                f"turn into {jax.dtypes.canonicalize_dtype(value.dtype)} here (64-bit "
+                "types need jax_enable_x64), changing the saved values. Fix: pass it as a "
+                "jax array of a 32-bit type, save it outside jit, or enable x64."
+            )
+        return jnp.asarray(value)
     return jnp.asarray(leaf)
 
 
-def nest(specs: tuple[LeafSpec, ...], arrays: list[np.ndarray]) -> dict[str, Any]:
-    """The nested dict {name: {...: array}} that Orbax writes."""
+def eager_value(spec: LeafSpec, leaf: Any) -> Any:
+    """The host value of one leaf of a save made outside any trace (exact dtype)."""
+    if spec.kind == KEY:
+        return jax.random.key_data(leaf)
+    if is_constant(leaf):
+        return np.asarray(leaf, dtype=np.dtype(spec.dtype))
+    return leaf
+
+
+@functools.lru_cache
+def key_data_shape(impl: str | None) -> tuple[int, ...]:
+    """The trailing shape of one key's data for a PRNG implementation."""
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
+EMPTY_NAME = "_jax_cb_ckpt_empty"  # Orbax refuses an empty item: a placeholder leaf
+
+
+def nest(specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+    """The nested dict {name: {...: array}} that Orbax writes.
+
+    Zero-size arrays are left out (Orbax cannot store them; the spec records the shape,
+    and restore rebuilds them), and an item left with nothing gets a placeholder.
+    """
     out: dict[str, Any] = {}
     for spec, array in zip(specs, arrays, strict=True):
+        if array.size == 0:
+            continue
+        array = _format.storable(array)
         node = out
         for part in spec.name[:-1]:
             node = node.setdefault(part, {})
         node[spec.name[-1]] = array
+    if not out:
+        out[EMPTY_NAME] = np.zeros((), np.int8)
     return out
 
 
@@ -282,8 +386,9 @@ def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
             saved_kind = "f"
         return saved_kind in kinds.get(like.pytype or "", "")
     if like.kind == ARRAY and saved.kind == SCALAR:
-        # A Python number saved eagerly comes back as the 0-d array a traced run has.
-        return like.shape == () and like.dtype == saved.dtype
+        # A Python number saved eagerly comes back as the 0-d array a traced run has
+        # (rebuild checks that the value survives the cast).
+        return like.shape == () and _number_kind(like.dtype) == _number_kind(saved.dtype)
     if like.kind != saved.kind or like.shape != saved.shape:
         return False
     if like.kind == KEY:
@@ -291,8 +396,24 @@ def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
     return like.dtype == saved.dtype
 
 
-def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray) -> Any:
+def _number_kind(dtype: str) -> str:
+    kind = np.dtype(dtype).kind
+    if dtype.startswith(_ML_DTYPES):
+        return "i" if "int" in dtype else "f"
+    return "i" if kind == "u" else kind
+
+
+def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, where: str) -> Any:
     """One restored leaf, of the same type as the `like` leaf."""
+    if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
+        cast = array.astype(spec.dtype)
+        if cast.astype(saved.dtype) != array:
+            raise StructureMismatchError(
+                f"{where}: leaf {spec.path}: the checkpoint has the Python number "
+                f"{array.item()!r}, which like's {spec.describe()} cannot hold exactly. "
+                "Fix: restore into a Python number or a wider dtype."
+            )
+        array = cast
     if saved.kind == KEY:
         key = jax.random.wrap_key_data(jnp.asarray(array), impl=saved.impl)
         return _place(key, like_leaf)

@@ -1,24 +1,27 @@
-"""The writer thread: takes handed-off states off a queue and writes Orbax checkpoints.
+"""The writer thread: takes handed-off states off the exchange and writes Orbax checkpoints.
 
-One thread per Checkpointer owns one `orbax.checkpoint.CheckpointManager` for its whole
-life: the manager is not thread-safe, and its `save` blocks until the previous save
-finishes, so it must never be called from JAX's callback thread. The manager runs with
-Orbax's own async machinery off (`enable_async_checkpointing=False`): this thread *is*
-the background, and a synchronous save means the host buffers of a save are free again
-as soon as `save` returns. Orbax writes each step into a temporary directory and renames
-it, so a step directory on disk is complete or absent.
+One thread per Checkpointer owns one synchronous `orbax.checkpoint.Checkpointer` for its
+whole life (Orbax objects are not thread-safe, and a save blocks, so it must never run
+in JAX's callback thread). This thread *is* the background, and a synchronous save means
+the host buffers of a save are free again as soon as it returns.
+
+Steps, retention and atomicity are ours, not a CheckpointManager's (see `_format`): a
+manager lists any integer-named folder as a step (and its retention deletes it), deletes
+a complete step to write it again (`force=True`), and shares one temporary name between
+writers. Here a step is written under a unique temporary name, fsynced, renamed into
+place, and the directory fsynced: after `wait()` returns, a listed step survives a power
+loss. A complete step is only ever removed by retention or by an explicit replace.
 """
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import dataclasses
 import logging
 import os
-import queue
-import shutil
 import threading
 import time
-import weakref
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,16 +29,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ._errors import DuplicateStepWarning, SaveError
+from . import _format
+from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
+from ._exchange import Exchange
+from ._lock import DirectoryLock
 from ._stats import SaveRecord, StatsRecorder
 
 logger = logging.getLogger("jax_cb_ckpt")
-
-STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
-META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
-# Retention renames a step here (atomic) before deleting it, so a kill in the middle of
-# a deletion never leaves a half-deleted step that looks like a checkpoint.
-DELETED_SUBDIR = "_jax_cb_ckpt_deleted"
 
 
 @dataclasses.dataclass
@@ -49,179 +49,147 @@ class SaveItem:
     blocking_s: float
     handoff_s: float
     release: Callable[[], None]  # give the host buffers back (staging pool)
+    replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
 
 
 _STOP = object()
 
 
-def make_manager(directory: str, *, max_to_keep: int | None, compression: bool):
-    """The Orbax manager the writer owns. Numpy arrays are not deep-copied by Orbax:
+def make_checkpointer(*, compression: bool) -> Any:
+    """The Orbax checkpointer the writer owns. Numpy arrays are not deep-copied by Orbax:
     the buffers handed to it stay untouched until the synchronous save returns."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
         (jax.Array, ocp.type_handlers.ArrayHandler()),  # unused; keeps Orbax's metadata on
     )
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        enable_async_checkpointing=False,
-        create=True,
-        # A killed run leaves `<step>.orbax-checkpoint-tmp*` directories; remove them
-        # when the directory is opened again (they are never listed as steps).
-        cleanup_tmp_directories=True,
-        todelete_subdir=DELETED_SUBDIR,
+    handler = ocp.CompositeCheckpointHandler(
+        **{
+            _format.STATE_ITEM: ocp.PyTreeCheckpointHandler(
+                use_compression=compression, type_handler_registry=registry
+            ),
+            _format.META_ITEM: ocp.JsonCheckpointHandler(),
+        }
     )
-    handlers = {
-        STATE_ITEM: ocp.PyTreeCheckpointHandler(
-            use_compression=compression, type_handler_registry=registry
-        ),
-        META_ITEM: ocp.JsonCheckpointHandler(),
-    }
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    return ocp.Checkpointer(handler)
 
 
 class Writer:
     """Background writer of one Checkpointer.
 
-    `submit` never blocks (the bound on in-flight saves is enforced by the caller with
-    `slots`); `drain` blocks the calling thread until every submitted save is written
-    or has failed; `stop` drains, closes the manager and ends the thread.
+    Opening it removes what a killed writer of ours left in the directory. `stop`
+    drains the queue (every submitted save is written or fails), closes Orbax and ends
+    the thread; the thread also ends by itself after `finish` (used when the owning
+    Checkpointer is garbage collected unclosed).
     """
 
     def __init__(
         self,
         directory: str,
+        exchange: Exchange,
+        lock: DirectoryLock,
         *,
         max_to_keep: int | None,
         compression: bool,
-        queue_size: int,
         stats: StatsRecorder,
+        on_exit: Callable[[], None],
     ) -> None:
         self.directory = directory
-        self.slots = threading.BoundedSemaphore(queue_size)
+        self._on_exit = on_exit  # marks the Checkpointer closed
+        self._exchange = exchange
+        self._lock = lock
+        self._max_to_keep = max_to_keep
         self._stats = stats
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._error: SaveError | None = None
-        self._notes: list[tuple[type[Warning], str]] = []
-        self._ready = threading.Event()
-        self._init_error: BaseException | None = None
+        self._identity = _format.identity(directory)
+        _format.clean_leftovers(directory)
+        self._checkpointer = make_checkpointer(compression=compression)
         self._thread = threading.Thread(
             target=self._run,
-            args=(max_to_keep, compression),
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
-            # Daemon so that a forgotten Checkpointer never hangs interpreter exit; the
-            # exit hook below flushes it first.
+            # Daemon so that a thread blocked elsewhere never hangs interpreter exit; the
+            # exit hook below drains and stops every writer first (see _flush_at_exit).
             daemon=True,
         )
+        _LIVE.add(self)
         self._thread.start()
-        self._ready.wait()
-        if self._init_error is not None:
-            raise SaveError(
-                f"could not open a checkpoint manager on {directory!r}: {self._init_error}"
-            ) from self._init_error
 
-    # -- called from the callback or user thread -------------------------------------
+    def flush_at_exit(self) -> None:
+        """Interpreter exit with saves possibly in flight: write them all, then stop.
+        What cannot be raised any more is reported as warnings (and logged)."""
+        self._on_exit()
+        pending = self._exchange.pending
+        if pending:
+            warnings.warn(
+                f"jax_cb_ckpt: {pending} save(s) to {self.directory!r} were still "
+                "pending at interpreter exit and were written now. Fix: call "
+                "ckpt.close() or use `with ckpt:` to flush explicitly.",
+                UnflushedSaveWarning,
+                stacklevel=2,
+            )
+        self.stop()
+        emit_notes(self._exchange, stacklevel=1)
+        error = self._exchange.take_error()
+        if error is not None:
+            warnings.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning, stacklevel=2)
 
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return self._pending
-
-    def submit(self, item: SaveItem) -> int:
-        """Queue a save; returns how many saves are now in flight."""
-        with self._cond:
-            self._pending += 1
-            in_flight = self._pending
-        self._queue.put(item)
-        return in_flight
-
-    def drain(self) -> None:
-        """Block until every submitted save has been written or has failed."""
-        with self._cond:
-            while self._pending:
-                self._cond.wait()
-
-    def peek_error(self) -> SaveError | None:
-        with self._cond:
-            return self._error
-
-    def take_error(self) -> SaveError | None:
-        """The first writer error since the last call, cleared (re-raise it)."""
-        with self._cond:
-            error, self._error = self._error, None
-            return error
-
-    def note(self, category: type[Warning], message: str) -> None:
-        """A warning to emit in the user's thread at the next wait()/close()."""
-        logger.warning(message)
-        with self._cond:
-            self._notes.append((category, message))
-
-    def take_notes(self) -> list[tuple[type[Warning], str]]:
-        with self._cond:
-            notes, self._notes = self._notes, []
-            return notes
+    def finish(self) -> None:
+        """Ask the thread to end once the saves queued before this call are written."""
+        self._exchange.stop_writer(_STOP)
 
     def stop(self) -> None:
+        """`finish`, then wait for the thread (blocks the calling thread)."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
+            self.finish()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
 
     # -- the writer thread ------------------------------------------------------------
 
-    def _run(self, max_to_keep: int | None, compression: bool) -> None:
-        try:
-            manager = make_manager(self.directory, max_to_keep=max_to_keep, compression=compression)
-        except BaseException as e:  # reported by __init__ in the user's thread
-            self._init_error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        _empty_deleted(self.directory)
+    def _run(self) -> None:
         try:
             while True:
-                item = self._queue.get()
+                item = self._exchange.next_item()
                 if item is _STOP:
                     break
+                error = None
                 try:
-                    self._write(manager, item)
+                    error = self._write(item)
                 finally:
                     item.release()
-                    self.slots.release()
-                    with self._cond:
-                        self._pending -= 1
-                        self._cond.notify_all()
+                    self._exchange.finished(item.step, error)
         finally:
-            manager.close()
+            _LIVE.discard(self)
+            self._checkpointer.close()
+            self._lock.release()
 
-    def _write(self, manager: Any, item: SaveItem) -> None:
+    def _write(self, item: SaveItem) -> SaveError | None:
         step = item.step
+        temp = _format.temp_name(step)
         try:
-            _check_directory(self.directory)
-            if step in manager.all_steps():
-                self._stats.count("duplicates")
-                self.note(
-                    DuplicateStepWarning,
-                    f"jax_cb_ckpt: step {step} already exists in {self.directory}; the "
-                    "checkpoint on disk was kept and this save was dropped.",
-                )
-                return
+            self._check_directory()
+            for old in item.replace:  # on_existing='replace': the other run's steps
+                _format.remove_step(self.directory, old)
+            final = os.path.join(self.directory, str(step))
+            if os.path.lexists(final):
+                raise FileExistsError(_in_the_way(final))
             start = time.perf_counter()
-            manager.save(
-                step,
+            self._checkpointer.save(
+                os.path.join(self.directory, temp),
                 args=ocp.args.Composite(
                     **{
-                        STATE_ITEM: ocp.args.PyTreeSave(item.tree),
-                        META_ITEM: ocp.args.JsonSave(item.meta),
+                        _format.STATE_ITEM: ocp.args.PyTreeSave(item.tree),
+                        _format.META_ITEM: ocp.args.JsonSave(item.meta),
                     }
                 ),
-                force=True,
             )
-            manager.wait_until_finished()
+            _format.fsync_tree(os.path.join(self.directory, temp))
+            if os.path.lexists(final):  # appeared while writing: keep what is there
+                raise FileExistsError(_in_the_way(final))
+            os.rename(os.path.join(self.directory, temp), final)
+            _format.fsync_dir(self.directory)
             write_s = time.perf_counter() - start
-            _empty_deleted(self.directory)
+            self._retain()
         except BaseException as e:
+            _format.remove_temp(self.directory, temp)
             self._stats.count("failed")
             kept = (
                 " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
@@ -231,69 +199,92 @@ class Writer:
             )
             error.__cause__ = e
             logger.error("%s", error)
-            _remove_partial(self.directory, step)
-            with self._cond:
-                if self._error is None:
-                    self._error = error
-            return
+            return error
         self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
+        return None
+
+    def _check_directory(self) -> None:
+        """The directory we opened is still there, and is still the same directory: one
+        removed (Orbax would silently re-create it) or replaced by another is an error,
+        and nothing is written into the replacement."""
+        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(f"{self.directory!r} is no longer a directory")
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(
+                f"the checkpoint directory {self.directory!r} no longer exists (it was "
+                "removed while the run was saving)"
+            )
+        if _format.identity(self.directory) != self._identity or not self._lock.still_ours():
+            raise FileNotFoundError(
+                f"the checkpoint directory {self.directory!r} was replaced while the run "
+                "was saving (removed and re-created, or its lock file removed); nothing "
+                "is written into the replacement. Fix: do not remove the directory of a "
+                "running Checkpointer; create a new Checkpointer to write there"
+            )
+
+    def _retain(self) -> None:
+        if self._max_to_keep is None:
+            return
+        steps = _format.list_steps(self.directory)
+        for old in steps[: max(0, len(steps) - self._max_to_keep)]:
+            _format.remove_step(self.directory, old)
 
 
-def _check_directory(directory: str) -> None:
-    """Orbax would silently re-create a removed directory; a vanished run is an error."""
-    if not os.path.exists(directory):
-        raise FileNotFoundError(
-            f"the checkpoint directory {directory!r} no longer exists (it was removed "
-            "while the run was saving)"
+def _in_the_way(final: str) -> str:
+    if _format.is_checkpoint(final):
+        return (
+            f"step directory {final!r} already exists (written by another writer "
+            "since this Checkpointer opened the directory); it was kept"
         )
-    if not os.path.isdir(directory):
-        raise NotADirectoryError(f"{directory!r} is no longer a directory")
+    return (
+        f"{final!r} already exists and is not a checkpoint (a user's file or folder?); "
+        "it was left untouched. Fix: move it out of the checkpoint directory"
+    )
 
 
-def _empty_deleted(directory: str) -> None:
-    """Finish deletions: steps that retention renamed into DELETED_SUBDIR."""
-    deleted = os.path.join(directory, DELETED_SUBDIR)
-    try:
-        names = os.listdir(deleted)
-    except OSError:
-        return
-    for name in names:
-        shutil.rmtree(os.path.join(deleted, name), ignore_errors=True)
-
-
-def _remove_partial(directory: str, step: int) -> None:
-    """Delete the temporary directory a failed save left, so it does not hold disk space.
-
-    Only `<step>.orbax-checkpoint-tmp*` of the failed step is touched; complete
-    checkpoints are never removed here."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+def emit_notes(exchange: Exchange, *, stacklevel: int) -> None:
+    """Issue the warnings the callback side and the writer noted, in this thread."""
+    for category, message in exchange.take_notes():
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 # -- interpreter exit ------------------------------------------------------------------
 
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def register_for_exit(checkpointer: Any) -> None:
-    _LIVE.add(checkpointer)
-
-
-def unregister_for_exit(checkpointer: Any) -> None:
-    _LIVE.discard(checkpointer)
+# Every writer whose thread runs, held strongly: a Checkpointer that was garbage
+# collected unclosed still has its saves written (weak references here lost them).
+_LIVE: set[Writer] = set()
 
 
 def _flush_at_exit() -> None:
-    for checkpointer in list(_LIVE):
+    """Write what every unclosed Checkpointer was handed, before the interpreter ends.
+
+    Threads that are still training (non-daemon, not the main thread) are waited for
+    first: their Checkpointer must not be closed under them. Thread-pool workers are not
+    waited for (they end only when the pools shut down, after this hook).
+    """
+    if not _LIVE:
+        return
+    pools = set(getattr(concurrent.futures.thread, "_threads_queues", {}))
+    me = threading.current_thread()
+    while True:
+        training = [
+            t
+            for t in threading.enumerate()
+            if t is not me and not t.daemon and t.is_alive() and t not in pools
+        ]
+        if not training:
+            break
+        for thread in training:
+            thread.join()
+    try:
+        jax.effects_barrier()  # saves of jitted code still running reach the queue
+    except BaseException as e:  # never raise during interpreter shutdown
+        logger.error("jax_cb_ckpt: waiting for running callbacks at exit failed: %s", e)
+    for writer in list(_LIVE):
         try:
-            checkpointer._flush_at_exit()
-        except BaseException as e:  # never raise during interpreter shutdown
-            logger.error("jax_cb_ckpt: flushing %r at exit failed: %s", checkpointer, e)
+            writer.flush_at_exit()
+        except BaseException as e:
+            logger.error("jax_cb_ckpt: flushing %s at exit failed: %s", writer.directory, e)
 
 
 def _install_exit_hook() -> None:

@@ -1,0 +1,172 @@
+"""The hand-off protocol between the callback side, the writer thread and the user.
+
+One object owns everything the three share: the slots that bound saves in flight, the
+queue, the pending count, the steps handed over, the first writer error and the notes
+(warnings to emit in the user's thread). Each side uses its own methods:
+
+- callback side (inside JAX's callback, or an eager `save`): `claim`, `take_slot`,
+  `submit`, `unclaim`, `record`;
+- writer thread: `next_item`, `finished`;
+- user thread: `drain`, `take_error`, `take_notes`, `forget`.
+
+Which saves may be written is decided here, in memory (the callback never touches the
+disk): a step already handed over by this Checkpointer is dropped with a warning (a
+remat recomputation, a repeated call); a step at or below a step another run left in
+the directory is a conflict (an error by default, or a replace of those steps when the
+user asked for it), so two runs never mix silently. A step that was skipped or whose
+write failed was never written: it is forgotten, and a later save of it is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+from typing import Any, Literal
+
+from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
+
+logger = logging.getLogger("jax_cb_ckpt")
+
+OnExisting = Literal["raise", "replace"]
+
+
+def is_failed_write(error: CheckpointError) -> bool:
+    """Errors that `on_error="continue"` turns into warnings: failed writes, not refusals."""
+    return isinstance(error, SaveError) and not isinstance(error, StepExistsError)
+
+
+class Exchange:
+    def __init__(
+        self, directory: str, *, queue_size: int, on_existing: OnExisting, old_steps: list[int]
+    ) -> None:
+        self.directory = directory
+        self.on_existing = on_existing
+        self._slots = threading.BoundedSemaphore(queue_size)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._handed: set[int] = set()
+        self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
+        self._error: CheckpointError | None = None
+        self._notes: list[tuple[type[Warning], str]] = []
+
+    # -- callback side --------------------------------------------------------------
+
+    def claim(self, step: int) -> tuple[int, ...] | None:
+        """May `step` be written? None: drop it (a duplicate, noted); otherwise the old
+        steps to delete first (empty unless replacing). Raises `StepExistsError` when the
+        step would mix with steps another run left in the directory."""
+        with self._cond:
+            if step in self._handed:
+                self._note(
+                    DuplicateStepWarning,
+                    f"jax_cb_ckpt: step {step} was handed over again by the same "
+                    f"Checkpointer on {self.directory!r} (a remat recomputation or a "
+                    "repeated save); the first save of it is kept, this one was dropped.",
+                )
+                return None
+            cut = bisect.bisect_left(self._old, step)
+            clash = tuple(self._old[cut:])
+            if clash and self.on_existing == "raise":
+                shown = ", ".join(map(str, clash[:5])) + (", ..." if len(clash) > 5 else "")
+                raise StepExistsError(
+                    f"saving step {step} to {self.directory!r}: the directory already "
+                    f"holds step(s) {shown} >= {step} from an earlier run, and mixing two "
+                    "runs would make the latest checkpoint belong to the other one. "
+                    "Nothing was changed on disk. Fix: use a new directory for a new run; "
+                    "or resume from the latest step (ckpt.restore(like) / ckpt.run(...)) "
+                    "so new steps come after it; or, to discard that run's steps from "
+                    f"step {step} on, create the Checkpointer with on_existing='replace'."
+                )
+            del self._old[cut:]
+            self._handed.add(step)
+            return clash
+
+    def unclaim(self, step: int) -> None:
+        """`step` was not handed over after all (skipped, or failed): it may come again."""
+        with self._cond:
+            self._handed.discard(step)
+
+    def take_slot(self, block: bool) -> bool:
+        return self._slots.acquire(blocking=block)
+
+    def give_slot(self) -> None:
+        self._slots.release()
+
+    def submit(self, item: Any) -> int:
+        """Queue a save (its slot taken); returns how many saves are now in flight."""
+        with self._cond:
+            self._pending += 1
+            in_flight = self._pending
+        self._queue.put(item)
+        return in_flight
+
+    def peek_error(self) -> CheckpointError | None:
+        with self._cond:
+            return self._error
+
+    def record(self, error: CheckpointError) -> None:
+        """An error raised on the callback side: JAX re-wraps it for the program, so it
+        is also kept here and re-raised as is by wait()/close()."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+
+    def note(self, category: type[Warning], message: str) -> None:
+        """A warning for the user's thread, emitted at the next wait()/close()/save."""
+        with self._cond:
+            self._note(category, message)
+
+    def _note(self, category: type[Warning], message: str) -> None:
+        self._notes.append((category, message))
+
+    # -- writer thread --------------------------------------------------------------
+
+    def next_item(self) -> Any:
+        return self._queue.get()
+
+    def stop_writer(self, marker: Any) -> None:
+        self._queue.put(marker)
+
+    def finished(self, step: int, error: SaveError | None) -> None:
+        """The writer is done with a submitted save (written, or failed with `error`)."""
+        self._slots.release()
+        with self._cond:
+            if error is not None:
+                self._handed.discard(step)
+                if self._error is None:
+                    self._error = error
+            self._pending -= 1
+            self._cond.notify_all()
+
+    # -- user thread ----------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    def drain(self) -> None:
+        """Block until every submitted save has been written or has failed."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+
+    def take_error(self) -> CheckpointError | None:
+        with self._cond:
+            error, self._error = self._error, None
+            return error
+
+    def take_notes(self) -> list[tuple[type[Warning], str]]:
+        with self._cond:
+            notes, self._notes = self._notes, []
+            return notes
+
+    def forget(self, steps_on_disk: list[int]) -> None:
+        """After a restore: the run continues from a restored step, so every step now on
+        disk counts as another run's (saving at or below one of them is a conflict)."""
+        with self._cond:
+            self._handed.clear()
+            self._old = sorted(steps_on_disk)

@@ -1,0 +1,216 @@
+"""The on-disk layout, in one place: names, what counts as a step, how steps come and go.
+
+A checkpoint directory holds, for each saved step, a directory named by the step in
+plain decimal (`0`, `5`, `1200`), written by Orbax and holding two items: `state` (the
+arrays, as a nested dict) and `meta` (JSON describing every leaf, tagged with `FORMAT`).
+
+Only such directories are steps. Anything else in the directory (a user's `2023/`, an
+empty `5/`, `007`, a symlink, a plain Orbax checkpoint) is ignored: never listed, never
+restored, never deleted. The library only ever deletes what it made itself:
+
+- `<step>.jax_cb_ckpt-tmp-<hex>`: a step being written. Orbax writes into it (through
+  its own `<that>.orbax-checkpoint-tmp`); once complete and fsynced it is renamed to
+  `<step>` (atomic), so a step directory is complete or absent, and a unique name per
+  attempt means two writers can never collide on a temporary name.
+- `<step>.jax_cb_ckpt-deleting-<hex>`: a step being deleted (retention, or an explicit
+  replace). The rename out of `<step>` is atomic, so a kill during the deletion never
+  leaves a half-deleted directory that looks like a step.
+
+Leftovers of either kind (a killed run) are removed when a Checkpointer opens the
+directory. Every deletion checks with `lstat` that it removes a real directory, never
+a symlink, and `shutil.rmtree` does not follow links inside it: nothing outside the
+checkpoint directory is ever touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import uuid
+
+import numpy as np
+
+from ._errors import ConfigError
+
+FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
+STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
+META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
+META_FILE = "metadata"  # the file Orbax's JsonCheckpointHandler writes in META_ITEM
+ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"  # written by Orbax when a save is finalized
+LOCK_NAME = ".jax_cb_ckpt.lock"  # held (flock) by the one live writer of a directory
+
+MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
+
+# Dtypes JAX and numpy handle that Orbax's TensorStore cannot store (measured with
+# tensorstore 0.1.x): stored widened, which is exact, and cast back on restore.
+_STORED_AS = {
+    "uint2": "uint8",
+    "uint4": "uint8",
+    "float6_e2m3fn": "float32",
+    "float6_e3m2fn": "float32",
+    "float8_e4m3": "float32",
+}
+
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+_OURS = re.compile(
+    r"(0|[1-9][0-9]*)\.jax_cb_ckpt-(tmp|deleting)-[0-9a-f]{32}(\.orbax-checkpoint-tmp)?",
+    re.ASCII,
+)
+# Written by versions <= 0.1.0: retention renamed steps into this folder.
+_LEGACY_DELETED = "_jax_cb_ckpt_deleted"
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype an array of `dtype` is stored as (itself, or an exact widening)."""
+    return np.dtype(_STORED_AS.get(dtype.name, dtype))
+
+
+def storable(array: np.ndarray) -> np.ndarray:
+    stored = storage_dtype(array.dtype)
+    return array if stored == array.dtype else array.astype(stored)
+
+
+def resolve(directory: object, where: str) -> str:
+    """The absolute path of a checkpoint directory argument, or a `ConfigError`.
+
+    Every public function takes the same forms: a non-empty str or os.PathLike,
+    absolute or relative to the working directory (Orbax itself wants absolute paths).
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ConfigError(
+            f"{where}: directory must be a str or os.PathLike, got "
+            f"{type(directory).__name__} ({directory!r})."
+        )
+    path = os.fspath(directory)
+    if not isinstance(path, str) or not path:
+        raise ConfigError(
+            f"{where}: directory is empty ({directory!r}). Fix: name the checkpoint "
+            "directory, e.g. 'runs/exp1' (use '.' to mean the working directory)."
+        )
+    return os.path.abspath(path)
+
+
+def is_step_name(name: str) -> bool:
+    """`name` is a step number written the way we write it (ASCII decimal, canonical)."""
+    return _STEP_NAME.fullmatch(name) is not None and int(name) <= MAX_STEP
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_checkpoint(path: str) -> bool:
+    """`path` is a complete checkpoint of ours: a real directory (not a symlink) holding
+    the files Orbax writes when it finalizes a save and our `meta` item."""
+    return (
+        _is_real_dir(path)
+        and _is_real_dir(os.path.join(path, STATE_ITEM))
+        and os.path.isfile(os.path.join(path, META_ITEM, META_FILE))
+        and os.path.isfile(os.path.join(path, ORBAX_STEP_FILE))
+    )
+
+
+def list_steps(path: str) -> list[int]:
+    """Steps with a complete checkpoint in `path`, ascending (see the module doc)."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        int(name)
+        for name in names
+        if is_step_name(name) and is_checkpoint(os.path.join(path, name))
+    )
+
+
+def foreign_steps(path: str) -> list[int]:
+    """Step-like names in `path` that are not checkpoints of ours (for error messages:
+    a plain Orbax checkpoint, an empty or half-copied directory)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(
+        int(name)
+        for name in names
+        if is_step_name(name) and not is_checkpoint(os.path.join(path, name))
+    )
+
+
+def temp_name(step: int) -> str:
+    return f"{step}.jax_cb_ckpt-tmp-{uuid.uuid4().hex}"
+
+
+def _remove_ours(path: str) -> None:
+    """Delete a directory we made (never a symlink: lstat, and rmtree refuses links)."""
+    if _is_real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_temp(directory: str, name: str) -> None:
+    """Delete one attempt's temporary directory and Orbax's inside-out temporary of it."""
+    _remove_ours(os.path.join(directory, name))
+    _remove_ours(os.path.join(directory, name + ".orbax-checkpoint-tmp"))
+
+
+def remove_step(directory: str, step: int) -> bool:
+    """Delete checkpoint `step`: renamed aside first (atomic), then removed.
+
+    Returns False (and touches nothing) when `<step>` is not a checkpoint of ours.
+    """
+    source = os.path.join(directory, str(step))
+    if not is_checkpoint(source):
+        return False
+    aside = os.path.join(directory, f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
+    os.rename(source, aside)
+    fsync_dir(directory)
+    _remove_ours(aside)
+    return True
+
+
+def clean_leftovers(directory: str) -> None:
+    """Remove what a killed writer of ours left: temporaries and half-done deletions."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if _OURS.fullmatch(name):
+            _remove_ours(os.path.join(directory, name))
+    legacy = os.path.join(directory, _LEGACY_DELETED)
+    if _is_real_dir(legacy):  # a symlink here is never followed, only ignored
+        shutil.rmtree(legacy, ignore_errors=True)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under `path` (what Orbax leaves unsynced)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.path.islink(file):
+                continue
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def identity(path: str) -> tuple[int, int]:
+    """(device, inode) of `path`: tells a directory from one re-created under its name."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
