@@ -2,7 +2,9 @@
 
 A SIGTERM (or SIGINT, when asked) only sets a flag; nothing is interrupted. Traced code
 reads the flag with `should_stop(step)` and decides on the device to save and leave its
-loop; the Python side then waits for that last save before the process exits.
+loop; the Python side then waits for that last save before the process exits. Ctrl-C
+without `sigint=True` also sets the flag, and is recorded as an interrupt: once the save
+is on disk `run` raises KeyboardInterrupt, as Ctrl-C would have at once.
 
 Python runs signal handlers in the main thread, between bytecodes. A main thread blocked
 inside a long C++ call (`block_until_ready` on a jitted loop) would run the handler only
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,38 +47,82 @@ class StopFlag:
     """Thread-safe record of a stop request (and which signal asked)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: our signal handlers take it, and Python runs a handler in the main
+        # thread between two bytecodes, possibly while that thread already holds it.
+        self._lock = threading.RLock()
         self.requested = False
         self.signum: int | None = None
+        # Ctrl-C with sigint=False: `run` raises KeyboardInterrupt (or `deferred`, what a
+        # SIGINT handler of the user's own raised) once the loop has stopped and saved.
+        self.interrupted = False
+        self.deferred: BaseException | None = None
 
     def request(self, signum: int | None = None) -> None:
         with self._lock:
             if not self.requested:
                 self.requested, self.signum = True, signum
 
+    def interrupt(self, error: BaseException | None = None) -> None:
+        """Ctrl-C with `sigint=False`: stop at the next check; raise once saved."""
+        with self._lock:
+            self.interrupted = True
+            if self.deferred is None:
+                self.deferred = error
+            self.request(signal.SIGINT)
+
     def clear(self) -> None:
         with self._lock:
             self.requested, self.signum = False, None
+            self.interrupted, self.deferred = False, None
 
     @contextlib.contextmanager
-    def signals(self, signums: tuple[int, ...]) -> Iterator[None]:
-        """Record `signums` as stop requests while the block runs (main thread only;
-        elsewhere Python cannot install handlers and the block runs without them)."""
+    def signals(self, *, sigint: bool) -> Iterator[None]:
+        """While the block runs, turn signals into stop requests (main thread only;
+        elsewhere Python cannot install handlers and the block runs without them).
+
+        SIGTERM, and SIGINT with `sigint=True`, request a stop. With `sigint=False` a
+        Ctrl-C is an `interrupt()` instead: Python's default handler would raise
+        KeyboardInterrupt in the main thread at once, and `run` would leave while the
+        loop runs on in its helper thread. A SIGINT handler of the user's own still runs,
+        but what it raises is deferred the same way. SIG_IGN and SIG_DFL stay as they are.
+        """
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {s: signal.getsignal(s) for s in signums}
-
-        def handler(signum: int, frame: Any) -> None:
-            self.request(signum)
-
-        for s in signums:
+        handlers: dict[int, Any] = {signal.SIGTERM: self._on_signal}
+        previous_sigint = signal.getsignal(signal.SIGINT)
+        if sigint:
+            handlers[signal.SIGINT] = self._on_signal
+        elif previous_sigint is signal.default_int_handler:
+            handlers[signal.SIGINT] = self._on_ctrl_c
+        elif callable(previous_sigint):
+            handlers[signal.SIGINT] = self._deferring(previous_sigint)
+        previous = {s: signal.getsignal(s) for s in handlers}
+        for s, handler in handlers.items():
             signal.signal(s, handler)
         try:
             yield
         finally:
             for s, old in previous.items():
                 signal.signal(s, old)
+
+    # Our signal handlers only record: Python runs them in the main thread at whatever
+    # bytecode it is at, so what they raise could escape anywhere (also from the code
+    # that waits for the loop's thread), and they must not block or print.
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.request(signum)
+
+    def _on_ctrl_c(self, signum: int, frame: Any) -> None:
+        self.interrupt()
+
+    def _deferring(self, handler: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
+        def on_sigint(signum: int, frame: Any) -> None:
+            try:
+                handler(signum, frame)
+            except BaseException as e:  # raised once the loop has stopped and saved
+                self.interrupt(e)
+
+        return on_sigint
 
     def traced(self, step: Any) -> jax.Array:
         """A traced bool: has a stop been requested? One host crossing per evaluation.

@@ -8,7 +8,7 @@ Checkpoint `k` holds the state after `k` steps.
 
 from __future__ import annotations
 
-import signal
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import ConfigError
-from ._preempt import Preempted
+from ._preempt import Preempted, StopFlag
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer
+
+logger = logging.getLogger("jax_cb_ckpt")
 
 
 def run(
@@ -79,23 +81,43 @@ def run(
         i, state, stop = jax.lax.while_loop(cond, one_step, carry)
         return state, i, stop
 
-    signums = (signal.SIGTERM, signal.SIGINT) if sigint else (signal.SIGTERM,)
-    with ckpt._stop.signals(signums):
-        out = _in_thread(lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))))
-        ckpt.wait()  # the last save is on disk before we return or raise
+    stop = ckpt._stop
+    try:
+        with stop.signals(sigint=sigint):
+            out = _in_thread(
+                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))), stop
+            )
+            ckpt.wait()  # the last save is on disk before we return or raise
+    except BaseException:
+        if stop.interrupted:
+            stop.clear()  # the error wins over the Ctrl-C; a later run starts afresh
+        raise
     state, i, stopped = out
+    if stop.interrupted:
+        # Raised only now, with the loop ended and its save on disk: raised at the press
+        # it would have left the loop running in the helper thread (saving into a closed
+        # Checkpointer, or aborting the interpreter at exit from inside a callback).
+        error = stop.deferred or KeyboardInterrupt(
+            f"jax_cb_ckpt: stopped at step {int(i)} after Ctrl-C; checkpoint saved"
+        )
+        stop.clear()  # consumed: a later run in this process starts afresh
+        raise error
     if bool(stopped) and int(i) < num_steps:
-        signum = ckpt._stop.signum
-        ckpt._stop.clear()  # consumed: a later run in this process starts afresh
+        signum = stop.signum
+        stop.clear()  # consumed: a later run in this process starts afresh
         raise Preempted(int(i), signum)
     return state
 
 
-def _in_thread(fn: Callable[[], Any]) -> Any:
+def _in_thread(fn: Callable[[], Any], stop: StopFlag) -> Any:
     """Run `fn` in a helper thread while this thread waits in short, interruptible steps.
 
     A jitted program with callbacks is dispatched synchronously: the calling thread stays
     inside C++ until the loop ends, and Python would run a SIGTERM handler only then.
+
+    Never returns or raises while the thread runs: during `run`, a Ctrl-C (and whatever a
+    SIGINT handler of the user's own raises) is only recorded, by `StopFlag.signals`,
+    and turned into a stop request; the loop leaves at its next check, and this waits.
     """
     result: list[Any] = []
     error: list[BaseException] = []
@@ -108,8 +130,15 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
 
     thread = threading.Thread(target=target, name="jax_cb_ckpt-run", daemon=True)
     thread.start()
+    noted = False
     while thread.is_alive():
         thread.join(0.05)
+        if stop.interrupted and not noted:
+            noted = True  # once, however many presses
+            logger.warning(
+                "jax_cb_ckpt: Ctrl-C: stopping at the next check, saving first "
+                "(Ctrl-\\ quits at once, without saving)"
+            )
     if error:
         raise error[0]
     return result[0]
