@@ -29,6 +29,8 @@ from jax.experimental import io_callback
 
 import jax_cb_ckpt
 
+from .harness import medians, rotated, timed
+
 
 def build(save_fn):
     """A jitted scan over `steps` that updates the state and (maybe) saves each step."""
@@ -66,14 +68,6 @@ def noop_debug_save(state, step):
     )
 
 
-def timed(fn, *args) -> float:
-    jax.effects_barrier()
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    jax.effects_barrier()  # the device's part: every hand-off is done
-    return time.perf_counter() - start
-
-
 def measure(mb: int, saves: int, reps: int) -> dict:
     n = mb * (1 << 20) // 4
     x0 = jnp.zeros(n, jnp.float32)
@@ -99,12 +93,8 @@ def measure(mb: int, saves: int, reps: int) -> dict:
             for fn in (bare, noop, noop_debug, ours):  # compile outside the timed region
                 jax.block_until_ready(fn(x0, warm))
             ckpt.wait()
-            t = {
-                "bare": timed(bare, x0, steps),
-                "noop": timed(noop, x0, steps),
-                "noop_debug": timed(noop_debug, x0, steps),
-                "maybe_save": timed(ours, x0, steps),
-            }
+            fns = {"bare": bare, "noop": noop, "noop_debug": noop_debug, "maybe_save": ours}
+            t = {name: timed(fns[name], x0, steps) for name in rotated(list(fns), rep)}
             start = time.perf_counter()
             np.copyto(dst, src)
             t["copyto"] = time.perf_counter() - start
@@ -113,7 +103,7 @@ def measure(mb: int, saves: int, reps: int) -> dict:
                 for k, v in t.items():
                     times[k].append(v)
                 handoff.extend(r.handoff_s for r in ckpt.stats.recent[saves:])
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(times)
     per_save = {
         "noop": (med["noop"] - med["bare"]) / saves,
         "noop_debug": (med["noop_debug"] - med["bare"]) / saves,

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from . import suite
+from .harness import medians, rotated
 
 IN_JIT_FLOORS = ("noop_debug_callback", "noop_io_callback")
 ALL = (
@@ -97,8 +98,7 @@ def run_config(config: dict[str, Any], reps: int, root: str) -> dict[str, Any]:
         ours.flush()
         recent_before = len(ours.ckpt.stats.recent)
     for rep in range(reps):
-        k = rep % len(methods)
-        for m in methods[k:] + methods[:k]:
+        for m in rotated(methods, rep):
             with suite.PeakRSS() as peak:
                 trained, total = m.run(offset=(rep + 1) * suite.OFFSET)
             train[m.name].append(trained)
@@ -108,8 +108,8 @@ def run_config(config: dict[str, Any], reps: int, root: str) -> dict[str, Any]:
     for m in methods:
         m.close()
     saves = n // every
-    med = {name: statistics.median(v) for name, v in times.items()}
-    med_train = {name: statistics.median(v) for name, v in train.items()}
+    med = medians(times)
+    med_train = medians(train)
     bare = med["bare"]
     result: dict[str, Any] = {
         "workload": wl.name,

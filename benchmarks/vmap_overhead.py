@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_cb_ckpt
+
+from .harness import medians, rotated, timed
 
 
 def init(seed):
@@ -70,18 +70,13 @@ def measure(seeds: int, steps: int, reps: int) -> dict:
         }
         names = list(fns)
         for rep in range(reps + 1):  # the first repetition compiles and is dropped
-            order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate
-            for name in order:
-                fn = fns[name]
-                jax.effects_barrier()
-                start = time.perf_counter()
-                jax.block_until_ready(fn(seeds_arr, jnp.int32(rep * steps)))
-                jax.effects_barrier()  # every hand-off is done
+            for name in rotated(names, rep):
+                elapsed = timed(fns[name], seeds_arr, jnp.int32(rep * steps))
                 if rep:
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(elapsed)
         ckpt.close()
         stats = ckpt.stats
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = medians(times)
     return {
         "seeds": seeds,
         "steps": steps,

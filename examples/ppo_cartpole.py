@@ -223,18 +223,6 @@ def final_return(state, last: int = 20) -> np.ndarray:
     return np.array([np.nanmean(r) if np.isfinite(r).any() else np.nan for r in tail])
 
 
-def leaves_bytes(state):
-    raw = jax.tree_util.tree_map(
-        lambda x: (
-            jax.random.key_data(x)
-            if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
-            else x
-        ),
-        state,
-    )
-    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(raw)]
-
-
 def kill_demo(config: Config, args) -> int:
     """Train in a child process, SIGKILL it part-way, resume here, compare."""
     root = tempfile.mkdtemp(prefix="ppo_cartpole_")
@@ -262,7 +250,7 @@ def kill_demo(config: Config, args) -> int:
     start = time.perf_counter()
     reference = train(config, os.path.join(root, "reference"), seeds=args.seeds, every=args.every)
     print(f"    finished in {time.perf_counter() - start:.1f} s")
-    same = leaves_bytes(resumed) == leaves_bytes(reference)
+    same = jax_cb_ckpt.same_bits(resumed, reference)
     print(
         f"final mean return (last 20 updates): resumed {final_return(resumed)}, "
         f"uninterrupted {final_return(reference)}"
@@ -283,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_demo:
         return kill_demo(config, args)
     start = time.perf_counter()
+    latest = jax_cb_ckpt.latest_step(args.dir)
+    if latest == config.num_updates:
+        print(
+            f"resumed at the end: {args.dir} holds a finished run ({latest} updates); "
+            "nothing left to train, showing its results (use another --dir to train anew)"
+        )
+    elif latest is not None:
+        print(f"resuming from update {latest} of {config.num_updates} ({args.dir})")
     state = train(config, args.dir, seeds=args.seeds, every=args.every)
     returns = np.asarray(state["returns"]).reshape(args.seeds, -1)
     window = max(config.num_updates // 10, 1)

@@ -23,6 +23,7 @@ from ._restore import metadata as metadata
 from ._restore import restore as restore
 from ._stats import SaveRecord as SaveRecord
 from ._stats import Stats as Stats
+from ._tree import same_bits as same_bits
 from ._version import version as _version
 
 __version__ = _version()

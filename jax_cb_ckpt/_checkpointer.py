@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _format, _restore, _traced, _tree
+from . import _format, _restore, _run, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -23,10 +23,11 @@ from ._errors import (
     SaveFailedWarning,
 )
 from ._exchange import Exchange, OnExisting, is_failed_write
-from ._handoff import HostSide, OnError, OnFull, Signature, probe_callback_arrays
+from ._handoff import CLOSED_AT_EXIT, HostSide, OnError, OnFull, Signature, probe_callback_arrays
 from ._lock import DirectoryLock
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
+from ._traced import Gather
 from ._writer import Writer, emit_notes
 
 logger = logging.getLogger("jax_cb_ckpt")
@@ -34,6 +35,7 @@ logger = logging.getLogger("jax_cb_ckpt")
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
 _ON_EXISTING = typing.get_args(OnExisting)
+_GATHER = typing.get_args(Gather)
 
 
 def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
@@ -57,9 +59,9 @@ class Checkpointer:
 
         @jax.jit
         def train(state):
-            def body(state, step):
+            def body(state, i):
                 state = update(state)
-                ckpt.maybe_save(state, step)  # fine inside jit / scan / while_loop
+                ckpt.maybe_save(state, i + 1)  # after i + 1 updates; fine inside jit
                 return state, None
             return jax.lax.scan(body, state, jnp.arange(10_000))[0]
 
@@ -142,11 +144,11 @@ class Checkpointer:
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): cannot create the directory: {e}."
             ) from e
-        self.directory = path
-        self.queue_size = queue_size
-        self.on_full: OnFull = on_full
-        self.on_error: OnError = on_error
-        self.on_existing: OnExisting = on_existing
+        self._directory = path
+        self._queue_size = queue_size
+        self._on_full: OnFull = on_full
+        self._on_error: OnError = on_error
+        self._on_existing: OnExisting = on_existing
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
@@ -173,7 +175,7 @@ class Checkpointer:
                 compression=bool(compression),
                 stats=self._stats,
                 # Not a bound method: the writer must not keep this object alive.
-                on_exit=functools.partial(_mark_closed, self._host, "was closed at exit"),
+                on_exit=functools.partial(_mark_closed, self._host, CLOSED_AT_EXIT),
             )
         except BaseException as e:
             lock.release()
@@ -184,6 +186,52 @@ class Checkpointer:
         # still writes every save handed over, then stops; interpreter exit flushes it.
         self._finalizer = weakref.finalize(self, _collected, self._host, self._writer)
         self._finalizer.atexit = False
+
+    # -- configuration (read-only: fixed when the writer starts) ---------------------
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory, absolute."""
+        return self._directory
+
+    @property
+    def every(self) -> int | None:
+        return self._every
+
+    @property
+    def max_to_keep(self) -> int | None:
+        return self._max_to_keep
+
+    @property
+    def queue_size(self) -> int:
+        return self._queue_size
+
+    @property
+    def on_full(self) -> OnFull:
+        return self._on_full
+
+    @property
+    def on_error(self) -> OnError:
+        return self._on_error
+
+    @property
+    def on_existing(self) -> OnExisting:
+        return self._on_existing
+
+    def __copy__(self) -> Checkpointer:
+        return self  # one writer and one lock per directory: a copy is the same object
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Checkpointer:
+        # Config objects holding a Checkpointer (dataclasses.asdict, copy.deepcopy of a
+        # frozen config) get the same Checkpointer, not a second writer of the directory.
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ConfigError(
+            f"a Checkpointer (on {self._directory!r}) cannot be pickled: it owns a writer "
+            "thread and the directory's lock. Fix: pickle its directory and settings, and "
+            "create a Checkpointer from them where they are unpickled."
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -202,10 +250,14 @@ class Checkpointer:
         *,
         when: Any = None,
         axis_name: Any = None,
-        replicated: bool = False,
-        tiled: bool = False,
+        gather: Gather = "stack",
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
+
+        Convention: checkpoint `k` holds the state after `k` updates. Call it at the end
+        of an update with the number of updates done (`i + 1` for a scan index `i`, or
+        `TrainState.step` after `apply_gradients`): then the final state is saved, and
+        `restore` / `run` continue exactly where training stopped.
 
         Safe anywhere in traced code (jit, scan, fori_loop, while_loop, cond, nested),
         under vmap, grad/jvp/vjp, remat and donation, and eagerly. The predicate is
@@ -227,13 +279,13 @@ class Checkpointer:
             when: optional boolean scalar (traced or Python) overriding `every`.
             axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
                 over: every leaf is gathered along it and the state is saved once, by
-                the first device. By default the devices' values are stacked on a new
-                leading axis (what `pmap` returns).
-            replicated: with `axis_name`, the state is the same on every device: save
-                the first device's copy, without gathering.
-            tiled: with `axis_name`, concatenate the devices' blocks along the first
-                axis instead of stacking them (the global array of a `shard_map` leaf
-                sharded on its first axis, as with `lax.all_gather(tiled=True)`).
+                the first device.
+            gather: with `axis_name`, how the devices' values form the saved state:
+                `"stack"` (default) on a new leading axis (what `pmap` returns);
+                `"concat"` along the first axis (the global array of a `shard_map` leaf
+                sharded on its first axis, as `lax.all_gather(tiled=True)`);
+                `"replicated"`: the state is the same on every device, save the first
+                device's copy without gathering.
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -255,7 +307,7 @@ class Checkpointer:
         if pred is False:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step, known, pred, where, axis_name, replicated, tiled)
+        self._cross(state, step, known, pred, where, axis_name, gather)
 
     def save(
         self,
@@ -263,8 +315,7 @@ class Checkpointer:
         step: Any,
         *,
         axis_name: Any = None,
-        replicated: bool = False,
-        tiled: bool = False,
+        gather: Gather = "stack",
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
@@ -273,7 +324,7 @@ class Checkpointer:
         where = "save"
         self._check_usable(where)
         known = _traced.check_step(step, where)
-        self._cross(state, step, known, None, where, axis_name, replicated, tiled)
+        self._cross(state, step, known, None, where, axis_name, gather)
 
     def _cross(
         self,
@@ -283,13 +334,18 @@ class Checkpointer:
         pred: Any,
         where: str,
         axis_name: Any,
-        replicated: bool,
-        tiled: bool,
+        gather: Gather,
     ) -> None:
-        if axis_name is None and (replicated or tiled):
+        if gather not in _GATHER:
             raise ConfigError(
-                f"{where}: replicated= and tiled= describe how to gather over a device "
-                "axis; they need axis_name= (the pmap/shard_map axis name)."
+                f"{where}(gather={gather!r}): gather must be one of {_GATHER}: 'stack' the "
+                "devices' values on a new axis, 'concat' their blocks along the first "
+                "axis, or 'replicated' to save the first device's copy."
+            )
+        if axis_name is None and gather != "stack":
+            raise ConfigError(
+                f"{where}: gather={gather!r} says how to gather over a device axis; it "
+                "needs axis_name= (the pmap/shard_map axis name)."
             )
         _traced.check_axis_name(axis_name, where)
         _, specs, leaves = _tree.describe_state(state, where)
@@ -303,16 +359,16 @@ class Checkpointer:
             ]
             ndims = tuple(len(np.shape(h)) for h in hosts)
             self._host.eager(Signature(specs, ndims), known, hosts)
-            self._raise_writer_error()
+            self._raise_writer_error(depth=2)  # user -> save -> _cross -> here
             return
         # Traced: leaves Python knows are constants of the program; they are copied now
-        # and never cross through JAX (which would narrow 64-bit dtypes). Under a tiled
-        # gather they must cross, to be tiled like the rest.
+        # and never cross through JAX (which would narrow 64-bit dtypes). Concatenated
+        # over devices they must cross, to be concatenated like the rest.
         constants, payload = [], []
         for index, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
-            if _tree.is_constant(leaf) and not tiled:
+            if _tree.is_constant(leaf) and gather != "concat":
                 constants.append((index, _tree.host_copy(spec, leaf)))
-            elif 0 in spec.shape:  # no data, only a shape: nothing to cross
+            elif 0 in spec.shape and gather != "concat":  # only a shape: nothing to cross
                 constants.append((index, _tree.empty_data(spec)))
             else:
                 payload.append(_tree.to_payload(spec, leaf, where))
@@ -328,8 +384,7 @@ class Checkpointer:
             payload,
             pred,
             axis_name=axis_name,
-            replicated=replicated,
-            tiled=tiled,
+            gather=gather,
         )
 
     def _check_usable(self, where: str) -> None:
@@ -340,10 +395,15 @@ class Checkpointer:
             )
         # A writer failure surfaces at the next hand-off; in the user's thread when the
         # call happens here (eagerly or while tracing).
-        self._raise_writer_error()
+        self._raise_writer_error(depth=2)  # user -> save -> _check_usable -> here
 
-    def _raise_writer_error(self) -> None:
-        emit_notes(self._exchange, stacklevel=4)
+    def _raise_writer_error(self, depth: int) -> None:
+        """Issue pending warnings and raise (or warn about) the first writer error.
+
+        `depth`: how many frames of ours lie between the user's line and this function
+        (the user's call included, this function excluded), so that warnings point at
+        the user's line."""
+        emit_notes(self._exchange, stacklevel=depth + 2)
         error = self._exchange.take_error()
         if error is None:
             return
@@ -352,7 +412,7 @@ class Checkpointer:
                 f"jax_cb_ckpt: {self._stats.snapshot().failed} save(s) failed so far and "
                 f"training continued (on_error='continue'); the first: {error}",
                 SaveFailedWarning,
-                stacklevel=4,
+                stacklevel=depth + 2,
             )
             return
         raise error
@@ -366,18 +426,24 @@ class Checkpointer:
         so call it from your own thread, never from inside a callback. When it returns,
         every checkpoint written so far is fsynced: it survives a crash or power loss.
         """
+        self._wait(depth=1)
+
+    def _wait(self, depth: int) -> None:
         if not self._closed:
             jax.effects_barrier()
             self._exchange.drain()
-        self._raise_writer_error()
+        self._raise_writer_error(depth + 1)
 
     def close(self) -> None:
         """`wait()`, then stop the writer thread and release the directory. Idempotent;
         blocks the calling thread."""
+        self._close(depth=1)
+
+    def _close(self, depth: int) -> None:
         if self._closed:
             return
         try:
-            self.wait()
+            self._wait(depth + 1)
         finally:
             self._closed = True
             self._host.closed_reason = "was closed"
@@ -389,15 +455,13 @@ class Checkpointer:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc is None:
-            self.close()
+            self._close(depth=1)
             return
-        # The body's exception wins; a writer error is reported alongside it.
+        # The body's exception wins; a writer error is reported alongside it, once.
         try:
-            self.close()
+            self._close(depth=1)
         except CheckpointError as error:
-            logger.error("jax_cb_ckpt: %s", error)
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"jax_cb_ckpt writer error: {error}")
+            exc.add_note(f"jax_cb_ckpt writer error: {error}")
 
     # -- runs that resume themselves ------------------------------------------------
 
@@ -443,10 +507,9 @@ class Checkpointer:
             final = ckpt.run(update, init_state, num_steps=1000)
             ```
         """
-        from ._run import run
-
-        return run(
+        return _run.run(
             self,
+            self._stop,
             body,
             init,
             num_steps,

@@ -24,6 +24,7 @@ checkpoint directory is ever touched.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -89,7 +90,11 @@ def resolve(directory: object, where: str) -> str:
             f"{where}: directory is empty ({directory!r}). Fix: name the checkpoint "
             "directory, e.g. 'runs/exp1' (use '.' to mean the working directory)."
         )
-    return os.path.abspath(path)
+    if "\0" in path:
+        raise ConfigError(f"{where}: directory {path!r} contains a NUL character.")
+    # realpath, not abspath: `link/../x` must name the directory the OS means (abspath
+    # would drop `link/..` without following the link).
+    return os.path.realpath(path)
 
 
 def is_step_name(name: str) -> bool:
@@ -104,15 +109,44 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
+def _is_real_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_checkpoint(path: str) -> bool:
-    """`path` is a complete checkpoint of ours: a real directory (not a symlink) holding
-    the files Orbax writes when it finalizes a save and our `meta` item."""
-    return (
+    """`path` is a complete checkpoint of ours: a real directory (no symlinks on the way)
+    holding the file Orbax writes when it finalizes a save, our `state` item, and our
+    `meta` item carrying our format tag (a plain Orbax checkpoint with items of the same
+    names is not ours)."""
+    meta = os.path.join(path, META_ITEM, META_FILE)
+    if not (
         _is_real_dir(path)
         and _is_real_dir(os.path.join(path, STATE_ITEM))
-        and os.path.isfile(os.path.join(path, META_ITEM, META_FILE))
-        and os.path.isfile(os.path.join(path, ORBAX_STEP_FILE))
-    )
+        and _is_real_dir(os.path.join(path, META_ITEM))
+        and _is_real_file(meta)
+        and _is_real_file(os.path.join(path, ORBAX_STEP_FILE))
+    ):
+        return False
+    try:
+        with open(meta, "rb") as f:
+            tag = json.loads(f.read()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return tag == FORMAT
+
+
+def symlinks_inside(path: str) -> list[str]:
+    """Symlinks anywhere under `path` (a checkpoint of ours has none: reading one could
+    read outside the directory)."""
+    found = []
+    for root, dirs, files in os.walk(path):
+        found += [
+            os.path.join(root, n) for n in dirs + files if os.path.islink(os.path.join(root, n))
+        ]
+    return found
 
 
 def list_steps(path: str) -> list[int]:
@@ -121,6 +155,8 @@ def list_steps(path: str) -> list[int]:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as e:
+        raise ConfigError(f"cannot list the checkpoint directory {path!r}: {e}") from e
     return sorted(
         int(name)
         for name in names

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -41,6 +42,7 @@ from ._errors import (
     CheckpointError,
     InvalidStateError,
     SkippedSaveWarning,
+    UnflushedSaveWarning,
 )
 from ._exchange import Exchange, is_failed_write
 from ._format import FORMAT
@@ -48,6 +50,7 @@ from ._stats import StatsRecorder
 from ._version import version
 from ._writer import SaveItem
 
+CLOSED_AT_EXIT = "was closed at interpreter exit"
 OnFull = Literal["block", "skip"]
 OnError = Literal["raise", "continue"]
 
@@ -89,7 +92,12 @@ class Signature:
         for spec, ndim, host in zip(self.specs, self.data_ndims, hosts, strict=True):
             trailing = ndim - len(spec.shape)  # key-data axes of a typed key
             shape = tuple(host.shape[: host.ndim - trailing])
-            specs.append(spec if shape == spec.shape else dataclasses.replace(spec, shape=shape))
+            if shape == spec.shape:
+                specs.append(spec)
+            elif spec.kind == _tree.SCALAR:  # a Python number broadcast over a batch
+                specs.append(dataclasses.replace(spec, kind=_tree.ARRAY, shape=shape))
+            else:
+                specs.append(dataclasses.replace(spec, shape=shape))
         return tuple(specs)
 
 
@@ -184,7 +192,7 @@ class HostSide:
     def __call__(self, signature: Signature, step: Any, pred: Any, *arrays: Any) -> None:
         """The crossing's callback: `arrays` are the leaves that crossed through JAX."""
         start = time.perf_counter()
-        self._stats.count("crossings")
+        self._stats.crossed()
         self._check_open()
         error = self._exchange.peek_error()
         if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
@@ -210,13 +218,23 @@ class HostSide:
         or jax arrays, read here). Copied into staging buffers before returning, so a
         caller that mutates its numpy arrays afterwards does not change the save."""
         start = time.perf_counter()
-        self._stats.count("crossings")
+        self._stats.crossed()
         self._check_open()
         take = functools.partial(self._pool.copy_in, hosts)
         self._hand_over(signature, step, np.asarray(True), start, take, in_callback=False)
 
     def _check_open(self) -> None:
         if self.closed_reason is not None:
+            if self.closed_reason == CLOSED_AT_EXIT:
+                # Raised in a thread nobody may be listening to (a pool worker still
+                # training after interpreter exit began): say it where it is seen.
+                warnings.warn(
+                    f"jax_cb_ckpt: a save reached the Checkpointer on {self.directory!r} "
+                    "after interpreter exit closed it and was not written. Fix: wait for "
+                    "your training threads and futures before the main thread returns.",
+                    UnflushedSaveWarning,
+                    stacklevel=2,
+                )
             raise CheckpointerClosedError(
                 f"a save reached the Checkpointer on {self.directory!r}, which "
                 f"{self.closed_reason}. Fix: keep the Checkpointer open (e.g. `with "
@@ -244,13 +262,13 @@ class HostSide:
                 exchange.record(e)
             raise
         if replace is None:  # a duplicate, noted for the user
-            self._stats.count("duplicates")
+            self._stats.duplicate()
             return
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.
         if not exchange.take_slot(block=self._on_full == "block"):
             exchange.unclaim(step)  # never written: a later save of it is welcome
-            self._stats.count("skipped")
+            self._stats.skipped()
             exchange.note(
                 SkippedSaveWarning,
                 f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "

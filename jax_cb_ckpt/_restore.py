@@ -74,6 +74,14 @@ def _pick_step(path: str, step: int | None, what: str) -> int:
 
 
 def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
+    links = _format.symlinks_inside(os.path.join(path, str(step)))
+    if links:
+        raise RestoreError(
+            f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
+            "make reading it read files outside the directory; the library never writes "
+            "them, so it was altered. Fix: restore another step, or replace the links by "
+            "the files they point to if you trust them."
+        )
     try:
         with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
             meta = checkpointer.restore(

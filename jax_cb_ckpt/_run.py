@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +19,25 @@ import jax.numpy as jnp
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
 
-if TYPE_CHECKING:
-    from ._checkpointer import Checkpointer
-
 logger = logging.getLogger("jax_cb_ckpt")
 
 
+class Saver(Protocol):
+    """What `run` uses of a Checkpointer (its public surface)."""
+
+    @property
+    def directory(self) -> str: ...
+    @property
+    def every(self) -> int | None: ...
+    def latest_step(self) -> int | None: ...
+    def restore(self, like: Any, *, step: int | None = None) -> Any: ...
+    def maybe_save(self, state: Any, step: Any, *, when: Any = None) -> None: ...
+    def wait(self) -> None: ...
+
+
 def run(
-    ckpt: Checkpointer,
+    ckpt: Saver,
+    stop_flag: StopFlag,
     body: Callable[[Any, jax.Array], Any],
     init: Any,
     num_steps: int,
@@ -35,7 +46,7 @@ def run(
     sigint: bool,
     check_every: int | None,
 ) -> Any:
-    every = ckpt._every
+    every = ckpt.every
     if every is None:
         raise ConfigError(
             "run: the Checkpointer needs every=N (run saves after every N steps, at the "
@@ -61,6 +72,7 @@ def run(
         return state
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
+    _check_body(step_fn, state, batched)
 
     def loop(state, start):
         def cond(carry):
@@ -73,7 +85,7 @@ def run(
             i = i + 1
             at_save = (i % every == 0) | (i == num_steps)
             # The stop request is read (one host crossing) only every `check` steps.
-            stop = jax.lax.cond(i % check == 0, ckpt._stop.traced, lambda i: jnp.asarray(False), i)
+            stop = jax.lax.cond(i % check == 0, stop_flag.traced, lambda i: jnp.asarray(False), i)
             ckpt.maybe_save(state, i, when=at_save | stop)
             return i, state, stop
 
@@ -81,32 +93,60 @@ def run(
         i, state, stop = jax.lax.while_loop(cond, one_step, carry)
         return state, i, stop
 
-    stop = ckpt._stop
     try:
-        with stop.signals(sigint=sigint):
+        with stop_flag.signals(sigint=sigint):
             out = _in_thread(
-                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))), stop
+                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))), stop_flag
             )
             ckpt.wait()  # the last save is on disk before we return or raise
     except BaseException:
-        if stop.interrupted:
-            stop.clear()  # the error wins over the Ctrl-C; a later run starts afresh
+        if stop_flag.interrupted:
+            stop_flag.clear()  # the error wins over the Ctrl-C; a later run starts afresh
         raise
     state, i, stopped = out
-    if stop.interrupted:
+    if stop_flag.interrupted:
         # Raised only now, with the loop ended and its save on disk: raised at the press
         # it would have left the loop running in the helper thread (saving into a closed
         # Checkpointer, or aborting the interpreter at exit from inside a callback).
-        error = stop.deferred or KeyboardInterrupt(
+        error = stop_flag.deferred or KeyboardInterrupt(
             f"jax_cb_ckpt: stopped at step {int(i)} after Ctrl-C; checkpoint saved"
         )
-        stop.clear()  # consumed: a later run in this process starts afresh
+        stop_flag.clear()  # consumed: a later run in this process starts afresh
         raise error
     if bool(stopped) and int(i) < num_steps:
-        signum = stop.signum
-        stop.clear()  # consumed: a later run in this process starts afresh
+        signum = stop_flag.signum
+        stop_flag.clear()  # consumed: a later run in this process starts afresh
         raise Preempted(int(i), signum)
     return state
+
+
+def _check_body(step_fn: Callable[[Any, Any], Any], state: Any, batched: bool) -> None:
+    """`body(state, step)` must return the next state, shaped like `state`: a mismatch
+    would surface as JAX's carry-type error deep inside the while_loop."""
+    given = jax.eval_shape(lambda: state)
+    try:
+        returned = jax.eval_shape(step_fn, state, jnp.int32(0))
+    except Exception as e:
+        raise ConfigError(f"run: calling body(state, step) failed while tracing: {e}") from e
+    same = jax.tree_util.tree_structure(returned) == jax.tree_util.tree_structure(given) and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(returned), jax.tree.leaves(given), strict=True)
+    )
+    if not same:
+        member = " (for one member: batched=True vmaps it)" if batched else ""
+        raise ConfigError(
+            "run: body(state, step) must return the next state, with the structure, "
+            f"shapes and dtypes of `init`{member}; it returned "
+            f"{jax.tree_util.tree_structure(returned)} instead of "
+            f"{jax.tree_util.tree_structure(given)}"
+            + (
+                ""
+                if jax.tree_util.tree_structure(returned) != jax.tree_util.tree_structure(given)
+                else " (same structure, other shapes or dtypes)"
+            )
+            + ". Fix: a lax.scan-style body that returns (state, aux) is wrapped as "
+            "`body=lambda s, i: scan_body(s, i)[0]`."
+        )
 
 
 def _in_thread(fn: Callable[[], Any], stop: StopFlag) -> Any:

@@ -86,52 +86,65 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+@dataclasses.dataclass
+class _Counts:
+    """The running totals (a typo in a field name fails in pyright, not at run time)."""
+
+    saves: int = 0
+    skipped: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    crossings: int = 0
+    bytes: int = 0
+    blocking_total_s: float = 0.0
+    blocking_max_s: float = 0.0
+    write_total_s: float = 0.0
+    write_max_s: float = 0.0
+    queue_high_water: int = 0
+
+
 class StatsRecorder:
-    """Thread-safe counters, updated by the callback and the writer thread."""
+    """Thread-safe counters, updated by the callback side and the writer thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: collections.defaultdict[str, float] = collections.defaultdict(float)
-        self._blocking_max = 0.0
-        self._write_max = 0.0
-        self._high_water = 0
+        self._counts = _Counts()
         self._recent: collections.deque[SaveRecord] = collections.deque(maxlen=_RECENT)
 
-    def count(self, what: str, n: int = 1) -> None:
+    def crossed(self) -> None:
         with self._lock:
-            self._counts[what] += n
+            self._counts.crossings += 1
+
+    def duplicate(self) -> None:
+        with self._lock:
+            self._counts.duplicates += 1
+
+    def skipped(self) -> None:
+        with self._lock:
+            self._counts.skipped += 1
+
+    def failed(self) -> None:
+        with self._lock:
+            self._counts.failed += 1
 
     def in_flight(self, n: int) -> None:
         with self._lock:
-            self._high_water = max(self._high_water, n)
+            self._counts.queue_high_water = max(self._counts.queue_high_water, n)
 
     def handed_off(self, blocking_s: float) -> None:
         with self._lock:
-            self._counts["blocking_total_s"] += blocking_s
-            self._blocking_max = max(self._blocking_max, blocking_s)
+            self._counts.blocking_total_s += blocking_s
+            self._counts.blocking_max_s = max(self._counts.blocking_max_s, blocking_s)
 
     def written(self, record: SaveRecord) -> None:
         with self._lock:
-            self._counts["saves"] += 1
-            self._counts["bytes"] += record.nbytes
-            self._counts["write_total_s"] += record.write_s
-            self._write_max = max(self._write_max, record.write_s)
+            c = self._counts
+            c.saves += 1
+            c.bytes += record.nbytes
+            c.write_total_s += record.write_s
+            c.write_max_s = max(c.write_max_s, record.write_s)
             self._recent.append(record)
 
     def snapshot(self) -> Stats:
         with self._lock:
-            c = self._counts
-            return Stats(
-                saves=int(c["saves"]),
-                skipped=int(c["skipped"]),
-                duplicates=int(c["duplicates"]),
-                failed=int(c["failed"]),
-                crossings=int(c["crossings"]),
-                bytes=int(c["bytes"]),
-                blocking_total_s=float(c["blocking_total_s"]),
-                blocking_max_s=self._blocking_max,
-                write_total_s=float(c["write_total_s"]),
-                write_max_s=self._write_max,
-                queue_high_water=self._high_water,
-                recent=tuple(self._recent),
-            )
+            return Stats(**dataclasses.asdict(self._counts), recent=tuple(self._recent))

@@ -31,7 +31,7 @@ transformation (docs/transforms.md has the evidence):
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ import numpy as np
 from jax.core import Tracer
 
 from ._errors import InvalidStateError
+
+Gather = Literal["stack", "concat", "replicated"]
 
 
 def _describe(x: Any) -> str:
@@ -130,15 +132,13 @@ def check_when(when: Any, where: str) -> jax.Array:
 def check_axis_name(axis_name: Any, where: str) -> None:
     """Inside `pmap`/`shard_map` every device would save its own part as the same step:
     require `axis_name`, and that it names a mapped axis."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     if axis_name is None and manual:
         raise InvalidStateError(
             f"{where} is inside pmap/shard_map over axes {manual}: every device would "
             f"save its own part of the state as the same step. Fix: pass "
-            f"axis_name={manual[0]!r} (add replicated=True if the state is the same on "
-            "every device, tiled=True to concatenate shard_map blocks)."
+            f"axis_name={manual[0]!r} (add gather='replicated' if the state is the same "
+            "on every device, gather='concat' to concatenate shard_map blocks)."
         )
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if axis_name is not None and manual and not set(names) <= set(manual):
@@ -156,15 +156,15 @@ def cross(
     pred: Any,
     *,
     axis_name: Any = None,
-    replicated: bool = False,
-    tiled: bool = False,
+    gather: Gather = "stack",
 ) -> None:
     """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
 
     With `pred=None` the crossing is unconditional. Blocks the device program (not the
     Python caller) until the host side has taken the data. With `axis_name` (inside
     `pmap`/`shard_map`) the state is gathered along that axis (stacked, or concatenated
-    when `tiled`; not at all when `replicated`) and handed over once, by the first device.
+    when `gather="concat"`; not at all when `"replicated"`) and handed over once, by the
+    first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     pred = jnp.asarray(True) if pred is None else pred
@@ -176,11 +176,11 @@ def cross(
     anyone = jax.lax.pmax(pred.astype(jnp.int32), axis_name) > 0
 
     def gather_and_save(step, pred, payload):
-        if replicated or tiled:
+        if gather != "stack":
             pred = jnp.asarray(True)  # one state, not one per device: no per-device mask
-        if tiled:
+        if gather == "concat":
             payload = [jax.lax.all_gather(p, axis_name, tiled=True) for p in payload]
-        elif not replicated:
+        elif gather == "stack":
             payload = [jax.lax.all_gather(p, axis_name) for p in payload]
             pred = jax.lax.all_gather(pred, axis_name)  # per-device mask
 

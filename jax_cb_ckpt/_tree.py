@@ -9,6 +9,7 @@ keys, whose key type numpy cannot represent.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -16,13 +17,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lax import lax as _jax_lax  # private: see _weakly_typed
 
 from . import _format
 from ._errors import InvalidStateError, StructureMismatchError
 
-ARRAY = "array"  # a jax/numpy array leaf, stored as is
-KEY = "key"  # a typed PRNG key array, stored as its raw uint32 key data
-SCALAR = "scalar"  # a Python bool/int/float/complex, stored as a 0-d array
+
+class Kind(enum.StrEnum):
+    """How a leaf is stored (the value is what the JSON metadata holds)."""
+
+    ARRAY = "array"  # a jax/numpy array leaf, stored as is
+    KEY = "key"  # a typed PRNG key array, stored as its raw uint32 key data
+    SCALAR = "scalar"  # a Python bool/int/float/complex, stored as a 0-d array
+
+
+ARRAY, KEY, SCALAR = Kind.ARRAY, Kind.KEY, Kind.SCALAR
 
 _PY_SCALARS = (bool, int, float, complex)
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
@@ -38,7 +47,7 @@ class LeafSpec:
 
     path: str  # jax.tree_util.keystr of the leaf, for messages
     name: tuple[str, ...]  # position in the nested dict that Orbax stores
-    kind: str
+    kind: Kind
     dtype: str
     shape: tuple[int, ...]
     impl: str | None = None  # PRNG implementation of a typed key
@@ -57,7 +66,7 @@ class LeafSpec:
         return {
             "path": self.path,
             "name": list(self.name),
-            "kind": self.kind,
+            "kind": self.kind.value,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "impl": self.impl,
@@ -76,9 +85,11 @@ class LeafSpec:
             or not all(isinstance(n, str) and n for n in name)
         ):
             raise ValueError(f"leaf name {name!r} is not a list of non-empty strings")
-        kind = data["kind"]
-        if kind not in (ARRAY, KEY, SCALAR):
-            raise ValueError(f"leaf kind {kind!r} is not one of {(ARRAY, KEY, SCALAR)}")
+        try:
+            kind = Kind(data["kind"])
+        except ValueError:
+            allowed = tuple(k.value for k in Kind)
+            raise ValueError(f"leaf kind {data['kind']!r} is not one of {allowed}") from None
         shape = data["shape"]
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -187,31 +198,34 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or is_abstract:
         shape = tuple(int(d) for d in leaf.shape)
         if _is_key(leaf.dtype):
-            impl = _abstract_impl(leaf) if is_abstract else _impl_name(jax.random.key_impl(leaf))  # type: ignore[arg-type]
+            impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
         np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
         return LeafSpec(path, name, ARRAY, np_dtype.name, shape)
     shown = repr(leaf)
     if len(shown) > 60:
         shown = shown[:57] + "..."
+    if where.startswith("restore"):
+        what = "cannot be restored into: `like` must have the structure of the saved state"
+    else:
+        what = "cannot be saved: only arrays (jax or numpy) and Python numbers can be leaves"
+    if callable(leaf):
+        fix = (
+            "Fix: a model object that holds functions next to its arrays (an "
+            "equinox Module, a Flax NNX module) must be split first: save "
+            "`eqx.filter(model, eqx.is_array)` and rebuild with `eqx.combine`, or save "
+            "the state of `nnx.split(model)` and rebuild with `nnx.merge` "
+            "(docs/frameworks.md)."
+        )
+    else:
+        fix = (
+            "Fix: keep static values such as strings and config objects out of the "
+            "state (a Flax TrainState keeps them in static fields), or convert numbers "
+            "to arrays with jnp.asarray."
+        )
     raise InvalidStateError(
-        f"{where}: leaf {path} is a {type(leaf).__name__} ({shown}), which cannot be "
-        "saved. Only arrays (jax or numpy) and Python numbers can be leaves of a saved "
-        "state. Fix: keep static values such as strings and config objects out of the "
-        "saved state, or convert numbers to arrays with jnp.asarray."
+        f"{where}: leaf {path} is a {type(leaf).__name__} ({shown}), which {what}. {fix}"
     )
-
-
-def _impl_name(impl: Any) -> str:
-    """The name `jax.random.wrap_key_data(impl=...)` accepts: `key_impl` returns a str in
-    some JAX versions and a PRNGSpec (wrapping a PRNGImpl) in others."""
-    if isinstance(impl, str):
-        return impl
-    for candidate in (impl, getattr(impl, "_impl", None)):
-        name = getattr(candidate, "name", None)
-        if isinstance(name, str):
-            return name
-    return str(impl)
 
 
 def _abstract_impl(leaf: Any) -> str | None:
@@ -228,7 +242,14 @@ def describe_state(
     Raises `InvalidStateError` naming the first leaf that cannot be saved, and for
     leaves whose stored names would collide.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    try:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    except (TypeError, ValueError) as e:  # e.g. a dict mixing int and str keys
+        raise InvalidStateError(
+            f"{where}: JAX cannot flatten the {prefix}: {e}. Fix: a dict must have keys "
+            "of one sortable type (use str keys), and custom nodes must be registered "
+            "pytrees."
+        ) from e
     if not flat:
         raise InvalidStateError(
             f"{where}: the {prefix} has no leaves, so there is nothing to save "
@@ -358,9 +379,13 @@ def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], wh
     for spec in like_specs:
         other = saved_by_name.get(spec.name)
         if other is None:
+            top = sorted({s.name[0] for s in saved})
+            shown = ", ".join(repr(t) for t in top[:12]) + (", ..." if len(top) > 12 else "")
             raise StructureMismatchError(
                 f"{where}: leaf {spec.path} ({spec.describe()}) is not in the "
-                f"checkpoint, which has {len(saved)} leaves." + fix
+                f"checkpoint, which has {len(saved)} leaves under the top-level keys "
+                f"[{shown}] (a `like` nested one level too deep or too shallow shows "
+                "here)." + fix
             )
         if not _compatible(spec, other):
             raise StructureMismatchError(
@@ -423,7 +448,19 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, 
         return np.dtype(spec.dtype).type(array.item() if array.shape == () else array)
     if isinstance(like_leaf, np.ndarray):
         return np.array(array, dtype=spec.dtype, copy=True)
-    return _place(jnp.asarray(array, dtype=spec.dtype), like_leaf)
+    value = jnp.asarray(array, dtype=spec.dtype)
+    if getattr(like_leaf, "weak_type", False):
+        value = _weakly_typed(value)
+    return _place(value, like_leaf)
+
+
+def _weakly_typed(value: jax.Array) -> jax.Array:
+    """`value` marked weakly typed, as the `like` leaf is (a Python-number-derived scalar
+    of a carry): a strong leaf would change type promotion in a resumed program, and a
+    scan whose carry goes in strong and comes out weak fails to trace. JAX has no public
+    call for it; its internal one is used, and checked by the tests on every JAX we test."""
+    weak = _jax_lax._convert_element_type(value, value.dtype, weak_type=True)
+    return weak  # pyright: ignore[reportReturnType]
 
 
 def _place(value: jax.Array, like_leaf: Any) -> jax.Array:
@@ -432,3 +469,33 @@ def _place(value: jax.Array, like_leaf: Any) -> jax.Array:
     if sharding is None:
         return value
     return jax.device_put(value, sharding)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two states are equal bit for bit: the same leaves (by pytree path), of
+    the same dtype, shape and bytes (typed PRNG keys: the same implementation and key
+    data; NaNs equal themselves). What a resumed run promises to match.
+
+    Example:
+        ```python
+        assert jax_cb_ckpt.same_bits(resumed_final_state, uninterrupted_final_state)
+        ```
+    """
+    # Compared by leaf paths, not treedefs: static fields (a TrainState's apply_fn, a
+    # closure made anew by each run) are code, not state, and need not be the same object.
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
+    if [path for path, _ in flat_a] != [path for path, _ in flat_b]:
+        return False
+    for (_, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        keys = [_is_key(getattr(v, "dtype", np.float32)) for v in (x, y)]
+        if keys[0] != keys[1]:
+            return False
+        if keys[0]:
+            if str(jax.random.key_impl(x)) != str(jax.random.key_impl(y)):
+                return False
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        xa, ya = np.asarray(x), np.asarray(y)
+        if (xa.dtype, xa.shape) != (ya.dtype, ya.shape) or xa.tobytes() != ya.tobytes():
+            return False
+    return True

@@ -133,6 +133,7 @@ class Writer:
 
     def finish(self) -> None:
         """Ask the thread to end once the saves queued before this call are written."""
+        self._lock.finishing = True  # a new Checkpointer on the directory waits for us
         self._exchange.stop_writer(_STOP)
 
     def stop(self) -> None:
@@ -160,6 +161,16 @@ class Writer:
             _LIVE.discard(self)
             self._checkpointer.close()
             self._lock.release()
+            self._report_unclaimed()
+
+    def _report_unclaimed(self) -> None:
+        """A writer that ends while warnings or an error are still pending was finished
+        by garbage collection (close() takes them first): nobody will ask any more, so
+        report them now rather than lose them."""
+        emit_notes(self._exchange, stacklevel=1)
+        error = self._exchange.take_error()
+        if error is not None:
+            warnings.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning, stacklevel=1)
 
     def _write(self, item: SaveItem) -> SaveError | None:
         step = item.step
@@ -190,7 +201,7 @@ class Writer:
             self._retain()
         except BaseException as e:
             _format.remove_temp(self.directory, temp)
-            self._stats.count("failed")
+            self._stats.failed()
             kept = (
                 " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
             )
@@ -198,7 +209,7 @@ class Writer:
                 f"saving step {step} to {self.directory!r} failed: {type(e).__name__}: {e}.{kept}"
             )
             error.__cause__ = e
-            logger.error("%s", error)
+            logger.debug("%s", error)  # reported to the user by wait()/close()/exit
             return error
         self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
         return None
@@ -259,11 +270,13 @@ def _flush_at_exit() -> None:
     """Write what every unclosed Checkpointer was handed, before the interpreter ends.
 
     Threads that are still training (non-daemon, not the main thread) are waited for
-    first: their Checkpointer must not be closed under them. Thread-pool workers are not
-    waited for (they end only when the pools shut down, after this hook).
+    first, whether or not they hold a Checkpointer yet: theirs must not be closed under
+    them, and one they create later must still be able to write (Orbax needs the thread
+    pools that shut down after this hook). Python joins those threads at exit anyway;
+    this only does it before the pools go. Thread-pool workers are not waited for (they
+    end only when their pools shut down, after this hook): a save that reaches a
+    Checkpointer after this hook closed it warns (`UnflushedSaveWarning`) and raises.
     """
-    if not _LIVE:
-        return
     pools = set(getattr(concurrent.futures.thread, "_threads_queues", {}))
     me = threading.current_thread()
     while True:
@@ -276,6 +289,8 @@ def _flush_at_exit() -> None:
             break
         for thread in training:
             thread.join()
+    if not _LIVE:
+        return
     try:
         jax.effects_barrier()  # saves of jitted code still running reach the queue
     except BaseException as e:  # never raise during interpreter shutdown
@@ -287,17 +302,7 @@ def _flush_at_exit() -> None:
             logger.error("jax_cb_ckpt: flushing %s at exit failed: %s", writer.directory, e)
 
 
-def _install_exit_hook() -> None:
-    # threading's exit hooks run before concurrent.futures shuts its executors down
-    # (they run in reverse order of registration, and orbax imported concurrent.futures
-    # before us), so Orbax can still write. Plain atexit runs after that shutdown.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(_flush_at_exit)
-    else:  # pragma: no cover - CPython has had _register_atexit since 3.9
-        import atexit
-
-        atexit.register(_flush_at_exit)
-
-
-_install_exit_hook()
+# threading's exit hooks run before concurrent.futures shuts its executors down (they run
+# in reverse order of registration, and orbax imported concurrent.futures before us), so
+# Orbax can still write. Plain atexit runs after that shutdown: too late.
+threading._register_atexit(_flush_at_exit)  # type: ignore[attr-defined]

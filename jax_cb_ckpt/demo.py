@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,8 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.kill_at is None:
         args.kill_at = args.steps // 3
-    if args.dir is None:
-        args.dir = os.path.join(tempfile.mkdtemp(prefix="jax_cb_ckpt_demo_"), "ckpt")
+    if args.dir is not None:
+        return demo(args)
+    scratch = tempfile.mkdtemp(prefix="jax_cb_ckpt_demo_")
+    args.dir = os.path.join(scratch, "ckpt")
+    try:
+        return demo(args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # our own temp dir: leave nothing behind
+
+
+def demo(args: argparse.Namespace) -> int:
 
     print(
         f"jax_cb_ckpt demo: {args.steps} steps of an MLP trained with optax inside one "
@@ -171,25 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     reference = make_train(args.steps, None)(
         init_state(args.seed, args.steps), jnp.arange(args.steps)
     )
-    same = all(
-        np.asarray(a).tobytes() == np.asarray(b).tobytes()
-        for a, b in zip(
-            jax.tree_util.tree_leaves(_raw(resumed)),
-            jax.tree_util.tree_leaves(_raw(reference)),
-            strict=True,
-        )
-    )
+    same = jax_cb_ckpt.same_bits(resumed, reference)
     print(
         f"    final eval loss: resumed {eval_loss(resumed):.6f}, "
         f"uninterrupted {eval_loss(reference):.6f}"
     )
     print(f"    resumed final state == uninterrupted final state, bit for bit: {same}")
     return 0 if same else 1
-
-
-def _raw(state):
-    """Typed keys as their key data, so every leaf compares as bytes."""
-    return {**state, "key": jax.random.key_data(state["key"])}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ bit-identical to an uninterrupted one."""
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 
@@ -13,7 +12,7 @@ import crash_worker
 import jax
 import numpy as np
 import pytest
-from conftest import assert_same_state
+from helpers import assert_same_state, kill_group, start_process, wait_for_step
 
 import jax_cb_ckpt
 
@@ -27,21 +26,9 @@ def uninterrupted(tmp_path_factory):
 
 
 def start_worker(directory, *extra):
-    return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "crash_worker.py"), str(directory), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    return start_process(
+        [sys.executable, os.path.join(HERE, "crash_worker.py"), str(directory), *extra]
     )
-
-
-def wait_for_step(directory, step, child, timeout=120):
-    deadline = time.monotonic() + timeout
-    while (jax_cb_ckpt.latest_step(directory) or 0) < step:
-        assert child.poll() is None, child.communicate()
-        assert time.monotonic() < deadline, "the worker saved nothing"
-        time.sleep(0.01)
 
 
 def check_disk_and_resume(directory, uninterrupted):
@@ -65,8 +52,7 @@ def run_kill_points(tmp_path, uninterrupted, points, seed):
         child = start_worker(directory)
         wait_for_step(directory, crash_worker.EVERY, child)  # the loop is running
         time.sleep(rng.uniform(0.0, 1.5))
-        child.send_signal(signal.SIGKILL)
-        child.communicate()  # reap it and close its pipes
+        kill_group(child)
         assert child.returncode == -signal.SIGKILL
         latest = jax_cb_ckpt.latest_step(directory)
         leftovers = [n for n in os.listdir(directory) if "tmp" in n]

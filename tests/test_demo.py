@@ -32,3 +32,18 @@ def test_demo_kill_restore_resume_matches(tmp_path):
     assert 1000 <= restored < 3000  # the child died part-way, after kill-at
     assert "saved steps now: [2800, 2900, 3000]" in out
     assert "bit for bit: True" in out
+
+
+def test_demo_leaves_no_temporary_directory(tmp_path):
+    """Without --dir the demo works in a temp dir of its own, and removes it."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "jax_cb_ckpt.demo", "--steps", "600", "--every", "100"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "bit for bit: True" in result.stdout
+    assert [p for p in os.listdir(tmp_path) if p.startswith("jax_cb_ckpt_demo_")] == []

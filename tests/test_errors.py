@@ -229,3 +229,32 @@ def test_read_only_directory_error_keeps_earlier_checkpoints(make_ckpt, small_di
         np.testing.assert_array_equal(ckpt.restore(state)["x"], state["x"])
     finally:
         subprocess.run(["mount", "-o", "remount,rw", mount], check=True)
+
+
+def test_run_names_a_scan_style_body(make_ckpt):
+    ckpt = make_ckpt(every=2)
+
+    def scan_body(state, i):
+        return state + 1.0, i  # lax.scan's (carry, output) shape
+
+    with pytest.raises(
+        ConfigError, match=r"body\(state, step\) must return the next state.*scan_body\(s, i\)\[0\]"
+    ):
+        ckpt.run(scan_body, jnp.zeros(3), 4)
+    final = ckpt.run(lambda s, i: scan_body(s, i)[0], jnp.zeros(3), 4)
+    np.testing.assert_array_equal(final, np.full(3, 4.0))
+
+
+def test_bad_leaf_messages_point_at_framework_fixes(make_ckpt):
+    ckpt = make_ckpt()
+    with pytest.raises(InvalidStateError, match=r"leaf state\['act'\] is a .*eqx.filter"):
+        ckpt.save({"w": jnp.ones(2), "act": jax.nn.relu}, 1)
+    ckpt.save({"w": jnp.ones(2)}, 1)
+    ckpt.wait()
+    with pytest.raises(InvalidStateError, match=r"which cannot be restored into: `like`") as e:
+        ckpt.restore({"w": jnp.ones(2), "name": "adam"})
+    assert "cannot be saved" not in str(e.value)
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError, match=r"under the top-level keys \['w'\]"
+    ):
+        ckpt.restore({"params": {"w": jnp.ones(2)}})  # one level too deep

@@ -11,6 +11,7 @@ import time
 
 import crash_worker
 import pytest
+from helpers import kill_group, start_process, wait_for_step
 
 import jax_cb_ckpt
 
@@ -37,24 +38,7 @@ print("done", flush=True)
 
 
 def start_child(directory, *extra):
-    # A session of its own, so the finally below can kill the child and anything it
-    # started, whatever the test saw.
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(directory), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        start_new_session=True,
-    )
-
-
-def wait_for_step(directory, step, child, timeout=120):
-    deadline = time.monotonic() + timeout
-    while (jax_cb_ckpt.latest_step(directory) or 0) < step:
-        assert child.poll() is None, child.communicate()
-        assert time.monotonic() < deadline, "the child saved nothing"
-        time.sleep(0.01)
+    return start_process([sys.executable, "-c", CHILD, str(directory), *extra])
 
 
 def interrupt(directory, presses, *extra):
@@ -73,8 +57,7 @@ def interrupt(directory, presses, *extra):
             out = None
         if out is None:  # (outside the except: the failure is not chained to a timeout)
             latest = jax_cb_ckpt.latest_step(directory)
-            os.killpg(child.pid, signal.SIGKILL)
-            _, err = child.communicate()
+            _, err = kill_group(child)
             pytest.fail(
                 f"the child still ran {EXIT_WITHIN} s after Ctrl-C: latest step {at_signal} "
                 f"at the signal, {latest} now.\nstderr:\n{err[-3000:]}"
@@ -82,8 +65,7 @@ def interrupt(directory, presses, *extra):
         return child.returncode, out, err, at_signal
     finally:
         if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.communicate()
+            kill_group(child)
 
 
 @pytest.mark.parametrize(

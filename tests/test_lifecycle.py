@@ -1,6 +1,10 @@
 """Opening, continuing, closing: existing checkpoints are kept, retention applies, an
 existing step is never overwritten (exit paths: tests/test_reliability.py)."""
 
+import copy
+import dataclasses
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,3 +75,43 @@ def test_stats_fields(make_ckpt):
     assert 0 < stats.handoff_per_save_s <= stats.blocking_per_save_s
     assert stats.write_per_save_s > 0 and stats.write_max_s >= stats.write_per_save_s
     assert "saves=1" in stats.summary()
+
+
+@dataclasses.dataclass
+class Config:  # rejax keeps its configuration like this (dataclasses.asdict copies)
+    lr: float
+    ckpt: jax_cb_ckpt.Checkpointer
+
+
+def test_deepcopy_gives_the_same_checkpointer_and_pickling_says_why_not(make_ckpt):
+    ckpt = make_ckpt()
+    config = Config(0.1, ckpt)
+    assert copy.deepcopy(config).ckpt is ckpt
+    assert dataclasses.asdict(config)["ckpt"] is ckpt
+    assert copy.copy(ckpt) is ckpt
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"cannot be pickled: it owns a writer"):
+        pickle.dumps(config)
+    ckpt.save(state_at(1), 1)  # still the one working writer
+    ckpt.wait()
+    assert ckpt.all_steps() == [1]
+
+
+def test_each_event_is_reported_once_at_the_users_line(make_ckpt, caplog):
+    ckpt = make_ckpt(queue_size=1, on_full="skip")
+
+    @jax.jit
+    def burst(x):
+        for step in range(6):  # faster than the writer: some are skipped
+            ckpt.save({"x": x + step}, step)
+        return x
+
+    jax.block_until_ready(burst(jnp.zeros(1 << 22)))
+    with pytest.warns(jax_cb_ckpt.SkippedSaveWarning) as record:
+        ckpt.wait()  # the line the warnings must point at
+    assert ckpt.stats.skipped == len(record) > 0  # one warning per skipped save
+    assert all(w.filename == __file__ for w in record), [w.filename for w in record]
+    assert all(issubclass(w.category, jax_cb_ckpt.CheckpointWarning) for w in record)
+    assert not [r for r in caplog.records if r.name == "jax_cb_ckpt"]  # not logged too
+    with pytest.warns(jax_cb_ckpt.DuplicateStepWarning, match="step 0") as record:
+        ckpt.save({"x": jnp.zeros(1 << 22)}, 0)  # step 0 (the first) was written above
+    assert len(record) == 1 and record[0].filename == __file__

@@ -25,7 +25,7 @@ def test_default_config_reaches_cartpole_return(tmp_path):
     # Running it again resumes from the final checkpoint: nothing is left to train, and
     # the learning curve (part of the saved state) comes back whole.
     again = run_example("--dir", str(tmp_path / "ckpt"))
-    assert line in again
+    assert "resumed at the end" in again and line in again
 
 
 def test_kill_and_resume_vmapped_over_seeds_is_bit_exact():

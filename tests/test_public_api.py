@@ -26,6 +26,7 @@ PUBLIC = [
     "latest_step",
     "metadata",
     "restore",
+    "same_bits",
 ]
 
 

@@ -7,10 +7,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import jax
@@ -19,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_same_state
+from helpers import assert_same_state, kill_group, run_script, start_script
 
 import jax_cb_ckpt
 from jax_cb_ckpt import (
@@ -31,9 +27,6 @@ from jax_cb_ckpt import (
     SaveError,
     StepExistsError,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def state_at(step, n=3):
@@ -54,40 +47,6 @@ def assert_victim_intact(outside):
     assert (outside / "precious" / "data.txt").read_text() == "keep me"
     assert (outside / "notes.txt").read_text() == "keep me too"
     assert (outside / "3").is_dir()
-
-
-def start_script(tmp_path, text, *args, ready):
-    """A child process running `text`, in its own process group, once it printed `ready`."""
-    script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(text))
-    child = subprocess.Popen(
-        [sys.executable, str(script), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        start_new_session=True,
-    )
-    assert child.stdout is not None and child.stdout.readline().strip() == ready, child.stderr
-    return child
-
-
-def kill_group(child):
-    os.killpg(child.pid, signal.SIGKILL)
-    child.communicate()
-
-
-def run_script(tmp_path, text, *args, timeout=240):
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(text))
-    return subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
 
 
 # -- 1. nothing outside the directory is ever deleted, renamed or written ----------------
@@ -128,6 +87,58 @@ def test_symlinked_lock_file_is_refused_not_followed(tmp_path, ckpt_dir):
     os.symlink(outside / "notes.txt", ckpt_dir / ".jax_cb_ckpt.lock")
     with pytest.raises(DirectoryLockedError, match=r"cannot open the lock file"):
         jax_cb_ckpt.Checkpointer(ckpt_dir)
+    assert_victim_intact(outside)
+
+
+@pytest.mark.parametrize("kind", ["hard link", "fifo"])
+def test_lock_file_that_is_not_our_own_file_is_refused(tmp_path, ckpt_dir, kind):
+    outside = victim(tmp_path)
+    ckpt_dir.mkdir()
+    lock = ckpt_dir / ".jax_cb_ckpt.lock"
+    if kind == "hard link":
+        os.link(outside / "notes.txt", lock)  # writing the lock would write the victim
+    else:
+        os.mkfifo(lock)  # opening it must not block
+    with pytest.raises(DirectoryLockedError, match=r"not a plain file of its own"):
+        jax_cb_ckpt.Checkpointer(ckpt_dir)
+    assert_victim_intact(outside)
+
+
+def test_plain_orbax_checkpoint_with_our_item_names_is_not_ours(make_ckpt, ckpt_dir):
+    with ocp.CheckpointManager(ckpt_dir) as manager:  # a user's own Orbax checkpoint
+        manager.save(
+            1,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave({"w": np.ones(3)}), meta=ocp.args.JsonSave({"a": 1})
+            ),
+        )
+    before = _files(ckpt_dir / "1")
+    ckpt = make_ckpt(max_to_keep=1)
+    assert ckpt.all_steps() == []
+    ckpt.save(state_at(2), 2)
+    ckpt.save(state_at(3), 3)
+    ckpt.wait()
+    assert ckpt.all_steps() == [3]
+    assert _files(ckpt_dir / "1") == before  # neither listed nor deleted by retention
+
+
+def test_symlinks_inside_a_step_are_never_read_through(tmp_path, make_ckpt, ckpt_dir):
+    outside = victim(tmp_path)
+    ckpt = make_ckpt()
+    for step in (1, 2, 3):
+        ckpt.save(state_at(step), step)
+    ckpt.close()
+    shutil.rmtree(ckpt_dir / "1" / "meta")
+    os.symlink(outside, ckpt_dir / "1" / "meta")  # the item itself
+    meta = ckpt_dir / "2" / "meta" / "metadata"
+    meta.unlink()
+    os.symlink(outside / "notes.txt", meta)  # the JSON file
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [3]
+    data = next((ckpt_dir / "3" / "state").glob("**/manifest.ocdbt"))
+    data.rename(outside / "manifest.ocdbt")
+    os.symlink(outside / "manifest.ocdbt", data)  # deep inside the arrays
+    with pytest.raises(RestoreError, match=r"contains symlinks"):
+        jax_cb_ckpt.restore(ckpt_dir, state_at(0))
     assert_victim_intact(outside)
 
 
@@ -178,6 +189,27 @@ def main():
 if MODE == "global":
     train(ckpt)
     print("pending at exit:", ckpt._exchange.pending, flush=True)
+elif MODE == "late":
+    # A non-daemon thread that opens its Checkpointer after the main thread ended.
+    def late():
+        import time; time.sleep(1.0)
+        with jax_cb_ckpt.Checkpointer(DIRECTORY, queue_size=8) as ckpt:
+            train(ckpt)
+    threading.Thread(target=late).start()
+elif MODE == "pool":
+    # A thread-pool worker nobody waits for: its saves cannot be written, and say so.
+    from concurrent.futures import ThreadPoolExecutor
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, queue_size=8)
+    def late():
+        import time; time.sleep(1.0)
+        train(ckpt)
+    ThreadPoolExecutor(1).submit(late)
+elif MODE == "skip":
+    # Garbage collected with skipped saves: the skips are still reported.
+    def skipping():
+        ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, queue_size=1, on_full="skip")
+        train(ckpt)
+    skipping()
 elif MODE == "thread":
     # A non-daemon thread still training when the main thread ends.
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, queue_size=8)
@@ -191,7 +223,17 @@ print("main done", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["global", "local", "del", "thread"])
+def test_what_cannot_be_written_at_exit_is_reported(tmp_path):
+    result = run_script(tmp_path, EXIT_SCRIPT, "pool", tmp_path / "pool")
+    assert "after interpreter exit closed it and was not written" in result.stderr
+    result = run_script(tmp_path, EXIT_SCRIPT, "skip", tmp_path / "skip")
+    skipped = set(range(6)) - set(jax_cb_ckpt.all_steps(tmp_path / "skip"))
+    assert skipped, "nothing was skipped: the test shows nothing"
+    for step in skipped:
+        assert f"SkippedSaveWarning: jax_cb_ckpt: skipped the save of step {step}:" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["global", "local", "del", "thread", "late"])
 def test_unclosed_checkpointer_writes_everything_at_exit(tmp_path, mode):
     directory = tmp_path / "ckpt"
     result = run_script(tmp_path, EXIT_SCRIPT, mode, directory)
@@ -563,6 +605,35 @@ def test_every_jax_leaf_type_round_trips_from_jit(make_ckpt):
     assert_same_state(jax_cb_ckpt.restore(ckpt.directory, jax.eval_shape(lambda: state)), state)
 
 
+def test_python_number_under_vmap_restores(make_ckpt):
+    ckpt = make_ckpt()
+    jax.vmap(lambda x: ckpt.save({"x": x, "lr": 0.5}, 3))(jnp.arange(3.0))
+    ckpt.wait()
+    restored = ckpt.restore({"x": jnp.zeros(3), "lr": np.zeros(3)})
+    np.testing.assert_array_equal(restored["lr"], np.full(3, 0.5))
+
+
+def test_zero_size_leaf_concatenated_over_devices_keeps_its_global_shape(make_ckpt):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    state = jax.device_put(
+        {"x": jnp.arange(8.0), "z": jnp.zeros((8, 0))}, NamedSharding(mesh, P("d"))
+    )
+    ckpt = make_ckpt()
+
+    def save(s):
+        ckpt.save(s, 3, axis_name="d", gather="concat")
+        return s
+
+    jax.jit(jax.shard_map(save, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(state)
+    ckpt.wait()
+    restored = ckpt.restore({"x": jnp.zeros(8), "z": jnp.zeros((8, 0))})
+    assert restored["z"].shape == (8, 0)
+    np.testing.assert_array_equal(restored["x"], np.arange(8.0))
+
+
 # -- 9. only our complete checkpoints are steps --------------------------------------------
 
 
@@ -634,6 +705,44 @@ def test_empty_directory_name_is_refused(call):
         call("")
 
 
+def test_dotdot_after_a_symlink_means_what_the_os_means(make_ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    os.symlink(tmp_path / "real" / "deep", tmp_path / "link")
+    ckpt = make_ckpt("link/../ckpts")  # the OS resolves this to real/ckpts
+    ckpt.save(state_at(1), 1)
+    ckpt.close()
+    assert jax_cb_ckpt.all_steps(tmp_path / "real" / "ckpts") == [1]
+    assert not (tmp_path / "ckpts").exists()
+
+
+@pytest.mark.parametrize(
+    "directory, match",
+    [("a\0b", r"contains a NUL character"), ("x" * 5000, r"cannot list the checkpoint")],
+)
+def test_impossible_paths_are_config_errors(directory, match):
+    for call in (jax_cb_ckpt.all_steps, jax_cb_ckpt.latest_step):
+        with pytest.raises(ConfigError, match=match):
+            call(directory)
+
+
+def test_unflattenable_state_is_an_invalid_state_error(make_ckpt):
+    with pytest.raises(InvalidStateError, match=r"JAX cannot flatten the state.*str keys"):
+        make_ckpt().save({1: jnp.ones(2), "1": jnp.ones(2)}, 5)
+
+
+def test_a_collected_checkpointers_directory_can_be_reopened_at_once(ckpt_dir):
+    import gc
+
+    ckpt = jax_cb_ckpt.Checkpointer(ckpt_dir)
+    ckpt.save({"x": np.zeros(1 << 22)}, 1)  # still being written when it is collected
+    del ckpt
+    gc.collect()
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as again:  # waits for the first to finish
+        again.save({"x": np.ones(1 << 22)}, 2)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 2]
+
+
 # -- 12. every error is ours, and names the input and the fix ------------------------------
 
 
@@ -661,7 +770,8 @@ def test_bad_restore_step(make_ckpt, step):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda m: m.update(format="other/9"), r"format tag 'other/9'"),
+        # Another format tag: not a checkpoint of ours at all (never listed or deleted).
+        (lambda m: m.update(format="other/9"), r"not complete jax_cb_ckpt checkpoints \(\[1\]\)"),
         (lambda m: m.update(leaves="x"), r"'leaves' is a str"),
         (lambda m: m["leaves"][0].update(dtype="int64"), r"described as int64\[3\] but its data"),
         (lambda m: m["leaves"][0].update(shape=[4]), r"differs: the checkpoint has int32\[4\]"),

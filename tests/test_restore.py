@@ -2,6 +2,7 @@
 mismatch errors that name the leaf."""
 
 import dataclasses
+import logging
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -11,8 +12,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_same_state
 from flax.training import train_state
+from helpers import assert_same_state
 
 import jax_cb_ckpt
 
@@ -114,7 +115,23 @@ def test_plain_orbax_reads_the_checkpoint(make_ckpt, ckpt_dir):
     ckpt = make_ckpt()
     ckpt.save(state, 42)
     ckpt.close()
-    restored = ocp.CheckpointManager(ckpt_dir).restore(42)
+    # The reader docs/usage.md shows: it names the items' handlers, so Orbax stays quiet.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    try:
+        with ocp.CheckpointManager(
+            ckpt_dir,
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        ) as manager:
+            restored = manager.restore(42)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
     tree, meta = restored["state"], restored["meta"]
     assert meta["step"] == 42
     np.testing.assert_array_equal(tree["half"], np.asarray(state["half"]))
@@ -212,3 +229,36 @@ def test_restore_places_leaves_with_like_sharding(make_ckpt):
     restored = ckpt.restore(state)
     assert restored["w"].sharding == sharding
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_restore_keeps_weak_types_of_like(make_ckpt):
+    """A bf16 loop whose carry holds a Python-float-derived (weakly typed) scalar: a
+    resumed scan must see the same carry types as a fresh one."""
+    ckpt = make_ckpt()
+
+    def init():
+        return {"w": jnp.ones(4, jnp.bfloat16), "lr": jnp.asarray(0.5) * 1.0}
+
+    def body(state, _):
+        return {"w": state["w"] * state["lr"], "lr": state["lr"] * 0.5}, None
+
+    like = jax.eval_shape(init)
+    assert like["lr"].weak_type and not like["w"].weak_type
+    state = jax.lax.scan(body, init(), None, length=3)[0]
+    ckpt.save(state, 3)
+    restored = ckpt.restore(like)
+    assert restored["lr"].weak_type and not restored["w"].weak_type
+    resumed = jax.jit(lambda s: jax.lax.scan(body, s, None, length=2)[0])(restored)
+    fresh = jax.lax.scan(body, init(), None, length=5)[0]
+    np.testing.assert_array_equal(resumed["w"], fresh["w"])
+
+
+def test_same_bits_compares_exactly():
+    a = {"w": jnp.array([0.0, jnp.nan]), "k": jax.random.key(1), "n": np.int64(3)}
+    assert jax_cb_ckpt.same_bits(a, jax.tree_util.tree_map(lambda x: x, a))  # NaN == NaN
+    assert not jax_cb_ckpt.same_bits(a, {**a, "w": jnp.array([-0.0, jnp.nan])})  # one bit
+    assert not jax_cb_ckpt.same_bits(a, {**a, "k": jax.random.key(2)})
+    rbg = jax.random.wrap_key_data(jnp.zeros(4, jnp.uint32), impl="rbg")
+    assert not jax_cb_ckpt.same_bits({"k": rbg}, {"k": jax.random.key_data(rbg)})
+    assert not jax_cb_ckpt.same_bits(a, {**a, "n": np.int32(3)})
+    assert not jax_cb_ckpt.same_bits(a, {"w": a["w"]})

@@ -4,7 +4,7 @@ exactly the expected set and each saved state equals the independently computed 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_same_state, toy_reference, toy_state, toy_update
+from helpers import assert_same_state, toy_reference, toy_state, toy_update
 
 N_STEPS = 20
 EVERY = 4

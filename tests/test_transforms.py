@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_state, toy_reference, toy_state, toy_update
+from helpers import assert_same_state, toy_reference, toy_state, toy_update
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -141,7 +141,7 @@ def run_case(case, ckpt):
         out = jax.pmap(train, axis_name="dev")(stack([member_state(m) for m in range(N_DEV)]))
         return ("batch", N_DEV), out
     if case == "pmap_replicated":
-        train = make_train(ckpt, axis_name="dev", replicated=True)
+        train = make_train(ckpt, axis_name="dev", gather="replicated")
         out = jax.pmap(train, axis_name="dev")(stack([toy_state()] * N_DEV))
         return "single", jax.tree_util.tree_map(lambda x: x[0], out)
     if case == "shard_map":
@@ -153,7 +153,7 @@ def run_case(case, ckpt):
         def train(state):
             def body(state, step):
                 state = elementwise_update(state, step)
-                ckpt.maybe_save(state, step, axis_name="d", tiled=True)
+                ckpt.maybe_save(state, step, axis_name="d", gather="concat")
                 return state, None
 
             return jax.lax.scan(body, state, jnp.arange(N_STEPS))[0]
@@ -273,10 +273,12 @@ def test_batched_step_equal_across_members(make_ckpt):
     assert ckpt.stats.crossings == 2
 
 
-def test_axis_options_need_axis_name(make_ckpt):
+def test_gather_needs_axis_name_and_a_known_value(make_ckpt):
     ckpt = make_ckpt(every=1)
-    with pytest.raises(jax_cb_ckpt.ConfigError, match="need axis_name="):
-        ckpt.maybe_save({"x": jnp.zeros(2)}, 0, replicated=True)
+    with pytest.raises(jax_cb_ckpt.ConfigError, match="needs axis_name="):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, 0, gather="replicated")
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"gather must be one of \('stack', "):
+        ckpt.maybe_save({"x": jnp.zeros(2)}, 0, axis_name="d", gather="tiled")
 
 
 def test_pmap_without_axis_name_is_refused(make_ckpt):

@@ -1,0 +1,132 @@
+"""Helpers shared by the tests (fixtures and strict settings live in conftest.py).
+
+- states: `toy_state`, `toy_update`, `toy_reference`, `assert_same_state`;
+- processes: `start_process`, `wait_for_step`, `kill_group`, `run_script`: the one
+  driver for every test that starts, kills or interrupts a real child process.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_cb_ckpt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CHILD_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def toy_state(n=4):
+    """A small state with every kind of leaf the loop tests use."""
+    return {
+        "x": jnp.arange(n, dtype=jnp.float32),
+        "count": jnp.asarray(0, jnp.int32),
+        "key": jax.random.key(0),
+        "half": jnp.zeros((n,), jnp.bfloat16),
+    }
+
+
+def toy_update(state, step):
+    """Exactly representable arithmetic: any compilation gives the same bits."""
+    key, _ = jax.random.split(state["key"])
+    x = state["x"] * 0.5 + step.astype(jnp.float32)
+    return {
+        "x": x,
+        "count": state["count"] + step,
+        "key": key,
+        "half": x.astype(jnp.bfloat16),
+    }
+
+
+def toy_reference(n_steps, n=4, state=None):
+    """The state after each step, computed eagerly one step at a time (no checkpointing),
+    from `state` (default: `toy_state(n)`)."""
+    state = toy_state(n) if state is None else state
+    out = {}
+    for step in range(n_steps):
+        state = toy_update(state, jnp.asarray(step, jnp.int32))
+        out[step] = state
+    return out
+
+
+def assert_same_state(a, b):
+    """Bit-for-bit equality of two states with the same pytree structure and types."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b), strict=True
+    ):
+        name = jax.tree_util.keystr(path)
+        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array)), name
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(x) == jax.random.key_impl(y), name
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        xa, ya = np.asarray(x), np.asarray(y)
+        assert xa.dtype == ya.dtype, name
+        assert xa.shape == ya.shape, name
+        assert xa.tobytes() == ya.tobytes(), name
+
+
+# -- child processes -------------------------------------------------------------------
+
+
+def start_process(args, *, ready=None):
+    """A child process (`args` for Popen) in a session of its own, so `kill_group` can
+    kill it and anything it started. With `ready`, waits for that first stdout line."""
+    child = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=CHILD_ENV,
+        start_new_session=True,
+    )
+    if ready is not None:
+        line = child.stdout.readline().strip() if child.stdout else ""
+        if line != ready:
+            kill_group(child)
+            raise AssertionError(f"the child printed {line!r}, not {ready!r}")
+    return child
+
+
+def start_script(tmp_path, text, *args, ready=None):
+    """`start_process` of a Python script written from `text`."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(text))
+    return start_process([sys.executable, str(script), *map(str, args)], ready=ready)
+
+
+def run_script(tmp_path, text, *args, timeout=240):
+    """Run a Python script written from `text` to its end (cwd: the repository root)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=CHILD_ENV,
+    )
+
+
+def kill_group(child):
+    """SIGKILL the child's process group (if still there) and reap it."""
+    if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+    return child.communicate()
+
+
+def wait_for_step(directory, step, child, timeout=120):
+    """Wait until the child has a checkpoint >= `step` on disk (it must keep running)."""
+    deadline = time.monotonic() + timeout
+    while (jax_cb_ckpt.latest_step(directory) or 0) < step:
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "the child saved nothing"
+        time.sleep(0.01)
