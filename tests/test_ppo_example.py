@@ -29,6 +29,6 @@ def test_default_config_reaches_cartpole_return(tmp_path):
 
 
 def test_kill_and_resume_vmapped_over_seeds_is_bit_exact():
-    out = run_example("--kill-demo", "--seeds", "2", "--total-timesteps", "51200", "--every", "10")
+    out = run_example("--kill-demo", "--seeds", "2", "--total-timesteps", "25600", "--every", "5")
     assert "killed; checkpoints on disk" in out
     assert "bit for bit: True" in out
