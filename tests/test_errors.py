@@ -258,3 +258,17 @@ def test_bad_leaf_messages_point_at_framework_fixes(make_ckpt):
         jax_cb_ckpt.StructureMismatchError, match=r"under the top-level keys \['w'\]"
     ):
         ckpt.restore({"params": {"w": jnp.ones(2)}})  # one level too deep
+
+
+def test_cached_jitted_function_of_a_closed_checkpointer_names_the_cause(make_ckpt):
+    ckpt = make_ckpt()
+    train = jax.jit(lambda x: ckpt.save({"x": x}, 1))  # traced once, with this Checkpointer
+    train(jnp.zeros(2))
+    ckpt.close()
+    with pytest.raises(Exception, match=r"CheckpointerClosedError") as info:
+        train(jnp.zeros(2))  # the cached program still calls the closed one
+        jax.effects_barrier()
+    assert "a jitted function traced with an earlier Checkpointer keeps using that one" in str(
+        info.value
+    )
+    assert "re-create the jitted function" in str(info.value)
