@@ -368,8 +368,12 @@ class Checkpointer:
         for index, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
             if _tree.is_constant(leaf) and gather != "concat":
                 constants.append((index, _tree.host_copy(spec, leaf)))
-            elif 0 in spec.shape and gather != "concat":  # only a shape: nothing to cross
-                constants.append((index, _tree.empty_data(spec)))
+            elif 0 in spec.shape:  # only a shape: nothing to cross (nor to all_gather,
+                # which crashes some XLA versions on zero-size operands)
+                shape = spec.shape
+                if gather == "concat":  # the global shape: blocks along the first axis
+                    shape = (shape[0] * _traced.axis_size(axis_name), *shape[1:])
+                constants.append((index, _tree.empty_data(spec, shape)))
             else:
                 payload.append(_tree.to_payload(spec, leaf, where))
         crossing = iter(payload)

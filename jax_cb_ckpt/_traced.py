@@ -148,6 +148,12 @@ def check_axis_name(axis_name: Any, where: str) -> None:
         )
 
 
+def axis_size(axis_name: Any) -> int:
+    """How many devices the mapped axis (or axes) `axis_name` spans, while tracing."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return int(np.prod([jax.lax.axis_size(name) for name in names]))
+
+
 def cross(
     host_fn: Any,
     signature: Any,

@@ -297,10 +297,10 @@ def host_copy(spec: LeafSpec, leaf: Any) -> np.ndarray:
     return np.array(leaf, dtype=np.dtype(spec.dtype), copy=True)
 
 
-def empty_data(spec: LeafSpec) -> np.ndarray:
-    """The stored data of a zero-size leaf (all there is to it is its shape)."""
+def empty_data(spec: LeafSpec, shape: tuple[int, ...]) -> np.ndarray:
+    """The stored data of a zero-size leaf of `shape` (all there is to it is its shape)."""
     trailing = key_data_shape(spec.impl) if spec.kind == KEY else ()
-    return np.zeros(spec.shape + trailing, np.dtype(spec.dtype))
+    return np.zeros(shape + trailing, np.dtype(spec.dtype))
 
 
 def to_payload(spec: LeafSpec, leaf: Any, where: str) -> Any:
