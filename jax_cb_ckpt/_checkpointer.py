@@ -461,10 +461,14 @@ class Checkpointer:
         if exc is None:
             self._close(depth=1)
             return
-        # The body's exception wins; a writer error is reported alongside it, once.
         try:
             self._close(depth=1)
         except CheckpointError as error:
+            if isinstance(exc, jax.errors.JaxRuntimeError) and type(error).__name__ in str(exc):
+                # The body failed *because* a callback raised our error, which JAX wrapped:
+                # raise ours (chained to JAX's), so `except StepExistsError:` works.
+                raise error from exc
+            # Otherwise the body's exception wins; the writer error goes along, once.
             exc.add_note(f"jax_cb_ckpt writer error: {error}")
 
     # -- runs that resume themselves ------------------------------------------------

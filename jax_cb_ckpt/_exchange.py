@@ -73,8 +73,9 @@ class Exchange:
                 shown = ", ".join(map(str, clash[:5])) + (", ..." if len(clash) > 5 else "")
                 raise StepExistsError(
                     f"saving step {step} to {self.directory!r}: the directory already "
-                    f"holds step(s) {shown} >= {step} from an earlier run, and mixing two "
-                    "runs would make the latest checkpoint belong to the other one. "
+                    f"holds step(s) {shown} >= {step} written before this run started (by an "
+                    "earlier run, or by this Checkpointer before its last restore()), and "
+                    "mixing two runs would make the latest checkpoint belong to the other. "
                     "Nothing was changed on disk. Fix: use a new directory for a new run; "
                     "or resume from the latest step (ckpt.restore(like) / ckpt.run(...)) "
                     "so new steps come after it; or, to discard that run's steps from "

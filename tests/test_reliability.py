@@ -808,3 +808,14 @@ def test_directory_replaced_mid_run_is_an_error(make_ckpt, ckpt_dir):
     with pytest.raises(SaveError, match=r"saving step 2 .* was replaced while the run"):
         ckpt.wait()
     assert os.listdir(ckpt_dir) == []  # nothing written into the replacement
+
+
+def test_conflict_inside_with_raises_our_error(ckpt_dir):
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as first:
+        first.save(state_at(5), 5)
+    with pytest.raises(StepExistsError, match=r"saving step 5") as info:
+        with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+            jax.jit(lambda s: ckpt.save(s, 5))(state_at(50))
+            jax.effects_barrier()
+    assert isinstance(info.value.__cause__, jax.errors.JaxRuntimeError)  # JAX's, chained
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [5]
