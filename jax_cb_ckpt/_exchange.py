@@ -85,10 +85,16 @@ class Exchange:
             self._handed.add(step)
             return clash
 
-    def unclaim(self, step: int) -> None:
-        """`step` was not handed over after all (skipped, or failed): it may come again."""
+    def unclaim(self, step: int, replace: tuple[int, ...] = ()) -> None:
+        """`step` was not handed over after all (skipped, or failed): it may come again,
+        and the other run's steps it was to replace count as the other run's again."""
         with self._cond:
-            self._handed.discard(step)
+            self._unclaim(step, replace)
+
+    def _unclaim(self, step: int, replace: tuple[int, ...]) -> None:
+        self._handed.discard(step)
+        if replace:
+            self._old = sorted(set(self._old) | set(replace))
 
     def take_slot(self, block: bool) -> bool:
         return self._slots.acquire(blocking=block)
@@ -131,12 +137,12 @@ class Exchange:
     def stop_writer(self, marker: Any) -> None:
         self._queue.put(marker)
 
-    def finished(self, step: int, error: SaveError | None) -> None:
+    def finished(self, step: int, replace: tuple[int, ...], error: SaveError | None) -> None:
         """The writer is done with a submitted save (written, or failed with `error`)."""
         self._slots.release()
         with self._cond:
             if error is not None:
-                self._handed.discard(step)
+                self._unclaim(step, replace)
                 if self._error is None:
                     self._error = error
             self._pending -= 1

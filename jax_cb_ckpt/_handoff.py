@@ -267,7 +267,7 @@ class HostSide:
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.
         if not exchange.take_slot(block=self._on_full == "block"):
-            exchange.unclaim(step)  # never written: a later save of it is welcome
+            exchange.unclaim(step, replace)  # never written: a later save of it is welcome
             self._stats.skipped()
             exchange.note(
                 SkippedSaveWarning,
@@ -287,7 +287,7 @@ class HostSide:
                 meta["members"] = members.tolist()
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
-            exchange.unclaim(step)
+            exchange.unclaim(step, replace)
             exchange.give_slot()
             raise
         end = time.perf_counter()

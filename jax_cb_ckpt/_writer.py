@@ -156,7 +156,7 @@ class Writer:
                     error = self._write(item)
                 finally:
                     item.release()
-                    self._exchange.finished(item.step, error)
+                    self._exchange.finished(item.step, item.replace, error)
         finally:
             _LIVE.discard(self)
             self._checkpointer.close()
