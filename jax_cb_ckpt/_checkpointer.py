@@ -4,7 +4,6 @@ the writer thread and restore together; each lives in its own module."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import typing
 import warnings
@@ -29,8 +28,6 @@ from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
 from ._traced import Gather
 from ._writer import Writer, emit_notes
-
-logger = logging.getLogger("jax_cb_ckpt")
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)

@@ -20,14 +20,11 @@ write failed was never written: it is forgotten, and a later save of it is writt
 from __future__ import annotations
 
 import bisect
-import logging
 import queue
 import threading
 from typing import Any, Literal
 
 from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
-
-logger = logging.getLogger("jax_cb_ckpt")
 
 OnExisting = Literal["raise", "replace"]
 
@@ -118,8 +115,11 @@ class Exchange:
         """An error raised on the callback side: JAX re-wraps it for the program, so it
         is also kept here and re-raised as is by wait()/close()."""
         with self._cond:
-            if self._error is None:
-                self._error = error
+            self._keep_first(error)
+
+    def _keep_first(self, error: CheckpointError) -> None:
+        if self._error is None:
+            self._error = error
 
     def note(self, category: type[Warning], message: str) -> None:
         """A warning for the user's thread, emitted at the next wait()/close()/save."""
@@ -143,8 +143,7 @@ class Exchange:
         with self._cond:
             if error is not None:
                 self._unclaim(step, replace)
-                if self._error is None:
-                    self._error = error
+                self._keep_first(error)
             self._pending -= 1
             self._cond.notify_all()
 

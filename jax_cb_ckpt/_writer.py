@@ -114,7 +114,7 @@ class Writer:
 
     def flush_at_exit(self) -> None:
         """Interpreter exit with saves possibly in flight: write them all, then stop.
-        What cannot be raised any more is reported as warnings (and logged)."""
+        What cannot be raised any more is reported as warnings."""
         self._on_exit()
         pending = self._exchange.pending
         if pending:
@@ -125,11 +125,7 @@ class Writer:
                 UnflushedSaveWarning,
                 stacklevel=2,
             )
-        self.stop()
-        emit_notes(self._exchange, stacklevel=1)
-        error = self._exchange.take_error()
-        if error is not None:
-            warnings.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning, stacklevel=2)
+        self.stop()  # the thread reports what is left as it ends (_report_unclaimed)
 
     def finish(self) -> None:
         """Ask the thread to end once the saves queued before this call are written."""
@@ -165,8 +161,8 @@ class Writer:
 
     def _report_unclaimed(self) -> None:
         """A writer that ends while warnings or an error are still pending was finished
-        by garbage collection (close() takes them first): nobody will ask any more, so
-        report them now rather than lose them."""
+        by garbage collection or interpreter exit (close() takes them first): nobody will
+        ask any more, so report them now rather than lose them."""
         emit_notes(self._exchange, stacklevel=1)
         error = self._exchange.take_error()
         if error is not None:
