@@ -26,13 +26,14 @@ from ._handoff import CLOSED_AT_EXIT, HostSide, OnError, OnFull, Signature, prob
 from ._lock import DirectoryLock
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._traced import Gather
+from ._traced import Crossing, Gather
 from ._writer import Writer, emit_notes
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
 _ON_EXISTING = typing.get_args(OnExisting)
 _GATHER = typing.get_args(Gather)
+_CROSSING = typing.get_args(Crossing)
 
 
 def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
@@ -89,6 +90,15 @@ class Checkpointer:
             `close()` raise `SaveError`. `"continue"`: training goes on without that
             checkpoint; failures are counted in `stats.failed`, the partial write is
             removed, and `wait()` / `close()` warn (`SaveFailedWarning`) instead.
+        on_existing: a save at or below a step another run left in the directory:
+            `"raise"` refuses it (`StepExistsError`), `"replace"` deletes that run's
+            steps from the saved step on, then writes.
+        crossing: how traced saves reach the host (docs/handoff.md). `"buffer"`: the
+            device program's own buffers are copied once into reused host memory
+            (`jax.experimental.buffer_callback`; CPU only). `"callback"`:
+            `jax.debug.callback`, which copies the state into fresh memory first (any
+            backend; about 10x slower per byte on CPU). `"auto"` (default): `"buffer"`
+            on CPU, `"callback"` elsewhere.
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class Checkpointer:
         compression: bool = False,
         on_error: OnError = "raise",
         on_existing: OnExisting = "raise",
+        crossing: Crossing = "auto",
     ) -> None:
         path = _format.resolve(directory, "Checkpointer(directory=...)")
         if os.path.exists(path) and not os.path.isdir(path):
@@ -134,6 +145,13 @@ class Checkpointer:
                 "run's steps in the directory, 'replace' deletes that run's steps from "
                 "the saved step on and writes the new one."
             )
+        if crossing not in _CROSSING:
+            raise ConfigError(
+                f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
+                "'auto' (the copy-once 'buffer' crossing on CPU, 'callback' elsewhere), "
+                "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
+            )
+        self._crossing: Crossing = crossing
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
             os.makedirs(path, exist_ok=True)
@@ -214,6 +232,10 @@ class Checkpointer:
     @property
     def on_existing(self) -> OnExisting:
         return self._on_existing
+
+    @property
+    def crossing(self) -> Crossing:
+        return self._crossing
 
     def __copy__(self) -> Checkpointer:
         return self  # one writer and one lock per directory: a copy is the same object
@@ -386,6 +408,8 @@ class Checkpointer:
             pred,
             axis_name=axis_name,
             gather=gather,
+            fast=self._crossing == "buffer"
+            or (self._crossing == "auto" and jax.default_backend() == "cpu"),
         )
 
     def _check_usable(self, where: str) -> None:

@@ -4,17 +4,23 @@ One object owns everything the three share: the slots that bound saves in flight
 queue, the pending count, the steps handed over, the first writer error and the notes
 (warnings to emit in the user's thread). Each side uses its own methods:
 
-- callback side (inside JAX's callback, or an eager `save`): `claim`, `take_slot`,
-  `submit`, `unclaim`, `record`;
+- callback side (inside JAX's callbacks, or an eager `save`): `claim`, `take_slot`,
+  `submit`, `unclaim`, `record`, `mark`;
 - writer thread: `next_item`, `finished`;
 - user thread: `drain`, `take_error`, `take_notes`, `forget`.
 
 Which saves may be written is decided here, in memory (the callback never touches the
 disk): a step already handed over by this Checkpointer is dropped with a warning (a
-remat recomputation, a repeated call); a step at or below a step another run left in
+repeated call); a step at or below a step another run left in
 the directory is a conflict (an error by default, or a replace of those steps when the
 user asked for it), so two runs never mix silently. A step that was skipped or whose
 write failed was never written: it is forgotten, and a later save of it is written.
+
+The data of one save may arrive several times from one program run: under GSPMD `jit`
+every device runs the crossing with the whole (gathered) state. Such copies come from
+the same crossing (its `owner`, the traced call's Signature) and are dropped silently.
+Whether a program run repeated a step is decided once per run instead, by `mark`,
+which the crossing calls once per save after its data (see _traced.py).
 """
 
 from __future__ import annotations
@@ -44,26 +50,28 @@ class Exchange:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
-        self._handed: set[int] = set()
+        self._handed: dict[int, object] = {}  # step -> the crossing that handed it
+        self._arrived: set[tuple[object, int]] = set()  # handed, not yet marked
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
 
     # -- callback side --------------------------------------------------------------
 
-    def claim(self, step: int) -> tuple[int, ...] | None:
-        """May `step` be written? None: drop it (a duplicate, noted); otherwise the old
-        steps to delete first (empty unless replacing). Raises `StepExistsError` when the
-        step would mix with steps another run left in the directory."""
+    def claim(
+        self, step: int, owner: object = None
+    ) -> tuple[int, ...] | Literal["duplicate", "replica"]:
+        """May `step` be written? `"duplicate"`: drop it (noted for the user);
+        `"replica"`: drop it silently (another device's copy of the same save, or a
+        later run's, which `mark` reports); otherwise the old steps to delete first
+        (empty unless replacing). Raises `StepExistsError` when the step would mix with
+        steps another run left in the directory."""
         with self._cond:
             if step in self._handed:
-                self._note(
-                    DuplicateStepWarning,
-                    f"jax_cb_ckpt: step {step} was handed over again by the same "
-                    f"Checkpointer on {self.directory!r} (a remat recomputation or a "
-                    "repeated save); the first save of it is kept, this one was dropped.",
-                )
-                return None
+                if owner is not None and self._handed[step] is owner:
+                    return "replica"
+                self._note(DuplicateStepWarning, self._duplicate_message(step))
+                return "duplicate"
             cut = bisect.bisect_left(self._old, step)
             clash = tuple(self._old[cut:])
             if clash and self.on_existing == "raise":
@@ -79,8 +87,23 @@ class Exchange:
                     f"step {step} on, create the Checkpointer with on_existing='replace'."
                 )
             del self._old[cut:]
-            self._handed.add(step)
+            self._handed[step] = owner
+            if owner is not None:
+                self._arrived.add((owner, step))
             return clash
+
+    def mark(self, step: int, owner: object) -> bool:
+        """One program run's save of `step` by the crossing `owner` is over (its data
+        arrived before this). False when that data was dropped because the same crossing
+        had handed the step over in an earlier run (noted for the user)."""
+        with self._cond:
+            if (owner, step) in self._arrived:
+                self._arrived.discard((owner, step))
+                return True
+            if self._handed.get(step, None) is owner:
+                self._note(DuplicateStepWarning, self._duplicate_message(step))
+                return False
+            return True  # skipped or failed: said elsewhere
 
     def unclaim(self, step: int, replace: tuple[int, ...] = ()) -> None:
         """`step` was not handed over after all (skipped, or failed): it may come again,
@@ -88,8 +111,16 @@ class Exchange:
         with self._cond:
             self._unclaim(step, replace)
 
+    def _duplicate_message(self, step: int) -> str:
+        return (
+            f"jax_cb_ckpt: step {step} was handed over again by the same Checkpointer "
+            f"on {self.directory!r} (a repeated save, or a remat recomputation); the "
+            "first save of it is kept, this one was dropped."
+        )
+
     def _unclaim(self, step: int, replace: tuple[int, ...]) -> None:
-        self._handed.discard(step)
+        owner = self._handed.pop(step, None)
+        self._arrived.discard((owner, step))
         if replace:
             self._old = sorted(set(self._old) | set(replace))
 
@@ -175,4 +206,5 @@ class Exchange:
         disk counts as another run's (saving at or below one of them is a conflict)."""
         with self._cond:
             self._handed.clear()
+            self._arrived.clear()
             self._old = sorted(steps_on_disk)

@@ -190,19 +190,8 @@ class HostSide:
         return self._exchange.directory
 
     def __call__(self, signature: Signature, step: Any, pred: Any, *arrays: Any) -> None:
-        """The crossing's callback: `arrays` are the leaves that crossed through JAX."""
-        start = time.perf_counter()
-        self._stats.crossed()
-        self._check_open()
-        error = self._exchange.peek_error()
-        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
-            raise error  # fails the running computation: no hours of training unsaved
-        members = np.asarray(pred, dtype=bool)
-        try:
-            step = _one_step(np.asarray(step), members)
-        except CheckpointError as e:
-            self._exchange.record(e)  # re-raised by wait()/close() as our own type
-            raise
+        """The `debug.callback` crossing's target (the fallback path; see _traced.py):
+        `arrays` are the leaves that crossed through JAX, as JAX's own copies."""
 
         def take() -> tuple[list[np.ndarray], Callable[[], None]]:
             if _OWNED:
@@ -211,7 +200,69 @@ class HostSide:
                 return [np.asarray(a) for a in arrays], _noop
             return self._pool.copy_in(arrays)
 
-        self._hand_over(signature, step, members, start, take, in_callback=True)
+        self._in_callback(signature, step, pred, take, owner=None)
+
+    def deposit(
+        self,
+        signature: Signature,
+        narrow: dict[int, Any],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        pred: Any,
+        *buffers: Any,
+    ) -> None:
+        """The `buffer_callback` crossing's target (the fast path; see _traced.py).
+
+        `buffers` are XLA's own buffers, valid only during this call: each is copied
+        once, here, into a staging buffer the library reuses (already touched memory),
+        while the device program waits. `out` is the crossing's one-element token.
+        `narrow` gives the dtype of leaves that crossed widened (packed sub-byte types).
+        """
+        del ctx
+        np.asarray(out)[...] = 0
+        arrays = [np.asarray(b) for b in buffers]
+        for index, dtype in narrow.items():
+            arrays[index] = arrays[index].astype(dtype)
+        take = functools.partial(self._pool.copy_in, arrays)
+        self._in_callback(signature, step, pred, take, owner=signature)
+
+    def mark(self, signature: Signature, step: Any, pred: Any, token: Any) -> None:
+        """Runs once per program run and save, after `deposit` (it reads its token): a
+        step whose data was dropped because this crossing handed it over in an earlier
+        run is reported here, once, however many devices deposited it."""
+        del token
+        members = np.asarray(pred).astype(bool)
+        if not members.any():
+            return
+        try:
+            step = _one_step(np.asarray(step), members)
+        except CheckpointError:
+            return  # deposit raised it already and the program failed there
+        if not self._exchange.mark(step, signature):
+            self._stats.duplicate()
+
+    def _in_callback(
+        self,
+        signature: Signature,
+        step: Any,
+        pred: Any,
+        take: Callable[[], tuple[list[np.ndarray], Callable[[], None]]],
+        owner: object,
+    ) -> None:
+        start = time.perf_counter()
+        self._stats.crossed()
+        self._check_open()
+        error = self._exchange.peek_error()
+        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
+            raise error  # fails the running computation: no hours of training unsaved
+        members = np.asarray(pred).astype(bool)
+        try:
+            step = _one_step(np.asarray(step), members)
+        except CheckpointError as e:
+            self._exchange.record(e)  # re-raised by wait()/close() as our own type
+            raise
+        self._hand_over(signature, step, members, start, take, in_callback=True, owner=owner)
 
     def eager(self, signature: Signature, step: int, hosts: list[Any]) -> None:
         """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
@@ -221,7 +272,9 @@ class HostSide:
         self._stats.crossed()
         self._check_open()
         take = functools.partial(self._pool.copy_in, hosts)
-        self._hand_over(signature, step, np.asarray(True), start, take, in_callback=False)
+        self._hand_over(
+            signature, step, np.asarray(True), start, take, in_callback=False, owner=None
+        )
 
     def _check_open(self) -> None:
         if self.closed_reason is not None:
@@ -253,16 +306,19 @@ class HostSide:
         take: Callable[[], tuple[list[np.ndarray], Callable[[], None]]],
         *,
         in_callback: bool,
+        owner: object,
     ) -> None:
         exchange = self._exchange
         try:
-            replace = exchange.claim(step)
+            replace = exchange.claim(step, owner)
         except CheckpointError as e:
             if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
                 exchange.record(e)
             raise
-        if replace is None:  # a duplicate, noted for the user
+        if replace == "duplicate":  # noted for the user
             self._stats.duplicate()
+            return
+        if replace == "replica":  # another device's copy of a save already taken
             return
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.

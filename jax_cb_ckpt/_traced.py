@@ -37,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jax.experimental.buffer_callback import buffer_callback
 
 from ._errors import InvalidStateError
 
 Gather = Literal["stack", "concat", "replicated"]
+Crossing = Literal["auto", "buffer", "callback"]
 
 
 def _describe(x: Any) -> str:
@@ -155,7 +157,7 @@ def axis_size(axis_name: Any) -> int:
 
 
 def cross(
-    host_fn: Any,
+    host: Any,
     signature: Any,
     step: jax.Array,
     payload: list[Any],
@@ -163,6 +165,7 @@ def cross(
     *,
     axis_name: Any = None,
     gather: Gather = "stack",
+    fast: bool = True,
 ) -> None:
     """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
 
@@ -174,7 +177,7 @@ def cross(
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     pred = jnp.asarray(True) if pred is None else pred
-    save = _batched_save(host_fn, signature)
+    save = _batched_save(host, signature, fast)
     if axis_name is None:
         save(step, pred, payload)
         return
@@ -198,24 +201,51 @@ def cross(
     jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
 
 
+_PACKED = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
+
+
+def _packed(dtype: Any) -> bool:
+    """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
+    return np.dtype(dtype).name in _PACKED or np.dtype(dtype).name.startswith("float4")
+
+
+def _widen(x: jax.Array) -> jax.Array:
+    """A packed-dtype array as a byte-per-element dtype that holds its values exactly."""
+    return x.astype(_PACKED.get(np.dtype(x.dtype).name, np.float32))
+
+
 def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
     x = jnp.asarray(x)
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
 
 
-def _batched_save(host_fn: Any, signature: Any):
+def _batched_save(host: Any, signature: Any, fast: bool):
     """`save(step, pred, payload)`: one crossing when any member's `pred` holds.
 
     Unbatched, `pred` is a scalar. Each `vmap` applied from outside prepends its axis to
     `pred`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
     the whole batch with a leading axis per `vmap` and the per-member mask.
     """
-    callback = functools.partial(host_fn, signature)
+    callback = functools.partial(host, signature)
+    mark = functools.partial(host.mark, signature)
+    token_type = jax.ShapeDtypeStruct((), jnp.int32)
 
     @jax.custom_batching.custom_vmap
     def save(step, pred, payload):
         def crossing(step, pred, payload):
-            jax.debug.callback(callback, step, pred, *payload)
+            if fast:
+                # The data goes through a pure buffer_callback (XLA's buffers, copied
+                # once by the host side); its token feeds a debug.callback, whose effect
+                # keeps both alive in a program that uses neither result.
+                # XLA packs sub-byte types (int4: two per byte), numpy views them one
+                # per byte: they cross widened and are narrowed back on the host.
+                narrow = {i: p.dtype for i, p in enumerate(payload) if _packed(p.dtype)}
+                payload = [_widen(p) if i in narrow else p for i, p in enumerate(payload)]
+                deposit = functools.partial(host.deposit, signature, narrow)
+                token = buffer_callback(deposit, token_type)(step, pred, *payload)
+                jax.debug.callback(mark, step, pred, token)
+            else:
+                jax.debug.callback(callback, step, pred, *payload)
 
         jax.lax.cond(jnp.any(pred), crossing, lambda *_: None, step, pred, payload)
         return ()

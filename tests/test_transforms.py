@@ -181,18 +181,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("crossing", ["buffer", "callback"])
 @pytest.mark.parametrize("case", CASES)
-def test_transformation(make_ckpt, case):
-    ckpt = make_ckpt(every=EVERY)
+def test_transformation(make_ckpt, case, crossing):
+    """Both crossings: the copy-once buffer_callback (the default on CPU) and the
+    debug.callback fallback (the default elsewhere)."""
+    ckpt = make_ckpt(every=EVERY, crossing=crossing)
     kind, final = run_case(case, ckpt)
     ckpt.wait()
     stats = ckpt.stats
     assert ckpt.all_steps() == SAVED
     assert stats.saves == len(SAVED) and stats.failed == 0 and stats.skipped == 0
     # One crossing per saving step for the whole batch / all devices. Remat may
-    # recompute a saving step in the backward pass: recognised and dropped.
+    # recompute a saving step in the backward pass (debug.callback does): recognised
+    # and dropped.
     assert stats.crossings == len(SAVED) + stats.duplicates
-    if case != "remat":
+    if case != "remat" or crossing == "buffer":
         assert stats.duplicates == 0
     if kind == "single":
         check_single(ckpt, final)
