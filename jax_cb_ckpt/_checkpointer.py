@@ -12,12 +12,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
-from . import _format, _restore, _run, _traced, _tree
+from . import _format, _restore, _run, _shards, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     ConfigError,
+    InvalidStateError,
     SaveError,
     SaveFailedWarning,
 )
@@ -270,6 +272,7 @@ class Checkpointer:
         when: Any = None,
         axis_name: Any = None,
         gather: Gather = "stack",
+        shardings: Any = None,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
 
@@ -305,6 +308,14 @@ class Checkpointer:
                 sharded on its first axis, as `lax.all_gather(tiled=True)`);
                 `"replicated"`: the state is the same on every device, save the first
                 device's copy without gathering.
+            shardings: under `jit` with a sharded state, a pytree of
+                `jax.sharding.NamedSharding` (or a prefix of the state's pytree, or one
+                for every leaf) giving each leaf's sharding: every device then hands
+                over only its own block (one replica of each), nothing is gathered, and
+                the checkpoint stores the arrays sharded as Orbax stores `jax.Array`s.
+                Inferred from the leaves' types on meshes with explicit axes
+                (`jax.make_mesh` default); otherwise the state is gathered first.
+                Needs the "buffer" crossing or a `debug.callback` per device.
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -326,7 +337,7 @@ class Checkpointer:
         if pred is False:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step, known, pred, where, axis_name, gather)
+        self._cross(state, step, known, pred, where, axis_name, gather, shardings)
 
     def save(
         self,
@@ -335,6 +346,7 @@ class Checkpointer:
         *,
         axis_name: Any = None,
         gather: Gather = "stack",
+        shardings: Any = None,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
@@ -343,7 +355,7 @@ class Checkpointer:
         where = "save"
         self._check_usable(where)
         known = _traced.check_step(step, where)
-        self._cross(state, step, known, None, where, axis_name, gather)
+        self._cross(state, step, known, None, where, axis_name, gather, shardings)
 
     def _cross(
         self,
@@ -354,6 +366,7 @@ class Checkpointer:
         where: str,
         axis_name: Any,
         gather: Gather,
+        shardings: Any = None,
     ) -> None:
         if gather not in _GATHER:
             raise ConfigError(
@@ -367,7 +380,14 @@ class Checkpointer:
                 "needs axis_name= (the pmap/shard_map axis name)."
             )
         _traced.check_axis_name(axis_name, where)
+        if shardings is not None and axis_name is not None:
+            raise ConfigError(
+                f"{where}: shardings= is for a sharded state under jit; inside pmap/"
+                "shard_map (axis_name=) each device already holds its block. Pass one "
+                "of the two."
+            )
         _, specs, leaves = _tree.describe_state(state, where)
+        per_leaf = _per_leaf_shardings(shardings, state, len(leaves), where)
         if axis_name is None and known is not None and not _traced.is_tracing(leaves, pred):
             # Eagerly: no JAX callback at all. Every leaf is copied into host memory the
             # library keeps, with its exact dtype, before this call returns.
@@ -383,7 +403,7 @@ class Checkpointer:
         # Traced: leaves Python knows are constants of the program; they are copied now
         # and never cross through JAX (which would narrow 64-bit dtypes). Concatenated
         # over devices they must cross, to be concatenated like the rest.
-        constants, payload = [], []
+        constants, payload, crossing_leaves = [], [], []
         for index, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
             if _tree.is_constant(leaf) and gather != "concat":
                 constants.append((index, _tree.host_copy(spec, leaf)))
@@ -395,21 +415,40 @@ class Checkpointer:
                 constants.append((index, _tree.empty_data(spec, shape)))
             else:
                 payload.append(_tree.to_payload(spec, leaf, where))
+                crossing_leaves.append(index)
         crossing = iter(payload)
         constant = dict(constants)
         ndims = tuple(
             constant[i].ndim if i in constant else next(crossing).ndim for i in range(len(specs))
         )
+        signature = Signature(specs, ndims, tuple(constants))
+        traced_step = _traced.traced_step(step, known, where)
+        fast = self._crossing == "buffer" or (
+            self._crossing == "auto" and jax.default_backend() == "cpu"
+        )
+        chosen = None
+        if axis_name is None and payload:
+            if per_leaf is not None:
+                chosen = [per_leaf[i] for i in crossing_leaves]
+            else:
+                chosen = _explicit_shardings([leaves[i] for i in crossing_leaves])
+        if chosen is not None:
+            names = [specs[i].path for i in crossing_leaves]
+            layout, mesh = _shards.layout_of(chosen, payload, names)
+            if layout.devices > 1:
+                _traced.cross_sharded(
+                    self._host, signature, layout, mesh, traced_step, payload, pred, fast=fast
+                )
+                return
         _traced.cross(
             self._host,
-            Signature(specs, ndims, tuple(constants)),
-            _traced.traced_step(step, known, where),
+            signature,
+            traced_step,
             payload,
             pred,
             axis_name=axis_name,
             gather=gather,
-            fast=self._crossing == "buffer"
-            or (self._crossing == "auto" and jax.default_backend() == "cpu"),
+            fast=fast,
         )
 
     def _check_usable(self, where: str) -> None:
@@ -610,3 +649,58 @@ def _collected(host: HostSide, writer: Writer) -> None:
     """The Checkpointer was garbage collected without `close()` (weakref finalizer)."""
     _mark_closed(host, "was garbage collected without close()")
     writer.finish()  # writes what was handed over, then ends the thread
+
+
+def _per_leaf_shardings(shardings: Any, state: Any, n: int, where: str) -> list[Any] | None:
+    """`shardings=` (a pytree prefix of the state) as one sharding per leaf, or None."""
+    if shardings is None:
+        return None
+
+    def is_sharding(x: Any) -> bool:
+        return isinstance(x, jax.sharding.Sharding)
+
+    try:
+        full = jax.tree.broadcast(shardings, state, is_leaf=is_sharding)
+    except (ValueError, TypeError) as e:
+        raise InvalidStateError(
+            f"{where}(shardings=...): the shardings' pytree is not a prefix of the "
+            f"state's: {e}. Fix: pass a NamedSharding per leaf in the state's structure, "
+            "a prefix of it (one per subtree), or a single NamedSharding."
+        ) from e
+    flat = jax.tree_util.tree_leaves(full, is_leaf=is_sharding)
+    if len(flat) != n:
+        raise InvalidStateError(
+            f"{where}(shardings=...): got {len(flat)} shardings for the state's {n} "
+            "leaves. Fix: give one NamedSharding per leaf (or a prefix of the state)."
+        )
+    return flat
+
+
+def _explicit_shardings(leaves: list[Any]) -> list[Any] | None:
+    """The leaves' shardings when the trace knows them (a mesh with explicit axes, as
+    `jax.make_mesh` makes by default) and at least one leaf is split; else None."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None  # inside shard_map: the gather path (axis_name=)
+    found, split = [], False
+    for leaf in leaves:
+        sharding = None
+        if isinstance(leaf, (Tracer, jax.Array)):
+            try:
+                sharding = jax.typeof(leaf).sharding
+            except (AttributeError, TypeError):
+                sharding = None
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            found.append(None)
+            continue
+        explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+        if not explicit:
+            found.append(None)
+            continue
+        split = split or any(entry is not None for entry in sharding.spec)
+        found.append(sharding)
+    if not split:
+        return None
+    meshes = {(s.mesh.axis_names, s.mesh.axis_sizes) for s in found if s is not None}
+    if len(meshes) != 1 or any(s is None for s in found):
+        return None  # mixed: save gathered
+    return found

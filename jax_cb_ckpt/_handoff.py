@@ -36,7 +36,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _tree
+from . import _shards, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -133,11 +133,12 @@ class StagingPool:
     """Host buffers reused across saves of the same layout (already touched memory).
 
     A set of buffers is taken for one save and given back by the writer once the save
-    is on disk. At most `keep` free sets per layout and two layouts are cached.
+    is on disk. At most `keep` free sets per layout and `layouts` layouts are cached.
     """
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, layouts: int = 2) -> None:
         self._keep = keep
+        self._layouts = layouts
         self._lock = threading.Lock()
         self._free: collections.OrderedDict[tuple, list[list[np.ndarray]]] = (
             collections.OrderedDict()
@@ -150,7 +151,7 @@ class StagingPool:
             free = self._free.get(layout)
             buffers = free.pop() if free else None
         if buffers is None:
-            buffers = [np.empty(h.shape, h.dtype) for h in hosts]
+            buffers = [_shards.empty_aligned(h.shape, h.dtype) for h in hosts]
         for buf, host in zip(buffers, hosts, strict=True):
             np.copyto(buf, host)
         return buffers, functools.partial(self._give_back, layout, buffers)
@@ -161,7 +162,7 @@ class StagingPool:
             self._free.move_to_end(layout)
             if len(free) < self._keep:
                 free.append(buffers)
-            while len(self._free) > 2:
+            while len(self._free) > self._layouts:
                 self._free.popitem(last=False)
 
 
@@ -183,6 +184,8 @@ class HostSide:
         self._on_error: OnError = on_error
         self._queue_size = queue_size
         self._pool = StagingPool(keep=queue_size)
+        self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
+        self._assemblies = _shards.Assemblies()
         self.closed_reason: str | None = None  # set when the Checkpointer is closed
 
     @property
@@ -226,6 +229,76 @@ class HostSide:
             arrays[index] = arrays[index].astype(dtype)
         take = functools.partial(self._pool.copy_in, arrays)
         self._in_callback(signature, step, pred, take, owner=signature)
+
+    def deposit_shard(
+        self,
+        signature: Signature,
+        layout: _shards.Layout,
+        narrow: dict[int, Any],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        pred: Any,
+        coords: Any,
+        *blocks: Any,
+    ) -> None:
+        """One device's part of a per-device save (`shardings=`; see _shards.py): its
+        blocks of the crossing leaves, valid only during this call. The blocks it owns
+        are copied into staging; the device that completes the step queues the save.
+        (`ctx` and `out` are None when a `debug.callback` calls it: the fallback.)"""
+        del ctx
+        if out is not None:
+            np.asarray(out)[...] = 0
+        start = time.perf_counter()
+        self._check_open()
+        error = self._exchange.peek_error()
+        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
+            raise error
+        if not np.asarray(pred).astype(bool).all():
+            return
+        try:
+            step = _one_step(np.asarray(step), np.asarray(True))
+        except CheckpointError as e:
+            self._exchange.record(e)
+            raise
+        position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
+        arrays = [np.asarray(b) for b in blocks]
+        for index, dtype in narrow.items():
+            arrays[index] = arrays[index].astype(dtype)
+        shapes = [layout.global_shape(i, a.shape) for i, a in enumerate(arrays)]
+        if self._shard_pool is None:
+            self._shard_pool = StagingPool(keep=self._queue_size * layout.devices, layouts=64)
+        pool = self._shard_pool
+
+        def add(assembly: _shards.Assembly) -> None:
+            owned = [(i, layout.index(i, position, a.shape)) for i, a in enumerate(arrays)]
+            owned = [(i, index) for i, index in owned if index is not None]
+            copies, release = pool.copy_in([arrays[i] for i, _ in owned])
+            with assembly.lock:
+                assembly.releases.append(release)
+                for (i, index), copy in zip(owned, copies, strict=True):
+                    assembly.blocks[i][_shards.block_key(index, shapes[i])] = copy
+
+        key = (signature, step)
+        done = self._assemblies.add(key, layout.devices, len(arrays), position, start, add)
+        if done is None:
+            return
+        if done.failed:
+            done.release()
+            return
+        self._stats.crossed()
+
+        def take() -> tuple[list[Any], Callable[[], None]]:
+            crossed = [
+                _shards.ShardedArray(shapes[i], arrays[i].dtype, layout, i, done.blocks[i])
+                for i in range(len(arrays))
+            ]
+            return crossed, done.release
+
+        # owner=None: the step is complete once per run, so a second one is a duplicate.
+        self._hand_over(
+            signature, step, np.asarray(True), done.start, take, in_callback=True, owner=None
+        )
 
     def mark(self, signature: Signature, step: Any, pred: Any, token: Any) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a

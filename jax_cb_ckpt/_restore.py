@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -121,12 +122,52 @@ def _saved_specs(meta: dict[str, Any], where: str) -> tuple[_tree.LeafSpec, ...]
         ) from e
 
 
-def _read_state(path: str, step: int, where: str) -> dict[str, Any]:
+def _restore_args(
+    saved_specs: tuple[_tree.LeafSpec, ...], placed: dict[tuple[str, ...], Any]
+) -> dict[str, Any]:
+    """Orbax restore arguments for every stored leaf: a sharded `jax.Array` (each device
+    reads only its slices) where `placed` gives a sharding, a numpy array otherwise."""
+    args: dict[str, Any] = {}
+    for saved in saved_specs:
+        shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+        if 0 in shape:
+            continue  # not stored
+        node = args
+        for part in saved.name[:-1]:
+            node = node.setdefault(part, {})
+        sharding = placed.get(saved.name)
+        if sharding is not None:
+            node[saved.name[-1]] = ocp.ArrayRestoreArgs(
+                sharding=sharding, global_shape=shape, dtype=np.dtype(saved.dtype)
+            )
+        else:
+            node[saved.name[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+    if not args:
+        args[_tree.EMPTY_NAME] = ocp.RestoreArgs(restore_type=np.ndarray)
+    return args
+
+
+def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> Any:
+    """The sharding to read a leaf with, when `like` places it on devices and the
+    stored data can be read as is (not a PRNG key, a widened dtype or a number)."""
+    sharding = getattr(like_leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding) or isinstance(like_leaf, np.ndarray):
+        return None
+    if saved.kind != _tree.ARRAY or spec.kind != _tree.ARRAY or saved.dtype != spec.dtype:
+        return None
+    dtype = np.dtype(saved.dtype)
+    if _format.storage_dtype(dtype) != dtype or 0 in saved.shape:
+        return None
+    return sharding
+
+
+def _read_state(path: str, step: int, where: str, restore_args: dict[str, Any]) -> dict[str, Any]:
     handler = ocp.PyTreeCheckpointHandler()
     try:
         with ocp.Checkpointer(handler) as checkpointer:
             return checkpointer.restore(
-                os.path.join(path, str(step), STATE_ITEM), args=ocp.args.PyTreeRestore()
+                os.path.join(path, str(step), STATE_ITEM),
+                args=ocp.args.PyTreeRestore(restore_args=restore_args),
             )
     except Exception as e:
         raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
@@ -157,8 +198,13 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     meta = _read_meta(path, step, where)
     saved_specs = _saved_specs(meta, where)
     _tree.check_like(like_specs, saved_specs, where)
-    tree = _read_state(path, step, where)
     by_name = {spec.name: spec for spec in saved_specs}
+    placed = {}
+    for leaf, spec in zip(like_leaves, like_specs, strict=True):
+        sharding = _placement(leaf, spec, by_name[spec.name])
+        if sharding is not None:
+            placed[spec.name] = sharding
+    tree = _read_state(path, step, where, _restore_args(saved_specs, placed))
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
@@ -167,7 +213,7 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     return treedef.unflatten(leaves)
 
 
-def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> np.ndarray:
+def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> Any:
     """The data of one leaf, checked against its description."""
     shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
     dtype = np.dtype(saved.dtype)
@@ -179,14 +225,15 @@ def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> np
             f"{where}: leaf {saved.path} is described in the checkpoint but has no data; "
             "the checkpoint was edited or corrupted. Fix: restore another step."
         )
-    array = np.asarray(array)
+    if not isinstance(array, jax.Array):  # read sharded: never gathered here
+        array = np.asarray(array)
     if array.shape != shape or array.dtype != _format.storage_dtype(dtype):
         raise RestoreError(
             f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
             f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
             "or corrupted. Fix: restore another step."
         )
-    return array.astype(dtype, copy=False)
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 def _short(steps: list[int]) -> str:

@@ -201,6 +201,75 @@ def cross(
     jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
 
 
+def cross_sharded(
+    host: Any,
+    signature: Any,
+    layout: Any,
+    mesh: Any,
+    step: jax.Array,
+    payload: list[Any],
+    pred: Any,
+    *,
+    fast: bool,
+) -> None:
+    """Hand `payload` to the host device by device (`shardings=`; see _shards.py).
+
+    Inside the `cond`, a `shard_map` over `mesh` gives every device its own block of each
+    leaf (partitioned as `layout` says) and its coordinates in the mesh; each device
+    crosses with those only. Under `vmap` the batched state is saved gathered instead
+    (the `cross` path), since the batch axis is not part of the layout.
+    """
+    payload = [jax.lax.stop_gradient(p) for p in payload]
+    pred = jnp.asarray(True) if pred is None else pred
+    specs = [layout.spec(i) for i in range(len(payload))]
+    narrow = {i: p.dtype for i, p in enumerate(payload) if _packed(p.dtype)}
+    token_type = jax.ShapeDtypeStruct((), jnp.int32)
+    replicated = jax.sharding.PartitionSpec()
+
+    def per_device(step, pred, *blocks):
+        coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
+        if fast:
+            blocks = [_widen(b) if i in narrow else b for i, b in enumerate(blocks)]
+            deposit = functools.partial(host.deposit_shard, signature, layout, narrow)
+            token = buffer_callback(deposit, token_type)(step, pred, coords, *blocks)
+            jax.debug.callback(_keep_alive, token)
+        else:
+            deposit = functools.partial(host.deposit_shard, signature, layout, {}, None, None)
+            jax.debug.callback(deposit, step, pred, coords, *blocks)
+        return ()
+
+    @jax.custom_batching.custom_vmap
+    def save(step, pred, payload):
+        def each_device(step, pred, payload):
+            jax.shard_map(
+                per_device,
+                mesh=mesh,
+                in_specs=(replicated, replicated, *specs),
+                out_specs=(),
+                check_vma=False,
+            )(step, pred, *payload)
+
+        jax.lax.cond(pred, each_device, lambda *_: None, step, pred, payload)
+        return ()
+
+    @save.def_vmap
+    def _rule(axis_size, in_batched, step, pred, payload):
+        step_b, pred_b, payload_b = in_batched
+        _batched_save(host, signature, fast)(
+            _broadcast(step, step_b, axis_size),
+            _broadcast(pred, pred_b, axis_size),
+            [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
+        )
+        return (), ()
+
+    save(step, pred, payload)
+
+
+def _keep_alive(token: Any) -> None:
+    """The effect that keeps a per-device crossing (and its token) in the program."""
+    del token
+
+
 _PACKED = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
 
 

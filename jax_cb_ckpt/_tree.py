@@ -348,7 +348,8 @@ def nest(specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]) -> dict[str,
     for spec, array in zip(specs, arrays, strict=True):
         if array.size == 0:
             continue
-        array = _format.storable(array)
+        if isinstance(array, (np.ndarray, np.generic)):  # per-device leaves: the writer
+            array = _format.storable(array)
         node = out
         for part in spec.name[:-1]:
             node = node.setdefault(part, {})

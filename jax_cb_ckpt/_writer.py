@@ -33,6 +33,7 @@ from . import _format
 from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
+from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
 logger = logging.getLogger("jax_cb_ckpt")
@@ -43,7 +44,7 @@ class SaveItem:
     """One state handed off by the callback, waiting to be written."""
 
     step: int
-    tree: dict[str, Any]  # nested dict of host numpy arrays
+    tree: dict[str, Any]  # nested dict of host numpy arrays (or per-device blocks)
     meta: dict[str, Any]  # JSON-able description (leaf specs, step, version)
     nbytes: int
     blocking_s: float
@@ -183,7 +184,7 @@ class Writer:
                 os.path.join(self.directory, temp),
                 args=ocp.args.Composite(
                     **{
-                        _format.STATE_ITEM: ocp.args.PyTreeSave(item.tree),
+                        _format.STATE_ITEM: _state_save(item.tree),
                         _format.META_ITEM: ocp.args.JsonSave(item.meta),
                     }
                 ),
@@ -235,6 +236,19 @@ class Writer:
         steps = _format.list_steps(self.directory)
         for old in steps[: max(0, len(steps) - self._max_to_keep)]:
             _format.remove_step(self.directory, old)
+
+
+def _state_save(tree: dict[str, Any]) -> Any:
+    """Orbax's save arguments for the state item; per-device leaves (`shardings=`) are
+    put together here, in the writer thread, never in a callback."""
+
+    def is_leaf(x: Any) -> bool:
+        return isinstance(x, ShardedArray)
+
+    arrays = jax.tree_util.tree_map(
+        lambda x: x.assemble(_format.storable) if is_leaf(x) else x, tree, is_leaf=is_leaf
+    )
+    return ocp.args.PyTreeSave(arrays)
 
 
 def _in_the_way(final: str) -> str:

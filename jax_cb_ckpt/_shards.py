@@ -1,0 +1,256 @@
+"""Per-device saves of sharded states (`maybe_save(..., shardings=...)`).
+
+Traced side: inside the save's `lax.cond`, a `shard_map` over the shardings' mesh runs the
+crossing on every device with only that device's block of each leaf, plus the device's
+coordinates in the mesh (`lax.axis_index` per mesh axis). No leaf is gathered, so the
+compiled program needs no temporary copy of the state.
+
+Host side: every device's call copies the blocks it owns (one replica of each block:
+the device whose coordinates are 0 along the mesh axes the leaf is not split over) into
+staging memory and adds them to the step's `Assembly`. The device that completes it
+(every device of the mesh has reported) claims the step and queues one save.
+
+Writer side: the blocks of each leaf are put together into one host array in the writer
+thread, and Orbax writes it in the same format as gathered saves: plain Orbax reads it
+with any sharding, and `restore(like)` builds each device's part from its own slices,
+so no leaf is ever whole on one device. (Not as a sharded `jax.Array` through Orbax's
+ArrayHandler: the writer would need the devices, which the running program may hold
+while it waits for the writer; see `ShardedArray.assemble`. Nor chunked by block:
+Orbax 0.12.8 has no chunk shape argument for host arrays, and its `shard_axes` choice
+splits those axes down to chunks of one element.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._errors import InvalidStateError
+
+AxisNames = tuple[str, ...]  # the mesh axes one array dimension is split over
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the crossing leaves are split over the mesh (fixed at trace time)."""
+
+    axis_names: tuple[str, ...]  # the mesh's axes, in order
+    axis_sizes: tuple[int, ...]
+    dims: tuple[tuple[AxisNames, ...], ...]  # per crossing leaf, per dimension
+
+    @property
+    def devices(self) -> int:
+        return int(np.prod(self.axis_sizes, dtype=np.int64))
+
+    def index(self, leaf: int, coords: Sequence[int], block: tuple[int, ...]) -> Any:
+        """The global index of the block a device holds, or None when another device
+        holds the replica that is written (coordinates 0 along unused mesh axes)."""
+        dims = self.dims[leaf]
+        used = {name for names in dims for name in names}
+        position = dict(zip(self.axis_names, coords, strict=True))
+        size = dict(zip(self.axis_names, self.axis_sizes, strict=True))
+        if any(position[name] for name in self.axis_names if name not in used):
+            return None
+        index = []
+        for d, length in enumerate(block):
+            names = dims[d] if d < len(dims) else ()
+            tile = 0
+            for name in names:  # row-major over the axes splitting this dimension
+                tile = tile * size[name] + position[name]
+            index.append(slice(tile * length, (tile + 1) * length))
+        return tuple(index)
+
+    def spec(self, leaf: int) -> PartitionSpec:
+        return PartitionSpec(*(names or None for names in self.dims[leaf]))
+
+    def global_shape(self, leaf: int, block: tuple[int, ...]) -> tuple[int, ...]:
+        size = dict(zip(self.axis_names, self.axis_sizes, strict=True))
+        dims = self.dims[leaf]
+        return tuple(
+            length * int(np.prod([size[n] for n in (dims[d] if d < len(dims) else ())]))
+            for d, length in enumerate(block)
+        )
+
+
+def layout_of(shardings: Sequence[NamedSharding], payload: Sequence[Any], names: Sequence[str]):
+    """The Layout of the crossing leaves, from one NamedSharding per leaf; the mesh.
+
+    Checks what the shard_map will need, naming the leaf: one mesh for all leaves, a
+    spec no longer than the leaf's rank, dimensions divisible by their axes' sizes.
+    """
+    mesh = None
+    dims = []
+    for sharding, leaf, name in zip(shardings, payload, names, strict=True):
+        if not isinstance(sharding, NamedSharding):
+            raise InvalidStateError(
+                f"maybe_save(shardings=...): leaf {name} has {type(sharding).__name__} "
+                f"({sharding!r}); each leaf needs a jax.sharding.NamedSharding (or pass "
+                "no shardings= to save the gathered state)."
+            )
+        if mesh is None:
+            mesh = sharding.mesh
+        elif tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names) or tuple(
+            sharding.mesh.axis_sizes
+        ) != tuple(mesh.axis_sizes):
+            raise InvalidStateError(
+                f"maybe_save(shardings=...): leaf {name} is on mesh "
+                f"{dict(sharding.mesh.shape)}, another leaf on {dict(mesh.shape)}; one save "
+                "crosses over one mesh. Fix: use one mesh for the state's shardings."
+            )
+        spec = tuple(sharding.spec)
+        shape = np.shape(leaf)
+        if len(spec) > len(shape):
+            raise InvalidStateError(
+                f"maybe_save(shardings=...): leaf {name} has shape {tuple(shape)} but "
+                f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
+                "this leaf a PartitionSpec with at most one entry per dimension."
+            )
+        entry = []
+        for d, axes in enumerate(spec):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+            if shape[d] % parts:
+                raise InvalidStateError(
+                    f"maybe_save(shardings=...): leaf {name} has {shape[d]} elements along "
+                    f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
+                    "equal blocks. Fix: pad the dimension or change the spec."
+                )
+            entry.append(axes)
+        dims.append(tuple(entry))
+    assert mesh is not None
+    layout = Layout(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), tuple(dims))
+    return layout, mesh
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedArray:
+    """One leaf of a save as its host blocks: {global index: array}."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    layout: Layout
+    leaf: int
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def assemble(self, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The global array, from the blocks (in the writer thread).
+
+        Not a `jax.Array`: the writer must not need the devices, which may all be held
+        by the running program while one of them waits for this writer (a full queue);
+        building device arrays and Orbax's device-to-host copies then never finish
+        (measured: XLA's rendezvous aborts the program after 40 s)."""
+        out: np.ndarray | None = None
+        for key, block in self.blocks.items():
+            block = convert(block)
+            if out is None:
+                out = empty_aligned(self.shape, block.dtype)
+            out[tuple(slice(a, b) for a, b in key)] = block
+        assert out is not None
+        return out
+
+
+ALIGNMENT = 64  # what XLA's CPU client needs to alias host memory instead of copying
+
+
+def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on an ALIGNMENT-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    if array.ctypes.data % ALIGNMENT == 0 and array.flags.c_contiguous:
+        return array
+    out = empty_aligned(array.shape, array.dtype)
+    np.copyto(out, array)
+    return out
+
+
+def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True)
+    ) + tuple((0, n) for n in shape[len(index) :])
+
+
+class Assembly:
+    """The blocks of one step arriving from the devices of a mesh."""
+
+    def __init__(self, devices: int, leaves: int) -> None:
+        self.expected = devices
+        self.seen: set[tuple[int, ...]] = set()
+        self.lock = threading.Lock()
+        self.blocks: list[dict[Any, np.ndarray]] = [{} for _ in range(leaves)]
+        self.releases: list[Callable[[], None]] = []
+        self.start = 0.0
+        self.failed = False
+
+    def release(self) -> None:
+        for release in self.releases:
+            release()
+        self.releases.clear()
+
+
+class Assemblies:
+    """The steps being assembled, keyed by (crossing, step); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[object, int], Assembly] = {}
+
+    def add(
+        self,
+        key: tuple[object, int],
+        devices: int,
+        leaves: int,
+        coords: tuple[int, ...],
+        start: float,
+        add: Callable[[Assembly], None],
+    ) -> Assembly | None:
+        """Run `add(assembly)` for one device's report; returns the assembly when this
+        report completed it (then it is no longer open), else None. A device that
+        reports twice for the same step (a recomputation) is ignored. A completed
+        assembly may have `failed` (a device's report raised): the caller releases it."""
+        with self._lock:
+            assembly = self._open.get(key)
+            if assembly is None:
+                assembly = self._open[key] = Assembly(devices, leaves)
+                assembly.start = start
+            if coords in assembly.seen:
+                return None
+            assembly.seen.add(coords)
+        try:
+            add(assembly)
+        except BaseException:
+            assembly.failed = True
+            if self._finish(key, assembly):
+                assembly.release()
+            raise
+        return assembly if self._finish(key, assembly) else None
+
+    def _finish(self, key: tuple[object, int], assembly: Assembly) -> bool:
+        with self._lock:
+            assembly.expected -= 1
+            if assembly.expected:
+                return False
+            del self._open[key]
+            return True
