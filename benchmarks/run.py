@@ -179,27 +179,35 @@ def evaluate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 )
             )
         if r["state_bytes"] >= (64 << 20) and r["workload"].startswith("state_"):
-            floor = r["blocking_per_save_s"]["noop_io_callback"]
-            ours = r["blocking_per_save_s"]["maybe_save"]
+            # Total time until every checkpoint is on disk, against the careful user's
+            # outer loop (jitted chunks of `every` steps, async Orbax between them).
+            ratio = m["maybe_save"]["median_s"] / m["chunked_orbax"]["median_s"]
             targets.append(
-                _target(
-                    f"{r['workload']}: blocking per save / no-op io_callback floor",
-                    ours / floor,
-                    "<=",
-                    1.3,
-                )
+                _target(f"{r['workload']}: total time / chunked outer loop", ratio, "<=", 1.0)
             )
-            # Training time (loop done on the device, every save handed over): the
-            # flush of the last writes to disk cannot be hidden and is reported apart.
-            budget = m["bare"]["median_train_s"] + r["saves_per_run"] * floor
-            targets.append(
-                _target(
-                    f"{r['workload']}: training time / (bare + saves x floor)",
-                    m["maybe_save"]["median_train_s"] / budget,
-                    "<=",
-                    1.10,
+            if r["workload"] == "state_64MB":
+                # What the device waits for per save, against one copy of the state into
+                # already touched host memory (the least any hand-off can cost).
+                floor = r["copy_floor_s"]
+                ours = r["blocking_per_save_s"]["maybe_save"]
+                targets.append(
+                    _target(
+                        f"{r['workload']}: device wait per save / one touched copy",
+                        ours / floor,
+                        "<=",
+                        3.0,
+                    )
                 )
-            )
+                lib = r.get("library", {}).get("blocking_median_s")
+                if lib is not None:
+                    targets.append(
+                        _target(
+                            f"{r['workload']}: library hand-off per save / one touched copy",
+                            lib / floor,
+                            "<=",
+                            1.5,
+                        )
+                    )
         if r["state_bytes"] >= (16 << 20) and "maybe_save" in m:
             # Smaller states are dominated by fixed costs (threads, Orbax, allocator).
             bound = (r["queue_size"] + 1) * r["state_bytes"]

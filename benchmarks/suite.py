@@ -87,7 +87,10 @@ def sized(nbytes: int) -> Workload:
     n = max(nbytes // 4, 1)
 
     def init():
-        return {"x": jnp.zeros(n, jnp.float32), "step": jnp.int32(0)}
+        # Random values: a constant state compresses to nothing, which would measure
+        # Orbax's compression instead of the hand-off and the write.
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+        return {"x": x, "step": jnp.int32(0)}
 
     def step(state):
         return {"x": state["x"] * 0.999 + 1e-3, "step": state["step"] + 1}
@@ -262,6 +265,7 @@ class MaybeSave(InJit):
             every=self.every,
             max_to_keep=2,
             queue_size=self.queue_size,
+            compression=True,  # as Orbax's default, which the outer loops use: same bytes
         )
 
     def save_hook(self, state: Any) -> None:

@@ -1,25 +1,23 @@
-"""The host side of a save: runs inside JAX's callback while the device program waits.
+"""The host side of a save: runs inside JAX's callbacks while the device program waits.
 
-It does the least it can: make sure the leaves live in host memory the library may keep,
-put one item on the writer's queue, return. It never calls JAX transformations or Orbax
+It does the least it can: copy the leaves into host memory the library may keep, put
+one item on the writer's queue, return. It never calls JAX transformations or Orbax
 (calling JAX from a callback can deadlock; Orbax runs barriers and blocks on the previous
 save), and it never touches the disk.
 
-Can the arrays JAX hands a callback be kept without a copy? On CPU, XLA passes the
-callback numpy views of its own buffers (no owner: valid only during the call), and JAX's
-callback implementations (`debug.callback`, `io_callback`) then run
-`jax.device_put(args, cpu_device)`, which in the JAX versions we support copies them
-into fresh JAX-owned buffers. Those copies are immutable and owned by
-the `jax.Array`, so holding a reference keeps them valid: the hand-off needs no second
-copy. If a JAX version ever made that `device_put` alias its input, the kept arrays would
-alias XLA's scratch memory; `probe_callback_arrays()` checks the behaviour once per
-process, and the library then copies into its reused staging buffers instead (touched
-memory copies at ~10 GB/s; fresh memory at ~0.5-1 GB/s on the machines we measured).
+Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 
-That copy by JAX may still be running when the callback starts (it goes into fresh
-memory, ~2 GB/s here): reading the array waits for it. This wait is the dominant part of
-a large hand-off, and it is JAX's, not ours; a no-op callback that ignores its arguments
-returns without waiting, which is why it looks cheaper than any callback that reads them.
+- `deposit` (the "buffer" crossing): XLA's own buffers, valid only during the call,
+  each copied once into a reused, already touched staging buffer (`StagingPool`).
+  `mark` runs after it, once per program run, to report repeated steps.
+- `deposit_shard` (`shardings=`): one device's blocks and mesh coordinates; the blocks
+  it owns are copied, and the device that completes the step queues it (_shards.py).
+- `__call__` (the "callback" fallback): `jax.debug.callback` hands over `jax.Array`s that
+  JAX copied from XLA's buffers (`jax.device_put` to the CPU device) into fresh memory
+  it owns; `probe_callback_arrays()` checks once per process that they do not alias
+  XLA's memory, so they are kept without a second copy (else copied into staging).
+  Reading them waits for that copy, which may still be running: JAX's copy into fresh
+  memory (~2 GB/s here) is what made this path slow.
 """
 
 from __future__ import annotations

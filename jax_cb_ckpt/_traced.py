@@ -1,31 +1,36 @@
 """The traced side of a save: checks in Python while tracing, then one guarded crossing.
 
-The crossing is `jax.debug.callback`, inside our own `lax.cond`, inside a
-`jax.custom_batching.custom_vmap`, on `stop_gradient`-ed leaves. Each layer is there for a
-transformation (docs/transforms.md has the evidence):
+The crossing is `buffer_callback` + `debug.callback` (or, as a fallback, `debug.callback`
+alone), inside our own `lax.cond`, inside a `jax.custom_batching.custom_vmap`, on
+`stop_gradient`-ed leaves. Each layer is there for a transformation (docs/transforms.md
+and docs/handoff.md have the evidence):
 
 - `lax.cond`: the predicate is evaluated on the device and only the true branch holds
-  the callback, so steps that do not save move no data to the host.
+  the crossing, so steps that do not save move no data to the host.
 - `custom_vmap`: under `vmap` a `cond` with a batched predicate becomes a `select` that
-  runs both branches (a callback in it would fire for every member on every step), and
-  `io_callback` in a vmapped `cond` is refused outright. Our batching rule instead does
-  one `cond(any(pred))` for the whole batch: one crossing per save step, carrying the
-  per-member mask. Nested `vmap` applies the rule again (seeds x hyperparameters).
+  runs both branches (a callback in it would fire for every member on every step). Our
+  batching rule instead does one `cond(any(pred))` for the whole batch: one crossing per
+  save step, carrying the per-member mask. Nested `vmap` applies the rule again.
 - `stop_gradient`: a checkpoint saves primal values and must not touch gradients.
-- Why not `io_callback`: it refuses JVP ("IO callbacks do not support JVP"), refuses
-  `jax.checkpoint` (remat), and, worse, under `grad` of a `lax.scan` with
-  stop-gradient inputs it is silently dropped (JAX's partial evaluation does not keep
-  IO effects, so the backward pass never runs it): a training loop would save nothing.
-  `debug.callback` is kept by partial evaluation, has a JVP rule that runs on primals,
-  and is allowed under remat. Its documented caveat (it may be duplicated, e.g. by
-  remat recomputation) is handled on the host: a step handed over twice is dropped.
-- Why not `pure_callback`: it has no effect, so dead-code elimination removes it.
-- Unordered: ordered debug effects are refused for programs on more than one device
-  (any sharded state under `jit`), while an unordered callback on sharded arrays is made
-  once, with the arrays gathered. Order is not needed: a loop's iterations run one after
-  another, `jax.effects_barrier()` waits for unordered effects too, and the host side
-  keys everything by step. Inside `pmap`/`shard_map` every device would make its own
-  call, so there (`axis_name=` given) the state is gathered and the first device saves.
+- The fast crossing ("buffer", CPU): a *pure* `jax.experimental.buffer_callback` gets
+  XLA's own buffers (zero-copy views, valid during the call) and the host copies each
+  once into reused staging memory. Being pure, it would be removed as dead code; its
+  one-element token is read by a `jax.debug.callback`, an effect that JAX keeps under
+  jit, scan, grad (partial evaluation keeps debug effects on primals) and remat, so the
+  buffer callback stays too. `has_side_effect=True` instead is dropped under `grad`,
+  refused under remat and by the GSPMD partitioner.
+- The fallback ("callback", other backends): `jax.debug.callback` with the leaves,
+  which JAX first copies by value into fresh memory (and, on jax 0.10.2, waits for while
+  other devices sit in a collective: multi-device programs abort).
+- Why not `io_callback`: it refuses JVP and remat, and under `grad` of a `lax.scan`
+  with stop-gradient inputs it is silently dropped. Why not `pure_callback`: it has no
+  effect, so dead-code elimination removes it.
+- Unordered: ordered effects are refused for programs on more than one device. Order is
+  not needed: iterations run one after another, `jax.effects_barrier()` waits for
+  unordered effects too, and the host side keys everything by step. Inside
+  `pmap`/`shard_map` every device would make its own call, so there (`axis_name=`
+  given) the state is gathered and the first device saves. With `shardings=` every
+  device hands over its own block instead (`cross_sharded`, see _shards.py).
 """
 
 from __future__ import annotations
