@@ -33,4 +33,6 @@ for pkg in orbax.checkpoint matplotlib; do
 done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" || true
+# First the GPU buffer crossing, bit for bit and its device wait (never run on a GPU yet).
+timeout 150 python3 -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.txt" || true
 timeout 280 python3 -m benchmarks.run --gpu --reps 3 --out "$OUT" 2>&1 | tee "$OUT/log.txt"

@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick            # under 2 minutes on 2 CPU cores
     python -m benchmarks.run                    # the full run
     python -m benchmarks.run --out DIR          # where results.json/.md and the PNGs go
+    python -m benchmarks.run --targets          # only what the targets need (~5 minutes)
 
 Every configuration runs all methods in one process, interleaved (the order rotates per
 repetition), after a warm-up run that compiles; medians over the repetitions, ratios
@@ -43,7 +44,13 @@ def plan(profile: str) -> list[dict[str, Any]]:
     """The configurations: (workload, steps, every, methods) of a profile."""
     gpu = jax.default_backend() != "cpu"
     quick = profile == "quick"
-    if profile == "gpu":  # benchmarks/gpu.sh: the whole run in a few minutes
+    if profile == "targets":  # the configurations the targets are evaluated on
+        configs = [
+            dict(workload="tiny", n=20000, every=1000, methods=ALL),
+            dict(workload="medium", n=2000, every=500, methods=ALL),
+        ]
+        sizes = [64 << 20, 256 << 20]
+    elif profile == "gpu":  # benchmarks/gpu.sh: the whole run in a few minutes
         configs = [
             dict(workload="tiny", n=10000, every=1000, methods=ALL),
             dict(workload="medium", n=1000, every=100, methods=ALL),
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run (CI smoke test)")
     parser.add_argument("--gpu", action="store_true", help="the short accelerator profile")
+    parser.add_argument("--targets", action="store_true", help="only the targets' configs")
     parser.add_argument("--reps", type=int, default=None, help="default: 3 quick, 5 full")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<backend>")
     parser.add_argument("--only", default=None, help="run only workloads containing this")
@@ -262,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_bench_") as root:
-        profile = "quick" if args.quick else "gpu" if args.gpu else "full"
+        profile = (
+            "quick" if args.quick else "gpu" if args.gpu else "targets" if args.targets else "full"
+        )
         for config in plan(profile):
             if args.only and args.only not in str(config["workload"]):
                 continue

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _shards, _tree
+from . import _cuda, _shards, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -183,6 +183,7 @@ class HostSide:
         self._queue_size = queue_size
         self._pool = StagingPool(keep=queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
+        self._pinned: _cuda.PinnedPool | None = None  # GPU staging, made when needed
         self._assemblies = _shards.Assemblies()
         self.closed_reason: str | None = None  # set when the Checkpointer is closed
 
@@ -220,12 +221,43 @@ class HostSide:
         while the device program waits. `out` is the crossing's one-element token.
         `narrow` gives the dtype of leaves that crossed widened (packed sub-byte types).
         """
-        del ctx
+        if buffers and _cuda.is_device_buffer(buffers[0]):
+            self._deposit_from_gpu(signature, narrow, ctx, step, pred, buffers)
+            return
         np.asarray(out)[...] = 0
         arrays = [np.asarray(b) for b in buffers]
         for index, dtype in narrow.items():
             arrays[index] = arrays[index].astype(dtype)
         take = functools.partial(self._pool.copy_in, arrays)
+        self._in_callback(signature, step, pred, take, owner=signature)
+
+    def _deposit_from_gpu(
+        self,
+        signature: Signature,
+        narrow: dict[int, Any],
+        ctx: Any,
+        step: Any,
+        pred: Any,
+        buffers: Sequence[Any],
+    ) -> None:
+        """`deposit` on a GPU (`crossing="buffer"`; see _cuda.py): the copies to pinned
+        memory are queued on XLA's stream and the writer waits for them. The token is
+        left as it is: nobody reads its value."""
+        step, pred = _cuda.read_now([step, pred], ctx.stream)
+        if self._pinned is None:
+            self._pinned = _cuda.PinnedPool(keep=self._queue_size)
+        pinned = self._pinned
+
+        def take() -> tuple[list[Any], Callable[[], None], Callable[[], None] | None]:
+            hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
+            if not narrow:
+                return list(hosts), release, ready
+            ready()  # packed dtypes are narrowed here, so wait for their copies now
+            arrays = list(hosts)
+            for index, dtype in narrow.items():
+                arrays[index] = arrays[index].astype(dtype)
+            return arrays, release, None
+
         self._in_callback(signature, step, pred, take, owner=signature)
 
     def deposit_shard(
@@ -244,10 +276,34 @@ class HostSide:
         blocks of the crossing leaves, valid only during this call. The blocks it owns
         are copied into staging; the device that completes the step queues the save.
         (`ctx` and `out` are None when a `debug.callback` calls it: the fallback.)"""
-        del ctx
-        if out is not None:
-            np.asarray(out)[...] = 0
         start = time.perf_counter()
+        pinned_release = None
+        if blocks and _cuda.is_device_buffer(blocks[0]):  # a GPU: copy out, wait for it
+            step, pred, coords = _cuda.read_now([step, pred, coords], ctx.stream)
+            if self._pinned is None:
+                self._pinned = _cuda.PinnedPool(keep=self._queue_size)
+            hosts, pinned_release, ready = _cuda.copy_async(blocks, ctx.stream, self._pinned)
+            ready()
+            blocks = tuple(hosts)
+        elif out is not None:
+            np.asarray(out)[...] = 0
+        try:
+            self._deposit_shard(signature, layout, narrow, start, step, pred, coords, blocks)
+        finally:
+            if pinned_release is not None:
+                pinned_release()  # the blocks it owns were copied into staging
+
+    def _deposit_shard(
+        self,
+        signature: Signature,
+        layout: _shards.Layout,
+        narrow: dict[int, Any],
+        start: float,
+        step: Any,
+        pred: Any,
+        coords: Any,
+        blocks: Sequence[Any],
+    ) -> None:
         self._check_open()
         error = self._exchange.peek_error()
         if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
@@ -318,7 +374,7 @@ class HostSide:
         signature: Signature,
         step: Any,
         pred: Any,
-        take: Callable[[], tuple[list[np.ndarray], Callable[[], None]]],
+        take: Callable[[], tuple[Any, ...]],
         owner: object,
     ) -> None:
         start = time.perf_counter()
@@ -374,7 +430,7 @@ class HostSide:
         step: int,
         members: np.ndarray,
         start: float,
-        take: Callable[[], tuple[list[np.ndarray], Callable[[], None]]],
+        take: Callable[[], tuple[Any, ...]],
         *,
         in_callback: bool,
         owner: object,
@@ -404,7 +460,9 @@ class HostSide:
             return
         taken = time.perf_counter()
         try:
-            crossed, release = take()
+            # (crossed arrays, release) or, from a GPU, (..., ready: wait for the copies)
+            crossed, release, *rest = take()
+            ready = rest[0] if rest else None
             hosts = signature.assemble(crossed, members.shape)
             specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
@@ -420,7 +478,7 @@ class HostSide:
         end = time.perf_counter()
         blocking_s = end - start
         self._stats.handed_off(blocking_s)
-        item = SaveItem(step, tree, meta, nbytes, blocking_s, end - taken, release, replace)
+        item = SaveItem(step, tree, meta, nbytes, blocking_s, end - taken, release, replace, ready)
         self._stats.in_flight(exchange.submit(item))
 
 

@@ -51,6 +51,7 @@ class SaveItem:
     handoff_s: float
     release: Callable[[], None]  # give the host buffers back (staging pool)
     replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
+    ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
 
 
 _STOP = object()
@@ -180,6 +181,8 @@ class Writer:
             if os.path.lexists(final):
                 raise FileExistsError(_in_the_way(final))
             start = time.perf_counter()
+            if item.ready is not None:  # copies from a GPU still in flight
+                item.ready()
             self._checkpointer.save(
                 os.path.join(self.directory, temp),
                 args=ocp.args.Composite(

@@ -1,0 +1,183 @@
+"""The buffer crossing on a CUDA GPU: device-to-host copies on XLA's own stream.
+
+`jax.experimental.buffer_callback` hands a GPU callback device buffers
+(`__cuda_array_interface__`) and XLA's stream (`ctx.stream`). Instead of reading them
+from Python, the host side queues one `cudaMemcpyAsync` per leaf on that stream, into
+page-locked (pinned) staging memory the library reuses, records a CUDA event after
+them, and returns at once: the device runs the copies in stream order, before anything
+that could overwrite the buffers, and the program continues without waiting for Python.
+The writer thread waits for the event (`ready()`) before it reads the staging memory.
+
+This calls the CUDA runtime through ctypes (the `libcudart` that JAX's CUDA wheels
+install), so no compiled extension is needed. It is used only with
+`Checkpointer(crossing="buffer")` on a GPU; "auto" keeps the `debug.callback` crossing
+there until `benchmarks/gpu.sh` (which checks this path bit for bit) has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import glob
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._errors import SaveError
+
+_MEMCPY_DEVICE_TO_HOST = 2
+_EVENT_DISABLE_TIMING = 2
+_lib: Any = None
+_lib_lock = threading.Lock()
+
+
+def runtime() -> Any:
+    """The CUDA runtime library, loaded once."""
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            names = []
+            try:
+                import nvidia.cuda_runtime as cuda_runtime  # pyright: ignore[reportMissingImports]
+
+                for path in cuda_runtime.__path__:
+                    names += sorted(glob.glob(os.path.join(path, "lib", "libcudart.so*")))
+            except ImportError:
+                pass
+            names += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+            for name in names:
+                try:
+                    _lib = ctypes.CDLL(name)
+                    break
+                except OSError:
+                    continue
+            if _lib is None:
+                raise SaveError(
+                    "crossing='buffer' on a GPU needs the CUDA runtime (libcudart), which "
+                    "was not found. Fix: install JAX's CUDA wheels (jax[cuda12]), or use "
+                    "crossing='callback'."
+                )
+        return _lib
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        lib = runtime()
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        message = lib.cudaGetErrorString(code).decode()
+        raise SaveError(f"CUDA {what} failed: {message} (error {code}).")
+
+
+class PinnedPool:
+    """Page-locked host buffers, reused across saves of the same layout."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._free: collections.OrderedDict[tuple, list[list[np.ndarray]]] = (
+            collections.OrderedDict()
+        )
+
+    def take(self, layout: tuple) -> list[np.ndarray]:
+        with self._lock:
+            free = self._free.get(layout)
+            if free:
+                return free.pop()
+        return [self._allocate(shape, np.dtype(dtype)) for shape, dtype in layout]
+
+    def give_back(self, layout: tuple, buffers: list[np.ndarray]) -> None:
+        with self._lock:
+            free = self._free.setdefault(layout, [])
+            if len(free) < self._keep:
+                free.append(buffers)  # (dropped sets stay allocated until exit)
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+        pointer = ctypes.c_void_p()
+        _check(
+            runtime().cudaMallocHost(ctypes.byref(pointer), ctypes.c_size_t(nbytes)),
+            "cudaMallocHost",
+        )
+        raw = (ctypes.c_uint8 * nbytes).from_address(pointer.value or 0)
+        flat = np.ctypeslib.as_array(raw)[: int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+        return flat.view(dtype).reshape(shape)
+
+
+def copy_async(
+    buffers: Sequence[Any], stream: Any, pool: PinnedPool
+) -> tuple[list[np.ndarray], Callable[[], None], Callable[[], None]]:
+    """Queue the copies of `buffers` to pinned memory on `stream`; returns the host
+    arrays (valid once `ready()` has returned), `release` and `ready`."""
+    lib = runtime()
+    layout = tuple(
+        (tuple(b.__cuda_array_interface__["shape"]), np.dtype(b.dtype).str) for b in buffers
+    )
+    hosts = pool.take(layout)
+    stream_ptr = ctypes.c_void_p(int(stream or 0))
+    for buffer, host in zip(buffers, hosts, strict=True):
+        if host.nbytes == 0:
+            continue
+        source = buffer.__cuda_array_interface__["data"][0]
+        _check(
+            lib.cudaMemcpyAsync(
+                ctypes.c_void_p(host.ctypes.data),
+                ctypes.c_void_p(source),
+                ctypes.c_size_t(host.nbytes),
+                ctypes.c_int(_MEMCPY_DEVICE_TO_HOST),
+                stream_ptr,
+            ),
+            "cudaMemcpyAsync",
+        )
+    event = ctypes.c_void_p()
+    _check(
+        lib.cudaEventCreateWithFlags(ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING)),
+        "cudaEventCreateWithFlags",
+    )
+    _check(lib.cudaEventRecord(event, stream_ptr), "cudaEventRecord")
+
+    def ready() -> None:
+        try:
+            _check(lib.cudaEventSynchronize(event), "cudaEventSynchronize")
+        finally:
+            lib.cudaEventDestroy(event)
+
+    def release() -> None:
+        pool.give_back(layout, hosts)
+
+    return hosts, release, ready
+
+
+def is_device_buffer(buffer: Any) -> bool:
+    """A buffer_callback operand in GPU memory (not readable from numpy). (On a CPU,
+    JAX's Buffer raises JaxRuntimeError for the attribute, not AttributeError.)"""
+    try:
+        buffer.__cuda_array_interface__  # noqa: B018
+    except Exception:
+        return False
+    return True
+
+
+def read_now(buffers: Sequence[Any], stream: Any) -> list[np.ndarray]:
+    """Small device buffers (the step, the mask) copied to host, waiting for the
+    stream: the host side needs them to decide what to do with the save."""
+    lib = runtime()
+    stream_ptr = ctypes.c_void_p(int(stream or 0))
+    hosts = [np.empty(tuple(b.shape), np.dtype(b.dtype)) for b in buffers]
+    for buffer, host in zip(buffers, hosts, strict=True):
+        if host.nbytes:
+            source = buffer.__cuda_array_interface__["data"][0]
+            _check(
+                lib.cudaMemcpyAsync(
+                    ctypes.c_void_p(host.ctypes.data),
+                    ctypes.c_void_p(source),
+                    ctypes.c_size_t(host.nbytes),
+                    ctypes.c_int(_MEMCPY_DEVICE_TO_HOST),
+                    stream_ptr,
+                ),
+                "cudaMemcpyAsync",
+            )
+    _check(lib.cudaStreamSynchronize(stream_ptr), "cudaStreamSynchronize")
+    return hosts
