@@ -311,11 +311,12 @@ class Checkpointer:
             shardings: under `jit` with a sharded state, a pytree of
                 `jax.sharding.NamedSharding` (or a prefix of the state's pytree, or one
                 for every leaf) giving each leaf's sharding: every device then hands
-                over only its own block (one replica of each), nothing is gathered, and
-                the checkpoint stores the arrays sharded as Orbax stores `jax.Array`s.
+                over only its own block (one replica of each) and nothing is gathered;
+                the writer puts the blocks together, and the checkpoint is the same
+                as a gathered save's (plain Orbax reads it with any sharding).
                 Inferred from the leaves' types on meshes with explicit axes
                 (`jax.make_mesh` default); otherwise the state is gathered first.
-                Needs the "buffer" crossing or a `debug.callback` per device.
+                On a CPU this always uses the "buffer" crossing.
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -434,7 +435,7 @@ class Checkpointer:
                 chosen = _explicit_shardings([leaves[i] for i in crossing_leaves])
         if chosen is not None:
             names = [specs[i].path for i in crossing_leaves]
-            layout, mesh = _shards.layout_of(chosen, payload, names)
+            layout, mesh = _shards.layout_of(chosen, payload, names, where)
             if layout.devices > 1:
                 _traced.cross_sharded(
                     self._host, signature, layout, mesh, traced_step, payload, pred, fast=fast
@@ -493,10 +494,24 @@ class Checkpointer:
         self._wait(depth=1)
 
     def _wait(self, depth: int) -> None:
+        failure = None
         if not self._closed:
-            jax.effects_barrier()
+            try:
+                jax.effects_barrier()
+            except jax.errors.JaxRuntimeError as e:
+                # A program whose callback raised (JAX raises the same failure from
+                # every later barrier; the caller of that program has seen it already).
+                failure = e
             self._exchange.drain()
-        self._raise_writer_error(depth + 1)
+            # Every program dispatched so far has ended: a step some devices never
+            # reported (a run that failed mid-step) can no longer complete.
+            self._host.discard_open_assemblies()
+        try:
+            self._raise_writer_error(depth + 1)
+        except CheckpointError as error:
+            if failure is not None and error.__cause__ is None:
+                raise error from failure
+            raise
 
     def close(self) -> None:
         """`wait()`, then stop the writer thread and release the directory. Idempotent;

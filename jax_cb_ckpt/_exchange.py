@@ -52,6 +52,7 @@ class Exchange:
         self._pending = 0
         self._handed: dict[int, object] = {}  # step -> the crossing that handed it
         self._arrived: set[tuple[object, int]] = set()  # handed, not yet marked
+        self._skipped: set[tuple[object, int]] = set()  # skipped, not yet marked
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
@@ -67,6 +68,8 @@ class Exchange:
         (empty unless replacing). Raises `StepExistsError` when the step would mix with
         steps another run left in the directory."""
         with self._cond:
+            if owner is not None and (owner, step) in self._skipped:
+                return "replica"  # another device's copy of a save that was skipped
             if step in self._handed:
                 if owner is not None and self._handed[step] is owner:
                     return "replica"
@@ -97,6 +100,9 @@ class Exchange:
         arrived before this). False when that data was dropped because the same crossing
         had handed the step over in an earlier run (noted for the user)."""
         with self._cond:
+            if (owner, step) in self._skipped:
+                self._skipped.discard((owner, step))  # a later run may save it again
+                return True
             if (owner, step) in self._arrived:
                 self._arrived.discard((owner, step))
                 return True
@@ -104,6 +110,15 @@ class Exchange:
                 self._note(DuplicateStepWarning, self._duplicate_message(step))
                 return False
             return True  # skipped or failed: said elsewhere
+
+    def skipped(self, step: int, replace: tuple[int, ...], owner: object) -> None:
+        """A claimed step was not handed over (the queue was full, on_full="skip"): it
+        may come again in a later run; copies of it from other devices in this run
+        are dropped until `mark` ends the run's save."""
+        with self._cond:
+            self._unclaim(step, replace)
+            if owner is not None:
+                self._skipped.add((owner, step))
 
     def unclaim(self, step: int, replace: tuple[int, ...] = ()) -> None:
         """`step` was not handed over after all (skipped, or failed): it may come again,
@@ -207,4 +222,5 @@ class Exchange:
         with self._cond:
             self._handed.clear()
             self._arrived.clear()
+            self._skipped.clear()
             self._old = sorted(steps_on_disk)

@@ -304,15 +304,12 @@ class HostSide:
         coords: Any,
         blocks: Sequence[Any],
     ) -> None:
-        self._check_open()
-        error = self._exchange.peek_error()
-        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
-            raise error
-        if not np.asarray(pred).astype(bool).all():
+        members = np.asarray(pred).astype(bool)  # a per-device mask under pmap "stack"
+        if not members.any():
             return
         try:
             step = _one_step(np.asarray(step), np.asarray(True))
-        except CheckpointError as e:
+        except CheckpointError as e:  # the same on every device: nothing was added
             self._exchange.record(e)
             raise
         position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
@@ -325,6 +322,12 @@ class HostSide:
         pool = self._shard_pool
 
         def add(assembly: _shards.Assembly) -> None:
+            # Checked here, so that a device that fails still reports: the step is
+            # then dropped once every device has, never completed by a later run.
+            self._check_open()
+            error = self._exchange.peek_error()
+            if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
+                raise error
             owned = [(i, layout.index(i, position, a.shape)) for i, a in enumerate(arrays)]
             owned = [(i, index) for i, index in owned if index is not None]
             copies, release = pool.copy_in([arrays[i] for i, _ in owned])
@@ -340,7 +343,6 @@ class HostSide:
         if done.failed:
             done.release()
             return
-        self._stats.crossed()
 
         def take() -> tuple[list[Any], Callable[[], None]]:
             crossed = [
@@ -350,9 +352,11 @@ class HostSide:
             return crossed, done.release
 
         # owner=None: the step is complete once per run, so a second one is a duplicate.
-        self._hand_over(
-            signature, step, np.asarray(True), done.start, take, in_callback=True, owner=None
-        )
+        self._hand_over(signature, step, members, done.start, take, in_callback=True, owner=None)
+
+    def discard_open_assemblies(self) -> None:
+        """Called once every program dispatched so far has ended (`wait()`)."""
+        self._assemblies.discard_open()
 
     def mark(self, signature: Signature, step: Any, pred: Any, token: Any) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a
@@ -378,7 +382,6 @@ class HostSide:
         owner: object,
     ) -> None:
         start = time.perf_counter()
-        self._stats.crossed()
         self._check_open()
         error = self._exchange.peek_error()
         if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
@@ -396,7 +399,6 @@ class HostSide:
         or jax arrays, read here). Copied into staging buffers before returning, so a
         caller that mutates its numpy arrays afterwards does not change the save."""
         start = time.perf_counter()
-        self._stats.crossed()
         self._check_open()
         take = functools.partial(self._pool.copy_in, hosts)
         self._hand_over(
@@ -442,15 +444,18 @@ class HostSide:
             if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
                 exchange.record(e)
             raise
+        if replace == "replica":  # another device's copy of a save already decided
+            return
+        self._stats.crossed()
         if replace == "duplicate":  # noted for the user
             self._stats.duplicate()
-            return
-        if replace == "replica":  # another device's copy of a save already taken
             return
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.
         if not exchange.take_slot(block=self._on_full == "block"):
-            exchange.unclaim(step, replace)  # never written: a later save of it is welcome
+            # Never written: a later run's save of it is welcome (other devices' copies
+            # of this one are dropped, see Exchange.skipped).
+            exchange.skipped(step, replace, owner)
             self._stats.skipped()
             exchange.note(
                 SkippedSaveWarning,
@@ -494,6 +499,9 @@ def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
     TrainState.step); the members that save must agree on it."""
     if steps.ndim == 0:
         return _non_negative(int(steps))
+    if steps.ndim < members.ndim:  # vmap inside pmap: the gathered mask has a device axis
+        steps = steps.reshape(steps.shape + (1,) * (members.ndim - steps.ndim))
+    steps = np.broadcast_to(steps, np.broadcast_shapes(steps.shape, members.shape))
     saving = np.unique(steps[np.broadcast_to(members, steps.shape)])
     if saving.size != 1:
         raise InvalidStateError(

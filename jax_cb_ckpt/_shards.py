@@ -77,7 +77,9 @@ class Layout:
         )
 
 
-def layout_of(shardings: Sequence[NamedSharding], payload: Sequence[Any], names: Sequence[str]):
+def layout_of(
+    shardings: Sequence[NamedSharding], payload: Sequence[Any], names: Sequence[str], where: str
+):
     """The Layout of the crossing leaves, from one NamedSharding per leaf; the mesh.
 
     Checks what the shard_map will need, naming the leaf: one mesh for all leaves, a
@@ -88,7 +90,7 @@ def layout_of(shardings: Sequence[NamedSharding], payload: Sequence[Any], names:
     for sharding, leaf, name in zip(shardings, payload, names, strict=True):
         if not isinstance(sharding, NamedSharding):
             raise InvalidStateError(
-                f"maybe_save(shardings=...): leaf {name} has {type(sharding).__name__} "
+                f"{where}(shardings=...): leaf {name} has {type(sharding).__name__} "
                 f"({sharding!r}); each leaf needs a jax.sharding.NamedSharding (or pass "
                 "no shardings= to save the gathered state)."
             )
@@ -98,7 +100,7 @@ def layout_of(shardings: Sequence[NamedSharding], payload: Sequence[Any], names:
             sharding.mesh.axis_sizes
         ) != tuple(mesh.axis_sizes):
             raise InvalidStateError(
-                f"maybe_save(shardings=...): leaf {name} is on mesh "
+                f"{where}(shardings=...): leaf {name} is on mesh "
                 f"{dict(sharding.mesh.shape)}, another leaf on {dict(mesh.shape)}; one save "
                 "crosses over one mesh. Fix: use one mesh for the state's shardings."
             )
@@ -106,17 +108,24 @@ def layout_of(shardings: Sequence[NamedSharding], payload: Sequence[Any], names:
         shape = np.shape(leaf)
         if len(spec) > len(shape):
             raise InvalidStateError(
-                f"maybe_save(shardings=...): leaf {name} has shape {tuple(shape)} but "
+                f"{where}(shardings=...): leaf {name} has shape {tuple(shape)} but "
                 f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
                 "this leaf a PartitionSpec with at most one entry per dimension."
             )
         entry = []
         for d, axes in enumerate(spec):
+            if axes is not None and not isinstance(axes, (str, tuple, list)):
+                raise InvalidStateError(
+                    f"{where}(shardings=...): leaf {name}: dimension {d} of the spec "
+                    f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
+                    "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
+                    "sharding, e.g. jax.typeof(x).sharding or x.sharding."
+                )
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
             if shape[d] % parts:
                 raise InvalidStateError(
-                    f"maybe_save(shardings=...): leaf {name} has {shape[d]} elements along "
+                    f"{where}(shardings=...): leaf {name} has {shape[d]} elements along "
                     f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
                     "equal blocks. Fix: pad the dimension or change the spec."
                 )
@@ -227,16 +236,20 @@ class Assemblies:
         add: Callable[[Assembly], None],
     ) -> Assembly | None:
         """Run `add(assembly)` for one device's report; returns the assembly when this
-        report completed it (then it is no longer open), else None. A device that
-        reports twice for the same step (a recomputation) is ignored. A completed
-        assembly may have `failed` (a device's report raised): the caller releases it."""
+        report completed it (then it is no longer open), else None. A completed
+        assembly may have `failed` (a device's report raised, or it was left from an
+        earlier run): the caller releases it and saves nothing."""
         with self._lock:
             assembly = self._open.get(key)
+            if assembly is not None and coords in assembly.seen:
+                # This device reported the step already: the open assembly is left from
+                # a run that ended before every device reported (the buffer crossing is
+                # never recomputed). Drop it; a new run's blocks never mix with it.
+                assembly.failed = True
+                assembly = None
             if assembly is None:
                 assembly = self._open[key] = Assembly(devices, leaves)
                 assembly.start = start
-            if coords in assembly.seen:
-                return None
             assembly.seen.add(coords)
         try:
             add(assembly)
@@ -247,10 +260,18 @@ class Assemblies:
             raise
         return assembly if self._finish(key, assembly) else None
 
+    def discard_open(self) -> None:
+        """Drop every assembly still waiting for devices (their run has ended)."""
+        with self._lock:
+            stale, self._open = list(self._open.values()), {}
+        for assembly in stale:
+            assembly.release()
+
     def _finish(self, key: tuple[object, int], assembly: Assembly) -> bool:
         with self._lock:
             assembly.expected -= 1
             if assembly.expected:
                 return False
-            del self._open[key]
+            if self._open.get(key) is assembly:
+                del self._open[key]
             return True

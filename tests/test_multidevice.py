@@ -2,7 +2,8 @@
 (tests/multidevice_worker.py does the work and reports what it found as JSON):
 
 - saves from GSPMD `jit` (gathered, with `shardings=`, and inferred from a mesh with
-  explicit axes), `shard_map` and `pmap` never abort;
+  explicit axes), `shard_map` and `pmap` (each device handing over its own block)
+  never abort;
 - the checkpoint of the last step is the final state bit for bit, read back by
   `restore` into numpy, by `restore(like)` with shardings (placed as `like`, also split
   differently from the save) and by plain Orbax's StandardCheckpointer;
@@ -44,7 +45,7 @@ def run_worker(case, directory, crossing="buffer"):
         ("gspmd", False),
         ("gspmd_shardings", True),
         ("explicit", True),
-        ("shard_map", False),
+        ("shard_map", True),  # axis_name= over all the map's axes: per device too
         ("pmap", False),
     ],
 )

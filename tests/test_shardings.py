@@ -179,3 +179,51 @@ def test_shardings_with_axis_name_is_a_config_error(make_ckpt):
     mesh = jax.make_mesh((N_DEV,), ("d",))
     with pytest.raises(jax_cb_ckpt.ConfigError, match="shardings= is for"):
         ckpt.save({"w": jnp.ones(4)}, 1, axis_name="d", shardings=NamedSharding(mesh, P()))
+
+
+@pytest.mark.parametrize("per_device", [True, False])
+def test_a_refused_save_on_several_devices_raises_the_librarys_error(
+    make_ckpt, ckpt_dir, per_device
+):
+    """A callback error in a multi-device program: JAX re-raises its wrapper from every
+    later effects barrier; wait() raises our StepExistsError once, then works again."""
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as other_run:
+        other_run.save({"x": np.zeros(8, np.int32)}, 10)
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("d"))
+    ckpt = make_ckpt(every=2)
+
+    def body(s, i):
+        s = s + 1
+        ckpt.maybe_save({"x": s}, i + 1, shardings=sharding if per_device else None)
+        return s, None
+
+    x = jax.device_put(jnp.zeros(8, jnp.int32), sharding)
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(4))[0])(x).block_until_ready()
+    with pytest.raises(jax_cb_ckpt.StepExistsError, match="step 2"):
+        ckpt.wait()
+    ckpt.wait()  # reported once
+    ckpt.close()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [10]
+
+
+def test_gathered_multi_device_save_counts_one_crossing_per_step(make_ckpt):
+    mesh = jax.make_mesh((N_DEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))
+    ckpt = make_ckpt(every=2)
+
+    def body(s, i):
+        s = s * 2
+        ckpt.maybe_save({"x": s}, i + 1)  # gathered: every device runs the crossing
+        return s, None
+
+    train = jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(4))[0])
+    train(x)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4]
+    assert ckpt.stats.crossings == 2 and ckpt.stats.duplicates == 0
+    with pytest.warns(jax_cb_ckpt.DuplicateStepWarning, match=r"step [24] was handed") as record:
+        train(x)
+        ckpt.wait()
+    assert len(record) == 2 and ckpt.stats.duplicates == 2

@@ -4,6 +4,7 @@ steps, the saved contents, and one host crossing per saving step (none otherwise
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_same_state, toy_reference, toy_state, toy_update
 from jax.sharding import Mesh, NamedSharding
@@ -299,3 +300,41 @@ def test_pmap_without_axis_name_is_refused(make_ckpt):
             jnp.zeros((N_DEV, 2))
         )
     assert ckpt.stats.crossings == 0
+
+
+@pytest.mark.parametrize("gather", ["stack", "concat"])
+def test_vmap_inside_pmap_saves_as_the_gather_path_does(make_ckpt, ckpt_dir, gather):
+    """pmap(vmap(train)) with axis_name=: the per-device crossing leaves a vmapped save
+    to the gather path; both crossings give the same checkpoints, and every member's
+    state is in them."""
+    states = stack([stack([member_state(2 * d + m) for m in range(2)]) for d in range(N_DEV)])
+    saved = {}
+    for crossing in ("buffer", "callback"):
+        ckpt = make_ckpt(ckpt_dir / crossing, every=EVERY, crossing=crossing)
+
+        def body(state, step, ckpt=ckpt):
+            state = toy_update(state, step)
+            ckpt.maybe_save({"x": state["x"]}, step, axis_name="dev", gather=gather)
+            return state, None
+
+        def train(state, body=body):
+            return jax.lax.scan(body, state, jnp.arange(N_STEPS))[0]
+
+        jax.pmap(jax.vmap(train), axis_name="dev")(states)
+        ckpt.wait()
+        assert ckpt.all_steps() == SAVED
+        saved[crossing] = {
+            s: np.asarray(
+                ocp.PyTreeCheckpointer().restore(ckpt_dir / crossing / str(s) / "state")["x"]
+            )
+            for s in SAVED
+        }
+    for s in SAVED:
+        assert saved["buffer"][s].tobytes() == saved["callback"][s].tobytes()
+    refs = [[member_reference(2 * d + m) for m in range(2)] for d in range(N_DEV)]
+    last = saved["buffer"][SAVED[-1]]
+    values = {
+        np.asarray(refs[d][m][SAVED[-1]]["x"]).tobytes() for d in range(N_DEV) for m in range(2)
+    }
+    assert last.size == 2 * N_DEV * toy_state()["x"].size
+    assert len(values) == 2 * N_DEV  # every member's own state is in there
