@@ -30,6 +30,7 @@ import re
 import shutil
 import stat
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -45,14 +46,17 @@ LOCK_NAME = ".jax_cb_ckpt.lock"  # held (flock) by the one live writer of a dire
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
 
 # Dtypes JAX and numpy handle that Orbax's TensorStore cannot store (measured with
-# tensorstore 0.1.x): stored widened, which is exact, and cast back on restore.
+# tensorstore 0.1.x): stored widened, which is exact, and cast back on restore; or, for
+# a type with NaN payloads a widening would not keep, stored as its bits.
 _STORED_AS = {
     "uint2": "uint8",
     "uint4": "uint8",
-    "float6_e2m3fn": "float32",
+    "float6_e2m3fn": "float32",  # (finite only: no NaN, so widening is exact)
     "float6_e3m2fn": "float32",
-    "float8_e4m3": "float32",
+    "float8_e4m3": "uint8",  # bits: float32 kept NaN but not its payload
 }
+_AS_BITS = {"float8_e4m3"}
+_LEGACY = {"float8_e4m3": "float32"}  # stored widened before 2026-11-30
 
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 _OURS = re.compile(
@@ -70,7 +74,26 @@ def storage_dtype(dtype: np.dtype) -> np.dtype:
 
 def storable(array: np.ndarray) -> np.ndarray:
     stored = storage_dtype(array.dtype)
-    return array if stored == array.dtype else array.astype(stored)
+    if stored == array.dtype:
+        return array
+    if array.dtype.name in _AS_BITS:
+        array = np.asarray(array)
+        return (array if array.flags.c_contiguous else array.copy()).view(stored)
+    return array.astype(stored)
+
+
+def from_storage(array: Any, dtype: np.dtype) -> Any:
+    """The stored data of a leaf of `dtype` as `dtype` (undoes `storable`), or None
+    when its stored dtype is not one `dtype` is stored as."""
+    if array.dtype == dtype:
+        return array
+    if array.dtype == storage_dtype(dtype):
+        if dtype.name in _AS_BITS:
+            return np.asarray(array).view(dtype)
+        return array.astype(dtype)
+    if array.dtype.name == _LEGACY.get(dtype.name):
+        return array.astype(dtype)
+    return None
 
 
 def resolve(directory: object, where: str) -> str:

@@ -227,13 +227,14 @@ def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> An
         )
     if not isinstance(array, jax.Array):  # read sharded: never gathered here
         array = np.asarray(array)
-    if array.shape != shape or array.dtype != _format.storage_dtype(dtype):
+    value = _format.from_storage(array, dtype) if array.shape == shape else None
+    if value is None:
         raise RestoreError(
             f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
             f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
             "or corrupted. Fix: restore another step."
         )
-    return array if array.dtype == dtype else array.astype(dtype)
+    return value
 
 
 def _short(steps: list[int]) -> str:

@@ -848,3 +848,17 @@ def test_a_skipped_replacing_save_leaves_the_other_runs_steps_in_conflict(tmp_pa
     ckpt.save({"x": np.zeros(1 << 24, np.float32)}, 12)  # replaces the other run's 15
     ckpt.close()
     assert jax_cb_ckpt.all_steps(directory) == [10, 12, 20]  # runs never mix
+
+
+def test_float8_e4m3_nan_payloads_round_trip_bit_for_bit(make_ckpt):
+    """float8_e4m3 is stored as its bits: widening it (as TensorStore needs) kept NaN
+    but not the NaN's payload, so a state with NaNs did not restore bit for bit."""
+    bits = np.array([0x79, 0x7A, 0x7F, 0xF9, 0x00, 0x38], np.uint8)
+    value = bits.view(ml_dtypes.float8_e4m3)
+    ckpt = make_ckpt()
+    ckpt.save({"f8": value}, 1)
+    jax.jit(lambda x: ckpt.save({"f8": x}, 2))(jnp.asarray(value))
+    ckpt.wait()
+    for step in (1, 2):
+        restored = ckpt.restore({"f8": value}, step=step)
+        assert np.asarray(restored["f8"]).view(np.uint8).tolist() == bits.tolist()
