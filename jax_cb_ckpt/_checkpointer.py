@@ -312,8 +312,8 @@ class Checkpointer:
                 `jax.sharding.NamedSharding` (or a prefix of the state's pytree, or one
                 for every leaf) giving each leaf's sharding: every device then hands
                 over only its own block (one replica of each) and nothing is gathered;
-                the writer puts the blocks together, and the checkpoint is the same
-                as a gathered save's (plain Orbax reads it with any sharding).
+                the checkpoint stores the arrays as Orbax stores sharded `jax.Array`s
+                (plain Orbax reads it with any sharding).
                 Inferred from the leaves' types on meshes with explicit axes
                 (`jax.make_mesh` default); otherwise the state is gathered first.
                 On a CPU this always uses the "buffer" crossing.

@@ -10,14 +10,17 @@ the device whose coordinates are 0 along the mesh axes the leaf is not split ove
 staging memory and adds them to the step's `Assembly`. The device that completes it
 (every device of the mesh has reported) claims the step and queues one save.
 
-Writer side: the blocks of each leaf are put together into one host array in the writer
-thread, and Orbax writes it in the same format as gathered saves: plain Orbax reads it
-with any sharding, and `restore(like)` builds each device's part from its own slices,
-so no leaf is ever whole on one device. (Not as a sharded `jax.Array` through Orbax's
-ArrayHandler: the writer would need the devices, which the running program may hold
-while it waits for the writer; see `ShardedArray.assemble`. Nor chunked by block:
-Orbax 0.12.8 has no chunk shape argument for host arrays, and its `shard_axes` choice
-splits those axes down to chunks of one element.)
+Writer side (CPU): each leaf becomes a sharded `jax.Array` whose device buffers alias
+the host blocks (`device_put(..., may_alias=True)` from 64-byte aligned memory), and
+Orbax writes it as it writes any sharded `jax.Array` (ArrayHandler, OCDBT, its sharding
+file, one chunk per shard): plain Orbax reads it with any sharding, and `restore(like)`
+reads on each device only the slices it holds. The writer must never wait for the
+devices, which the running program may hold while one of them waits for this writer (a
+full queue): aliasing queues nothing on them, Orbax's replica-parallel writes (a jitted
+slice) are off, and leaves of packed dtypes (int4: device_put must repack them) or a
+buffer that was copied after all are put together on the host and written as host
+arrays instead. (Measured before these rules: XLA's rendezvous aborted the program
+after 40 s.) Off a CPU the blocks are always put together on the host.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import InvalidStateError
 
@@ -158,13 +162,36 @@ class ShardedArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
-    def assemble(self, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """The global array, from the blocks (in the writer thread).
+    def to_jax(self, convert: Callable[[np.ndarray], np.ndarray]) -> jax.Array | None:
+        """A jax.Array with this leaf's partitioning over this process's CPU devices,
+        every device's buffer aliasing its host block (`may_alias`, from memory aligned
+        for XLA): nothing is queued on the devices, which the running program may hold
+        while one of them waits for this writer (a full queue). Built in the writer
+        thread, never in a callback. None when a buffer was copied after all."""
+        layout = self.layout
+        devices = np.array(jax.local_devices()[: layout.devices]).reshape(layout.axis_sizes)
+        sharding = NamedSharding(Mesh(devices, layout.axis_names), layout.spec(self.leaf))
+        converted: dict[Any, np.ndarray] = {}
+        arrays = []
+        for device, index in sharding.addressable_devices_indices_map(self.shape).items():
+            key = block_key(index or (), self.shape)
+            if key not in converted:
+                converted[key] = aligned(convert(self.blocks[key]))
+            block = converted[key]
+            array = jax.device_put(block, device, may_alias=True)
+            if block.size and array.unsafe_buffer_pointer() != block.ctypes.data:
+                return None  # copied, not aliased: that copy waits for the device
+            arrays.append(array)
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
 
-        Not a `jax.Array`: the writer must not need the devices, which may all be held
-        by the running program while one of them waits for this writer (a full queue);
-        building device arrays and Orbax's device-to-host copies then never finish
-        (measured: XLA's rendezvous aborts the program after 40 s)."""
+    def aliasable(self) -> bool:
+        """Can the devices' buffers alias the host blocks? Not for dtypes XLA packs
+        (int4: two per byte), which device_put must repack on the device."""
+        return not packed(self.dtype)
+
+    def assemble(self, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The global array, from the blocks (in the writer thread): off a CPU, where
+        the devices' memory is not host memory to alias."""
         out: np.ndarray | None = None
         for key, block in self.blocks.items():
             block = convert(block)
@@ -173,6 +200,12 @@ class ShardedArray:
             out[tuple(slice(a, b) for a, b in key)] = block
         assert out is not None
         return out
+
+
+def packed(dtype: Any) -> bool:
+    """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
+    name = np.dtype(dtype).name
+    return name in ("int2", "uint2", "int4", "uint4") or name.startswith("float4")
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to alias host memory instead of copying

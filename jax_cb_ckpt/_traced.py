@@ -45,6 +45,7 @@ from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
 from ._errors import InvalidStateError
+from ._shards import Layout, packed
 
 Gather = Literal["stack", "concat", "replicated"]
 Crossing = Literal["auto", "buffer", "callback"]
@@ -223,8 +224,6 @@ def _per_device_in_map(host, signature, step, pred, payload, names, gather, fast
     (the per-device mask, a few bytes, is gathered and travels along); `"concat"`: the
     blocks make up the leaf's first axis (0-d leaves: device 0's). Under `vmap` the
     batched state takes the gather path instead, exactly as before."""
-    from ._shards import Layout
-
     sizes = tuple(int(jax.lax.axis_size(name)) for name in names)
     # On a CPU, per-device crossings always copy from XLA's buffers: with debug.callback
     # each device's callback waits for JAX's copy while the others are blocked in
@@ -340,7 +339,7 @@ def _device_crosses(host, signature, layout, step, mask, blocks, fast) -> None:
     manual context: `shard_map` or `pmap`); see _shards.py."""
     coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
     if fast:
-        narrow = {i: b.dtype for i, b in enumerate(blocks) if _packed(b.dtype)}
+        narrow = {i: b.dtype for i, b in enumerate(blocks) if packed(b.dtype)}
         widened = [_widen(b) if i in narrow else b for i, b in enumerate(blocks)]
         deposit = functools.partial(host.deposit_shard, signature, layout, narrow)
         token_type = jax.ShapeDtypeStruct((), jnp.int32)
@@ -357,11 +356,6 @@ def _keep_alive(token: Any) -> None:
 
 
 _PACKED = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
-
-
-def _packed(dtype: Any) -> bool:
-    """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
-    return np.dtype(dtype).name in _PACKED or np.dtype(dtype).name.startswith("float4")
 
 
 def _widen(x: jax.Array) -> jax.Array:
@@ -394,7 +388,7 @@ def _batched_save(host: Any, signature: Any, fast: bool):
                 # keeps both alive in a program that uses neither result.
                 # XLA packs sub-byte types (int4: two per byte), numpy views them one
                 # per byte: they cross widened and are narrowed back on the host.
-                narrow = {i: p.dtype for i, p in enumerate(payload) if _packed(p.dtype)}
+                narrow = {i: p.dtype for i, p in enumerate(payload) if packed(p.dtype)}
                 payload = [_widen(p) if i in narrow else p for i, p in enumerate(payload)]
                 deposit = functools.partial(host.deposit, signature, narrow)
                 token = buffer_callback(deposit, token_type)(step, pred, *payload)

@@ -62,7 +62,9 @@ def make_checkpointer(*, compression: bool) -> Any:
     the buffers handed to it stay untouched until the synchronous save returns."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, ocp.type_handlers.ArrayHandler()),  # unused; keeps Orbax's metadata on
+        # Per-device leaves. No replica-parallel writes: those slice replicated arrays
+        # with a jitted computation, which waits for devices the running program holds.
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
     )
     handler = ocp.CompositeCheckpointHandler(
         **{
@@ -242,16 +244,23 @@ class Writer:
 
 
 def _state_save(tree: dict[str, Any]) -> Any:
-    """Orbax's save arguments for the state item; per-device leaves (`shardings=`) are
-    put together here, in the writer thread, never in a callback."""
+    """Orbax's save arguments for the state item. Per-device leaves (`shardings=`)
+    become sharded jax.Arrays aliasing their host blocks on a CPU (Orbax writes them
+    shard by shard, with its sharding file), host arrays put together elsewhere."""
 
     def is_leaf(x: Any) -> bool:
         return isinstance(x, ShardedArray)
 
-    arrays = jax.tree_util.tree_map(
-        lambda x: x.assemble(_format.storable) if is_leaf(x) else x, tree, is_leaf=is_leaf
-    )
-    return ocp.args.PyTreeSave(arrays)
+    def convert(x: Any) -> Any:
+        if not is_leaf(x):
+            return x
+        if jax.default_backend() == "cpu" and x.aliasable():
+            array = x.to_jax(_format.storable)
+            if array is not None:
+                return array
+        return x.assemble(_format.storable)
+
+    return ocp.args.PyTreeSave(jax.tree_util.tree_map(convert, tree, is_leaf=is_leaf))
 
 
 def _in_the_way(final: str) -> str:

@@ -7,8 +7,9 @@
 - the checkpoint of the last step is the final state bit for bit, read back by
   `restore` into numpy, by `restore(like)` with shardings (placed as `like`, also split
   differently from the save) and by plain Orbax's StandardCheckpointer;
-- the compiled program needs no temporary memory for per-device saves (the gathered
-  save needs the state's size).
+- per-device saves are stored in Orbax's sharded format (as it stores sharded
+  `jax.Array`s), and the compiled program needs no temporary memory for them (the
+  gathered save needs the state's size).
 
 Before the copy-once crossing, each of these died in XLA's rendezvous ("Termination
 timeout for 'all gather'", SIGABRT) on jax 0.10.2: `debug.callback` waits for JAX's
@@ -46,12 +47,13 @@ def run_worker(case, directory, crossing="buffer"):
         ("gspmd_shardings", True),
         ("explicit", True),
         ("shard_map", True),  # axis_name= over all the map's axes: per device too
-        ("pmap", False),
+        ("pmap", True),
     ],
 )
 def test_multi_device_save_of_32_mib_is_exact(tmp_path, case, per_device):
     found = run_worker(case, tmp_path / "ckpt")
     assert found["devices"] == 8 and found["steps"] == [2, 4], found
+    assert found["sharded_format"] is per_device, found
     if "temp_mib" in found:
         added = found["temp_mib"]["with"] - found["temp_mib"]["without"]
         if per_device:
