@@ -16,7 +16,6 @@ there until `benchmarks/gpu.sh` (which checks this path bit for bit) has run on 
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import glob
 import os
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import SaveError
+from ._staging import StagingPool
 
 _MEMCPY_DEVICE_TO_HOST = 2
 _EVENT_DISABLE_TIMING = 2
@@ -71,66 +71,53 @@ def _check(code: int, what: str) -> None:
         raise SaveError(f"CUDA {what} failed: {message} (error {code}).")
 
 
-class PinnedPool:
-    """Page-locked host buffers, reused across saves of the same layout."""
+def pinned_pool(keep: int) -> StagingPool:
+    """A staging pool of page-locked memory (never freed: it lives as long as the
+    process, as the pool's own sets do)."""
+    return StagingPool(keep, layouts=64, allocate=_allocate_pinned)
 
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._lock = threading.Lock()
-        self._free: collections.OrderedDict[tuple, list[list[np.ndarray]]] = (
-            collections.OrderedDict()
-        )
 
-    def take(self, layout: tuple) -> list[np.ndarray]:
-        with self._lock:
-            free = self._free.get(layout)
-            if free:
-                return free.pop()
-        return [self._allocate(shape, np.dtype(dtype)) for shape, dtype in layout]
+def _allocate_pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    pointer = ctypes.c_void_p()
+    _check(
+        runtime().cudaMallocHost(ctypes.byref(pointer), ctypes.c_size_t(max(size, 1))),
+        "cudaMallocHost",
+    )
+    raw = (ctypes.c_uint8 * max(size, 1)).from_address(pointer.value or 0)
+    return np.ctypeslib.as_array(raw)[:size].view(dtype).reshape(shape)
 
-    def give_back(self, layout: tuple, buffers: list[np.ndarray]) -> None:
-        with self._lock:
-            free = self._free.setdefault(layout, [])
-            if len(free) < self._keep:
-                free.append(buffers)  # (dropped sets stay allocated until exit)
 
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
-        pointer = ctypes.c_void_p()
-        _check(
-            runtime().cudaMallocHost(ctypes.byref(pointer), ctypes.c_size_t(nbytes)),
-            "cudaMallocHost",
-        )
-        raw = (ctypes.c_uint8 * nbytes).from_address(pointer.value or 0)
-        flat = np.ctypeslib.as_array(raw)[: int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
-        return flat.view(dtype).reshape(shape)
+def _queue_copies(lib: Any, buffers: Sequence[Any], hosts: Sequence[np.ndarray], stream: Any):
+    """One device-to-host cudaMemcpyAsync per buffer into `hosts`, on `stream`."""
+    for buffer, host in zip(buffers, hosts, strict=True):
+        if host.nbytes:
+            source = buffer.__cuda_array_interface__["data"][0]
+            _check(
+                lib.cudaMemcpyAsync(
+                    ctypes.c_void_p(host.ctypes.data),
+                    ctypes.c_void_p(source),
+                    ctypes.c_size_t(host.nbytes),
+                    ctypes.c_int(_MEMCPY_DEVICE_TO_HOST),
+                    stream,
+                ),
+                "cudaMemcpyAsync",
+            )
 
 
 def copy_async(
-    buffers: Sequence[Any], stream: Any, pool: PinnedPool
+    buffers: Sequence[Any], stream: Any, pool: StagingPool
 ) -> tuple[list[np.ndarray], Callable[[], None], Callable[[], None]]:
     """Queue the copies of `buffers` to pinned memory on `stream`; returns the host
     arrays (valid once `ready()` has returned), `release` and `ready`."""
     lib = runtime()
     layout = tuple(
-        (tuple(b.__cuda_array_interface__["shape"]), np.dtype(b.dtype).str) for b in buffers
+        (tuple(b.__cuda_array_interface__["shape"]), np.dtype(b.dtype)) for b in buffers
     )
-    hosts = pool.take(layout)
+    hosts, release = pool.take(layout)
     stream_ptr = ctypes.c_void_p(int(stream or 0))
-    for buffer, host in zip(buffers, hosts, strict=True):
-        if host.nbytes == 0:
-            continue
-        source = buffer.__cuda_array_interface__["data"][0]
-        _check(
-            lib.cudaMemcpyAsync(
-                ctypes.c_void_p(host.ctypes.data),
-                ctypes.c_void_p(source),
-                ctypes.c_size_t(host.nbytes),
-                ctypes.c_int(_MEMCPY_DEVICE_TO_HOST),
-                stream_ptr,
-            ),
-            "cudaMemcpyAsync",
-        )
+    _queue_copies(lib, buffers, hosts, stream_ptr)
     event = ctypes.c_void_p()
     _check(
         lib.cudaEventCreateWithFlags(ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING)),
@@ -143,9 +130,6 @@ def copy_async(
             _check(lib.cudaEventSynchronize(event), "cudaEventSynchronize")
         finally:
             lib.cudaEventDestroy(event)
-
-    def release() -> None:
-        pool.give_back(layout, hosts)
 
     return hosts, release, ready
 
@@ -166,18 +150,6 @@ def read_now(buffers: Sequence[Any], stream: Any) -> list[np.ndarray]:
     lib = runtime()
     stream_ptr = ctypes.c_void_p(int(stream or 0))
     hosts = [np.empty(tuple(b.shape), np.dtype(b.dtype)) for b in buffers]
-    for buffer, host in zip(buffers, hosts, strict=True):
-        if host.nbytes:
-            source = buffer.__cuda_array_interface__["data"][0]
-            _check(
-                lib.cudaMemcpyAsync(
-                    ctypes.c_void_p(host.ctypes.data),
-                    ctypes.c_void_p(source),
-                    ctypes.c_size_t(host.nbytes),
-                    ctypes.c_int(_MEMCPY_DEVICE_TO_HOST),
-                    stream_ptr,
-                ),
-                "cudaMemcpyAsync",
-            )
+    _queue_copies(lib, buffers, hosts, stream_ptr)
     _check(lib.cudaStreamSynchronize(stream_ptr), "cudaStreamSynchronize")
     return hosts

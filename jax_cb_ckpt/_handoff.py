@@ -22,10 +22,8 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from ._errors import (
 )
 from ._exchange import Exchange, is_failed_write
 from ._format import FORMAT
+from ._staging import StagingPool
 from ._stats import StatsRecorder
 from ._version import version
 from ._writer import SaveItem
@@ -127,43 +126,6 @@ def probe_callback_arrays() -> bool:
     return bool(_OWNED)
 
 
-class StagingPool:
-    """Host buffers reused across saves of the same layout (already touched memory).
-
-    A set of buffers is taken for one save and given back by the writer once the save
-    is on disk. At most `keep` free sets per layout and `layouts` layouts are cached.
-    """
-
-    def __init__(self, keep: int, layouts: int = 2) -> None:
-        self._keep = keep
-        self._layouts = layouts
-        self._lock = threading.Lock()
-        self._free: collections.OrderedDict[tuple, list[list[np.ndarray]]] = (
-            collections.OrderedDict()
-        )
-
-    def copy_in(self, arrays: Sequence[Any]) -> tuple[list[np.ndarray], Any]:
-        hosts = [np.asarray(a) for a in arrays]
-        layout = tuple((h.shape, h.dtype.str) for h in hosts)
-        with self._lock:
-            free = self._free.get(layout)
-            buffers = free.pop() if free else None
-        if buffers is None:
-            buffers = [_shards.empty_aligned(h.shape, h.dtype) for h in hosts]
-        for buf, host in zip(buffers, hosts, strict=True):
-            np.copyto(buf, host)
-        return buffers, functools.partial(self._give_back, layout, buffers)
-
-    def _give_back(self, layout: tuple, buffers: list[np.ndarray]) -> None:
-        with self._lock:
-            free = self._free.setdefault(layout, [])
-            self._free.move_to_end(layout)
-            if len(free) < self._keep:
-                free.append(buffers)
-            while len(self._free) > self._layouts:
-                self._free.popitem(last=False)
-
-
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
@@ -183,7 +145,7 @@ class HostSide:
         self._queue_size = queue_size
         self._pool = StagingPool(keep=queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
-        self._pinned: _cuda.PinnedPool | None = None  # GPU staging, made when needed
+        self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _shards.Assemblies()
         self.closed_reason: str | None = None  # set when the Checkpointer is closed
 
@@ -244,9 +206,7 @@ class HostSide:
         memory are queued on XLA's stream and the writer waits for them. The token is
         left as it is: nobody reads its value."""
         step, pred = _cuda.read_now([step, pred], ctx.stream)
-        if self._pinned is None:
-            self._pinned = _cuda.PinnedPool(keep=self._queue_size)
-        pinned = self._pinned
+        pinned = self._pinned_pool()
 
         def take() -> tuple[list[Any], Callable[[], None], Callable[[], None] | None]:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
@@ -280,9 +240,7 @@ class HostSide:
         pinned_release = None
         if blocks and _cuda.is_device_buffer(blocks[0]):  # a GPU: copy out, wait for it
             step, pred, coords = _cuda.read_now([step, pred, coords], ctx.stream)
-            if self._pinned is None:
-                self._pinned = _cuda.PinnedPool(keep=self._queue_size)
-            hosts, pinned_release, ready = _cuda.copy_async(blocks, ctx.stream, self._pinned)
+            hosts, pinned_release, ready = _cuda.copy_async(blocks, ctx.stream, self._pinned_pool())
             ready()
             blocks = tuple(hosts)
         elif out is not None:
@@ -353,6 +311,11 @@ class HostSide:
 
         # owner=None: the step is complete once per run, so a second one is a duplicate.
         self._hand_over(signature, step, members, done.start, take, in_callback=True, owner=None)
+
+    def _pinned_pool(self) -> StagingPool:
+        if self._pinned is None:
+            self._pinned = _cuda.pinned_pool(keep=self._queue_size)
+        return self._pinned
 
     def discard_open_assemblies(self) -> None:
         """Called once every program dispatched so far has ended (`wait()`)."""

@@ -862,3 +862,20 @@ def test_float8_e4m3_nan_payloads_round_trip_bit_for_bit(make_ckpt):
     for step in (1, 2):
         restored = ckpt.restore({"f8": value}, step=step)
         assert np.asarray(restored["f8"]).view(np.uint8).tolist() == bits.tolist()
+
+
+def test_staging_buffers_are_never_reused_across_dtypes_of_the_same_width(make_ckpt):
+    """Staging buffers are reused by layout. Every float8 type (and int4, ...) has the
+    dtype string "<V1": keyed by that, a float8_e4m3fn buffer was reused for a
+    float8_e5m2fnuz save of the same shape, and np.copyto cast the values into it."""
+    bits = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    first = bits.view(ml_dtypes.float8_e4m3fn)
+    second = bits.view(ml_dtypes.float8_e5m2fnuz)
+    ckpt = make_ckpt()
+    ckpt.save({"x": first}, 1)
+    ckpt.wait()  # the first set of buffers is back in the pool
+    ckpt.save({"x": second}, 2)
+    ckpt.wait()
+    restored = ckpt.restore({"x": second}, step=2)
+    assert np.asarray(restored["x"]).dtype == second.dtype
+    assert np.asarray(restored["x"]).view(np.uint8).tolist() == bits.tolist()
