@@ -112,9 +112,7 @@ def copy_async(
     """Queue the copies of `buffers` to pinned memory on `stream`; returns the host
     arrays (valid once `ready()` has returned), `release` and `ready`."""
     lib = runtime()
-    layout = tuple(
-        (tuple(b.__cuda_array_interface__["shape"]), np.dtype(b.dtype)) for b in buffers
-    )
+    layout = tuple((tuple(b.__cuda_array_interface__["shape"]), np.dtype(b.dtype)) for b in buffers)
     hosts, release = pool.take(layout)
     stream_ptr = ctypes.c_void_p(int(stream or 0))
     _queue_copies(lib, buffers, hosts, stream_ptr)

@@ -282,10 +282,7 @@ class HostSide:
         def add(assembly: _shards.Assembly) -> None:
             # Checked here, so that a device that fails still reports: the step is
             # then dropped once every device has, never completed by a later run.
-            self._check_open()
-            error = self._exchange.peek_error()
-            if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
-                raise error
+            self._refuse_if_failed()
             owned = [(i, layout.index(i, position, a.shape)) for i, a in enumerate(arrays)]
             owned = [(i, index) for i, index in owned if index is not None]
             copies, release = pool.copy_in([arrays[i] for i, _ in owned])
@@ -345,10 +342,7 @@ class HostSide:
         owner: object,
     ) -> None:
         start = time.perf_counter()
-        self._check_open()
-        error = self._exchange.peek_error()
-        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
-            raise error  # fails the running computation: no hours of training unsaved
+        self._refuse_if_failed()
         members = np.asarray(pred).astype(bool)
         try:
             step = _one_step(np.asarray(step), members)
@@ -367,6 +361,14 @@ class HostSide:
         self._hand_over(
             signature, step, np.asarray(True), start, take, in_callback=False, owner=None
         )
+
+    def _refuse_if_failed(self) -> None:
+        """Raise (in a callback: fail the running computation, so no hours of training
+        go unsaved) when closed or after an error that stops saving."""
+        self._check_open()
+        error = self._exchange.peek_error()
+        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
+            raise error
 
     def _check_open(self) -> None:
         if self.closed_reason is not None:

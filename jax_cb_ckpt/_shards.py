@@ -202,10 +202,15 @@ class ShardedArray:
         return out
 
 
+# Dtypes XLA packs several to a byte (numpy views them one per byte), and the exact
+# byte-per-element dtype each is widened to where that matters (float4 types: float32).
+PACKED_AS = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
+
+
 def packed(dtype: Any) -> bool:
     """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
     name = np.dtype(dtype).name
-    return name in ("int2", "uint2", "int4", "uint4") or name.startswith("float4")
+    return name in PACKED_AS or name.startswith("float4")
 
 
 ALIGNMENT = 64  # what XLA's CPU client needs to alias host memory instead of copying

@@ -36,6 +36,7 @@ and docs/handoff.md have the evidence):
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -45,7 +46,7 @@ from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
 from ._errors import InvalidStateError
-from ._shards import Layout, packed
+from ._shards import PACKED_AS, Layout, packed
 
 Gather = Literal["stack", "concat", "replicated"]
 Crossing = Literal["auto", "buffer", "callback"]
@@ -339,8 +340,7 @@ def _device_crosses(host, signature, layout, step, mask, blocks, fast) -> None:
     manual context: `shard_map` or `pmap`); see _shards.py."""
     coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
     if fast:
-        narrow = {i: b.dtype for i, b in enumerate(blocks) if packed(b.dtype)}
-        widened = [_widen(b) if i in narrow else b for i, b in enumerate(blocks)]
+        narrow, widened = _widened(blocks)
         deposit = functools.partial(host.deposit_shard, signature, layout, narrow)
         token_type = jax.ShapeDtypeStruct((), jnp.int32)
         token = buffer_callback(deposit, token_type)(step, mask, coords, *widened)
@@ -355,12 +355,17 @@ def _keep_alive(token: Any) -> None:
     del token
 
 
-_PACKED = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
-
-
-def _widen(x: jax.Array) -> jax.Array:
-    """A packed-dtype array as a byte-per-element dtype that holds its values exactly."""
-    return x.astype(_PACKED.get(np.dtype(x.dtype).name, np.float32))
+def _widened(values: Sequence[Any]) -> tuple[dict[int, Any], list[Any]]:
+    """XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte,
+    so those leaves cross widened to a byte-per-element dtype that holds their values
+    exactly; returns {index: original dtype} (for the host to narrow back) and the
+    values to cross."""
+    narrow = {i: v.dtype for i, v in enumerate(values) if packed(v.dtype)}
+    widened = [
+        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in narrow else v
+        for i, v in enumerate(values)
+    ]
+    return narrow, widened
 
 
 def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
@@ -388,8 +393,7 @@ def _batched_save(host: Any, signature: Any, fast: bool):
                 # keeps both alive in a program that uses neither result.
                 # XLA packs sub-byte types (int4: two per byte), numpy views them one
                 # per byte: they cross widened and are narrowed back on the host.
-                narrow = {i: p.dtype for i, p in enumerate(payload) if packed(p.dtype)}
-                payload = [_widen(p) if i in narrow else p for i, p in enumerate(payload)]
+                narrow, payload = _widened(payload)
                 deposit = functools.partial(host.deposit, signature, narrow)
                 token = buffer_callback(deposit, token_type)(step, pred, *payload)
                 jax.debug.callback(mark, step, pred, token)
