@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 5)
     out = args.out or os.path.join("benchmarks", "results", jax.default_backend())
     os.makedirs(out, exist_ok=True)
-    results = []
+    results, report = [], {}
     with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_bench_") as root:
         profile = (
             "quick" if args.quick else "gpu" if args.gpu else "targets" if args.targets else "full"
@@ -279,18 +279,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {config['workload']} n={config['n']} every={config['every']}", flush=True)
             results.append(run_config(config, reps, root))
             _print_config(results[-1])
+            report = _write_report(args, results, out)  # after each: a timeout keeps it
+    from . import report as report_lib
+
+    if report:
+        report_lib.plots(report, out)
+        print(report_lib.markdown(report))
+    return 0
+
+
+def _write_report(
+    args: argparse.Namespace, results: list[dict[str, Any]], out: str
+) -> dict[str, Any]:
+    """results.json and results.md for the configurations measured so far."""
+    from . import report as report_lib
+
     report = {"machine": machine(), "quick": args.quick, "results": results}
     report["targets"] = evaluate(results)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(report, f, indent=2)
-    from . import report as report_lib
-
     markdown = report_lib.markdown(report)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(markdown)
-    report_lib.plots(report, out)
-    print(markdown)
-    return 0
+    return report
 
 
 def _print_config(r: dict[str, Any]) -> None:

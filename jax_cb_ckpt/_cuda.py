@@ -39,12 +39,12 @@ def runtime() -> Any:
     global _lib
     with _lib_lock:
         if _lib is None:
-            names = []
+            names = _loaded("libcudart.so")  # JAX's own copy, when it is loaded
             try:
-                import nvidia.cuda_runtime as cuda_runtime  # pyright: ignore[reportMissingImports]
+                import nvidia  # pyright: ignore[reportMissingImports]
 
-                for path in cuda_runtime.__path__:
-                    names += sorted(glob.glob(os.path.join(path, "lib", "libcudart.so*")))
+                for path in nvidia.__path__:  # cuda_runtime/lib (CUDA 12), cu13/lib (13)
+                    names += sorted(glob.glob(os.path.join(path, "*", "lib", "libcudart.so*")))
             except ImportError:
                 pass
             names += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
@@ -61,6 +61,16 @@ def runtime() -> Any:
                     "crossing='callback'."
                 )
         return _lib
+
+
+def _loaded(prefix: str) -> list[str]:
+    """Paths of already loaded shared libraries whose file name starts with `prefix`."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(prefix))
 
 
 def _check(code: int, what: str) -> None:
