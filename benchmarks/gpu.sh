@@ -5,32 +5,48 @@
 #   benchmarks/gpu.sh               # there: run; results in $OUT (default benchmarks/results/gpu)
 #
 # It needs only what a CUDA JAX machine has plus this project: the project is used from
-# the source tree (PYTHONPATH, no build), and orbax-checkpoint / matplotlib come from
-# benchmarks/wheels when the machine lacks them (made by --prepare for Python $PYVER).
+# the source tree (PYTHONPATH, no build). When the machine's orbax-checkpoint is older
+# than our floor (or missing), the wheels in benchmarks/wheels (made by --prepare for
+# Python $PYVER, no dependencies: the machine has the rest) go into a private folder
+# first on PYTHONPATH; the machine's own packages are not touched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ORBAX_FLOOR=0.12.8 # pyproject.toml's floor (NumpyHandler(deepcopy_host_arrays=False))
 
 if [ "${1:-}" = "--prepare" ]; then
-  python3 -m pip download --dest benchmarks/wheels --only-binary=:all: \
-    --python-version "${PYVER:-3.12}" --platform manylinux2014_x86_64 \
-    orbax-checkpoint matplotlib
+  python3 -m pip download --dest benchmarks/wheels --no-deps --only-binary=:all: \
+    --python-version "${PYVER:-3.12}" --implementation cp --platform manylinux_2_28_x86_64 \
+    --platform manylinux2014_x86_64 "orbax-checkpoint>=$ORBAX_FLOOR" tensorstore etils
   exit 0
 fi
 
 OUT="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$OUT"
 python3 -c "import jax; print(jax.__version__, jax.devices()); assert jax.default_backend() == 'gpu'"
-for pkg in orbax.checkpoint matplotlib; do
-  if ! python3 -c "import $pkg" 2>/dev/null; then
-    if [ -d benchmarks/wheels ]; then
-      python3 -m pip install --quiet --no-index --find-links benchmarks/wheels \
-        "$( [ "$pkg" = orbax.checkpoint ] && echo orbax-checkpoint || echo "$pkg" )"
-    else
-      echo "missing $pkg and no benchmarks/wheels (run benchmarks/gpu.sh --prepare)" >&2
-      exit 2
-    fi
+orbax_ok() {
+  python3 - "$ORBAX_FLOOR" <<'PY'
+import importlib.metadata, sys
+def v(s): return tuple(int(p) for p in s.split(".")[:3])
+try:
+    found = importlib.metadata.version("orbax-checkpoint")
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(1)
+print("orbax-checkpoint", found)
+sys.exit(0 if v(found) >= v(sys.argv[1]) else 1)
+PY
+}
+if ! orbax_ok; then
+  if ! ls benchmarks/wheels/*.whl >/dev/null 2>&1; then
+    echo "orbax-checkpoint < $ORBAX_FLOOR and no benchmarks/wheels (run benchmarks/gpu.sh --prepare)" >&2
+    exit 2
   fi
-done
+  SITE="${TMPDIR:-/tmp}/jax_cb_ckpt_site"
+  python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" \
+    benchmarks/wheels/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  orbax_ok
+fi
+python3 -c "import matplotlib" || { echo "matplotlib is missing" >&2; exit 2; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" || true
 # First the GPU buffer crossing, bit for bit and its device wait (never run on a GPU yet).
