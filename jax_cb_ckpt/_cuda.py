@@ -9,9 +9,8 @@ that could overwrite the buffers, and the program continues without waiting for 
 The writer thread waits for the event (`ready()`) before it reads the staging memory.
 
 This calls the CUDA runtime through ctypes (the `libcudart` that JAX's CUDA wheels
-install), so no compiled extension is needed. It is used only with
-`Checkpointer(crossing="buffer")` on a GPU; "auto" keeps the `debug.callback` crossing
-there until `benchmarks/gpu.sh` (which checks this path bit for bit) has run on a GPU.
+install), so no compiled extension is needed. `crossing="auto"` selects it on CUDA
+GPUs: benchmarks/gpu_check.py checked it bit for bit on an H200 (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -52,6 +52,19 @@ Gather = Literal["stack", "concat", "replicated"]
 Crossing = Literal["auto", "buffer", "callback"]
 
 
+def buffer_by_default() -> bool:
+    """What `crossing="auto"` picks: the buffer crossing where it is built and checked,
+    on CPU and on CUDA GPUs (benchmarks/gpu_check.py, bit for bit on an H200); the
+    `debug.callback` crossing elsewhere (ROCm GPUs, TPU)."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return True
+    if backend != "gpu":
+        return False
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "rocm" not in str(version).lower()
+
+
 def _describe(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
     shape = getattr(x, "shape", None)
