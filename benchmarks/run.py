@@ -55,7 +55,7 @@ def plan(profile: str) -> list[dict[str, Any]]:
             dict(workload="tiny", n=10000, every=1000, methods=ALL),
             dict(workload="medium", n=1000, every=100, methods=ALL),
         ]
-        sizes = [1 << 20, 64 << 20, 256 << 20, 1 << 30]
+        sizes = [1 << 20, 64 << 20, 256 << 20]  # 1 GB did not fit the script's time
     elif quick:
         configs = [
             dict(workload="tiny", n=4000, every=1000, methods=ALL),
