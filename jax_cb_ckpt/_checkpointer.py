@@ -8,13 +8,14 @@ import os
 import typing
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _format, _restore, _run, _shards, _traced, _tree
+from . import _format, _processes, _restore, _run, _shards, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -102,6 +103,11 @@ class Checkpointer:
             `jax.debug.callback`, which copies the state into fresh memory first (any
             backend; about 10x slower per byte on CPU, 20-50x on an H200). `"auto"`
             (default): `"buffer"` on CPU and CUDA GPUs, `"callback"` elsewhere.
+        peer_timeout: in a multi-process run (`jax.distributed`), how many seconds a
+            process waits for the others at each step of a save before the save fails
+            with an error naming the process it waited for (docs/multiprocess.md).
+            Every process creates a Checkpointer on the same directory; each writes
+            its own devices' blocks and process 0 commits.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Checkpointer:
         on_error: OnError = "raise",
         on_existing: OnExisting = "raise",
         crossing: Crossing = "auto",
+        peer_timeout: float = 60.0,
     ) -> None:
         path = _format.resolve(directory, "Checkpointer(directory=...)")
         if os.path.exists(path) and not os.path.isdir(path):
@@ -156,6 +163,23 @@ class Checkpointer:
                 "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
             )
         self._crossing: Crossing = crossing
+        if (
+            isinstance(peer_timeout, bool)
+            or not isinstance(peer_timeout, int | float)
+            or not peer_timeout > 0
+        ):
+            raise ConfigError(
+                f"Checkpointer(peer_timeout={peer_timeout!r}): peer_timeout must be a "
+                "positive number of seconds (how long a process of a multi-process run "
+                "waits for the others at each save)."
+            )
+        if on_full == "skip" and jax.process_count() > 1:
+            raise ConfigError(
+                "Checkpointer(on_full='skip'): in a multi-process run each process's "
+                "queue fills at its own pace, so the processes would skip different "
+                "steps and no checkpoint would be complete. Fix: use on_full='block' "
+                "(the default) and a larger queue_size."
+            )
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
             os.makedirs(path, exist_ok=True)
@@ -171,13 +195,13 @@ class Checkpointer:
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
-        lock = DirectoryLock(path)  # refuses a second live writer of this directory
+        self._group = _processes.current(path, float(peer_timeout), _list_steps(path))
+        # refuses a second live writer of this directory (one per process of a run)
+        lock = DirectoryLock(path, _lock_name(self._group))
         try:
+            old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
             self._exchange = Exchange(
-                path,
-                queue_size=queue_size,
-                on_existing=on_existing,
-                old_steps=_format.list_steps(path),
+                path, queue_size=queue_size, on_existing=on_existing, old_steps=old_steps
             )
             self._host = HostSide(
                 self._exchange,
@@ -195,6 +219,7 @@ class Checkpointer:
                 stats=self._stats,
                 # Not a bound method: the writer must not keep this object alive.
                 on_exit=functools.partial(_mark_closed, self._host, CLOSED_AT_EXIT),
+                group=self._group,
             )
         except BaseException as e:
             lock.release()
@@ -396,6 +421,13 @@ class Checkpointer:
             # library keeps, with its exact dtype, before this call returns.
             if pred is not None and not bool(pred):
                 return
+            if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+                raise InvalidStateError(
+                    f"{where}: outside jit, the state spans the devices of several "
+                    "processes, and no process can read it whole. Fix: save inside the "
+                    f"jitted program with shardings=, e.g. jax.jit(lambda s: ckpt.{where}"
+                    "(s, step, shardings=jax.tree.map(lambda x: x.sharding, state)))(state)."
+                )
             hosts = [
                 _tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)
             ]
@@ -656,6 +688,16 @@ class Checkpointer:
         # past, and saving at or below one of them is a conflict (see `on_existing`).
         self._exchange.forget(_format.list_steps(self.directory))
         return restored
+
+
+def _list_steps(path: str) -> Callable[[], list[int]]:
+    return lambda: _format.list_steps(path)
+
+
+def _lock_name(group: _processes.Group | None) -> str:
+    if group is None or group.primary:
+        return _format.LOCK_NAME
+    return f"{_format.LOCK_NAME}.process_{group.index}"
 
 
 def _mark_closed(host: HostSide, reason: str) -> None:

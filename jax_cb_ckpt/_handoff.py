@@ -283,8 +283,16 @@ class HostSide:
             # Checked here, so that a device that fails still reports: the step is
             # then dropped once every device has, never completed by a later run.
             self._refuse_if_failed()
-            owned = [(i, layout.index(i, position, a.shape)) for i, a in enumerate(arrays)]
+            spans = layout.spans_processes
+            owned = [(i, layout.index(i, position, a.shape, spans)) for i, a in enumerate(arrays)]
             owned = [(i, index) for i, index in owned if index is not None]
+            if spans:  # replicas are kept once per process
+                with assembly.lock:
+                    owned = [
+                        (i, index)
+                        for i, index in owned
+                        if _shards.block_key(index, shapes[i]) not in assembly.blocks[i]
+                    ]
             copies, release = pool.copy_in([arrays[i] for i, _ in owned])
             with assembly.lock:
                 assembly.releases.append(release)
@@ -292,7 +300,7 @@ class HostSide:
                     assembly.blocks[i][_shards.block_key(index, shapes[i])] = copy
 
         key = (signature, step)
-        done = self._assemblies.add(key, layout.devices, len(arrays), position, start, add)
+        done = self._assemblies.add(key, layout.reporting, len(arrays), position, start, add)
         if done is None:
             return
         if done.failed:

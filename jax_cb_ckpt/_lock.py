@@ -35,9 +35,9 @@ _HELD_LOCK = threading.Lock()
 class DirectoryLock:
     """Held from construction until `release()` (idempotent)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, name: str = LOCK_NAME) -> None:
         self.directory = directory
-        self.path = os.path.join(directory, LOCK_NAME)
+        self.path = os.path.join(directory, name)
         self.finishing = False  # its Checkpointer was collected; it releases when drained
         self._released = threading.Event()
         while True:

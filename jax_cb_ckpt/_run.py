@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
@@ -31,7 +33,9 @@ class Saver(Protocol):
     def every(self) -> int | None: ...
     def latest_step(self) -> int | None: ...
     def restore(self, like: Any, *, step: int | None = None) -> Any: ...
-    def maybe_save(self, state: Any, step: Any, *, when: Any = None) -> None: ...
+    def maybe_save(
+        self, state: Any, step: Any, *, when: Any = None, shardings: Any = None
+    ) -> None: ...
     def wait(self) -> None: ...
 
 
@@ -73,6 +77,12 @@ def run(
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     _check_body(step_fn, state, batched)
+    shardings = read_stop = None
+    if jax.process_count() > 1:  # see docs/multiprocess.md
+        shardings = _process_shardings(state)
+        read_stop = _agreed(stop_flag.traced)
+    else:
+        read_stop = stop_flag.traced
 
     def loop(state, start):
         def cond(carry):
@@ -85,8 +95,8 @@ def run(
             i = i + 1
             at_save = (i % every == 0) | (i == num_steps)
             # The stop request is read (one host crossing) only every `check` steps.
-            stop = jax.lax.cond(i % check == 0, stop_flag.traced, lambda i: jnp.asarray(False), i)
-            ckpt.maybe_save(state, i, when=at_save | stop)
+            stop = jax.lax.cond(i % check == 0, read_stop, lambda i: jnp.asarray(False), i)
+            ckpt.maybe_save(state, i, when=at_save | stop, shardings=shardings)
             return i, state, stop
 
         carry = (jnp.asarray(start, jnp.int32), state, jnp.asarray(False))
@@ -118,6 +128,47 @@ def run(
         stop_flag.clear()  # consumed: a later run in this process starts afresh
         raise Preempted(int(i), signum)
     return state
+
+
+def _process_shardings(state: Any) -> Any:
+    """Each leaf's sharding, for the per-device save of a multi-process run: every
+    process writes its own devices' blocks (a gathered save would reach process 0 only)."""
+
+    def sharding(path: Any, leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
+            return leaf.sharding
+        raise ConfigError(
+            f"run: in a multi-process run every leaf of the state must be a jax.Array "
+            f"with a NamedSharding (each process saves its own devices' blocks); leaf "
+            f"{jax.tree_util.keystr(path)} is {type(leaf).__name__}"
+            f"{'' if not isinstance(leaf, jax.Array) else ' on ' + repr(leaf.sharding)}. "
+            "Fix: place init with jax.device_put(x, NamedSharding(mesh, spec)) or "
+            "jax.make_array_from_callback."
+        )
+
+    return jax.tree_util.tree_map_with_path(sharding, state)
+
+
+def _agreed(read: Callable[[Any], jax.Array]) -> Callable[[Any], jax.Array]:
+    """The stop request as one decision for all processes: every device reads its own
+    process's flag and a `pmax` over all devices combines them, so every process stops
+    at the same step (the first check after any of them was signalled)."""
+    mesh = Mesh(np.array(jax.devices()), ("_jax_cb_ckpt_all",))
+
+    def per_device(i: Any) -> jax.Array:
+        mine = read(i).astype(jnp.int32)
+        return jax.lax.pmax(mine, "_jax_cb_ckpt_all") > 0
+
+    def agreed(i: Any) -> jax.Array:
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=PartitionSpec(),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )(i)
+
+    return agreed
 
 
 def _check_body(step_fn: Callable[[Any, Any], Any], state: Any, batched: bool) -> None:

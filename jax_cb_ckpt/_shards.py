@@ -46,19 +46,37 @@ class Layout:
     axis_names: tuple[str, ...]  # the mesh's axes, in order
     axis_sizes: tuple[int, ...]
     dims: tuple[tuple[AxisNames, ...], ...]  # per crossing leaf, per dimension
+    # The mesh's device ids in mesh order (None inside pmap/shard_map: this process's
+    # devices in order), and how many of them belong to this process.
+    device_ids: tuple[int, ...] | None = None
+    local: int | None = None
 
     @property
     def devices(self) -> int:
         return int(np.prod(self.axis_sizes, dtype=np.int64))
 
-    def index(self, leaf: int, coords: Sequence[int], block: tuple[int, ...]) -> Any:
+    @property
+    def spans_processes(self) -> bool:
+        """Some of the mesh's devices belong to other processes (jax.distributed)."""
+        return self.local is not None and self.local < self.devices
+
+    @property
+    def reporting(self) -> int:
+        """The devices whose reports complete a step in this process."""
+        return self.devices if self.local is None else self.local
+
+    def index(
+        self, leaf: int, coords: Sequence[int], block: tuple[int, ...], replicas: bool = False
+    ) -> Any:
         """The global index of the block a device holds, or None when another device
-        holds the replica that is written (coordinates 0 along unused mesh axes)."""
+        holds the replica that is written (coordinates 0 along unused mesh axes), unless
+        `replicas` (several processes: every process keeps its own devices' replicas,
+        and Orbax writes the one whose replica id is 0)."""
         dims = self.dims[leaf]
         used = {name for names in dims for name in names}
         position = dict(zip(self.axis_names, coords, strict=True))
         size = dict(zip(self.axis_names, self.axis_sizes, strict=True))
-        if any(position[name] for name in self.axis_names if name not in used):
+        if not replicas and any(position[name] for name in self.axis_names if name not in used):
             return None
         index = []
         for d, length in enumerate(block):
@@ -136,7 +154,14 @@ def layout_of(
             entry.append(axes)
         dims.append(tuple(entry))
     assert mesh is not None
-    layout = Layout(tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), tuple(dims))
+    devices = getattr(mesh, "devices", None)  # an AbstractMesh has none
+    ids = local = None
+    if devices is not None:
+        ids = tuple(int(d.id) for d in devices.flat)
+        local = sum(d.process_index == jax.process_index() for d in devices.flat)
+    layout = Layout(
+        tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), tuple(dims), ids, local
+    )
     return layout, mesh
 
 
@@ -169,7 +194,12 @@ class ShardedArray:
         while one of them waits for this writer (a full queue). Built in the writer
         thread, never in a callback. None when a buffer was copied after all."""
         layout = self.layout
-        devices = np.array(jax.local_devices()[: layout.devices]).reshape(layout.axis_sizes)
+        if layout.device_ids is None:
+            devices = np.array(jax.local_devices()[: layout.devices])
+        else:
+            by_id = {d.id: d for d in jax.devices()}
+            devices = np.array([by_id[i] for i in layout.device_ids])
+        devices = devices.reshape(layout.axis_sizes)
         sharding = NamedSharding(Mesh(devices, layout.axis_names), layout.spec(self.leaf))
         converted: dict[Any, np.ndarray] = {}
         arrays = []

@@ -28,11 +28,13 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from . import _format
 from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
+from ._processes import OK, Group
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
@@ -60,21 +62,24 @@ _STOP = object()
 def make_checkpointer(*, compression: bool) -> Any:
     """The Orbax checkpointer the writer owns. Numpy arrays are not deep-copied by Orbax:
     the buffers handed to it stay untouched until the synchronous save returns."""
+    handler = ocp.CompositeCheckpointHandler(
+        **{
+            _format.STATE_ITEM: state_handler(compression=compression),
+            _format.META_ITEM: ocp.JsonCheckpointHandler(),
+        }
+    )
+    return ocp.Checkpointer(handler)
+
+
+def state_handler(*, compression: bool) -> Any:
+    """Orbax's handler of the state item, with our type handlers."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
         # Per-device leaves. No replica-parallel writes: those slice replicated arrays
         # with a jitted computation, which waits for devices the running program holds.
         (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
     )
-    handler = ocp.CompositeCheckpointHandler(
-        **{
-            _format.STATE_ITEM: ocp.PyTreeCheckpointHandler(
-                use_compression=compression, type_handler_registry=registry
-            ),
-            _format.META_ITEM: ocp.JsonCheckpointHandler(),
-        }
-    )
-    return ocp.Checkpointer(handler)
+    return ocp.PyTreeCheckpointHandler(use_compression=compression, type_handler_registry=registry)
 
 
 class Writer:
@@ -96,6 +101,7 @@ class Writer:
         compression: bool,
         stats: StatsRecorder,
         on_exit: Callable[[], None],
+        group: Group | None = None,
     ) -> None:
         self.directory = directory
         self._on_exit = on_exit  # marks the Checkpointer closed
@@ -104,8 +110,15 @@ class Writer:
         self._max_to_keep = max_to_keep
         self._stats = stats
         self._identity = _format.identity(directory)
-        _format.clean_leftovers(directory)
-        self._checkpointer = make_checkpointer(compression=compression)
+        self._group = group
+        if group is None:
+            _format.clean_leftovers(directory)
+            self._checkpointer = make_checkpointer(compression=compression)
+        else:  # one part of each checkpoint (see _processes.py); the primary cleans up
+            if group.primary:
+                _format.clean_leftovers(directory)
+            self._checkpointer = state_handler(compression=compression)
+            self._meta_handler = ocp.JsonCheckpointHandler()
         self._thread = threading.Thread(
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
@@ -153,13 +166,18 @@ class Writer:
                     break
                 error = None
                 try:
-                    error = self._write(item)
+                    if self._group is None:
+                        error = self._write(item)
+                    else:
+                        error = self._write_shared(item, self._group)
                 finally:
                     item.release()
                     self._exchange.finished(item.step, item.replace, error)
         finally:
             _LIVE.discard(self)
             self._checkpointer.close()
+            if self._group is not None:
+                self._meta_handler.close()
             self._lock.release()
             self._report_unclaimed()
 
@@ -203,16 +221,95 @@ class Writer:
             self._retain()
         except BaseException as e:
             _format.remove_temp(self.directory, temp)
-            self._stats.failed()
-            kept = (
-                " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
-            )
-            error = SaveError(
-                f"saving step {step} to {self.directory!r} failed: {type(e).__name__}: {e}.{kept}"
-            )
-            error.__cause__ = e
-            logger.debug("%s", error)  # reported to the user by wait()/close()/exit
-            return error
+            return self._failed(step, e)
+        self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
+        return None
+
+    def _failed(self, step: int, e: BaseException) -> SaveError:
+        self._stats.failed()
+        kept = " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
+        error = SaveError(
+            f"saving step {step} to {self.directory!r} failed: {type(e).__name__}: "
+            f"{str(e).rstrip('.')}.{kept}"
+        )
+        error.__cause__ = e
+        logger.debug("%s", error)  # reported to the user by wait()/close()/exit
+        return error
+
+    def _write_shared(self, item: SaveItem, group: Group) -> SaveError | None:
+        """One process's part of a multi-process step (the protocol in _processes.py):
+        the primary prepares, every process writes its blocks, the primary commits only
+        when every process reports success, and every process learns the verdict."""
+        step = item.step
+        temp = os.path.join(self.directory, group.temp_name(step))
+        final = os.path.join(self.directory, str(step))
+        start = time.perf_counter()
+        verdict_due = False  # the primary owes the others a verdict on this step
+        try:
+            if group.primary:
+                try:
+                    self._check_directory()
+                    for old in item.replace:  # on_existing='replace': the other run's steps
+                        _format.remove_step(self.directory, old)
+                    if os.path.lexists(final):
+                        raise FileExistsError(_in_the_way(final))
+                    os.makedirs(os.path.join(temp, _format.STATE_ITEM))
+                    os.makedirs(os.path.join(temp, _format.META_ITEM))
+                except BaseException as e:
+                    group.tell(step, "ready", f"{type(e).__name__}: {e}")
+                    raise
+                group.tell(step, "ready", OK)
+                verdict_due = True
+            else:
+                ready = group.hear(step, "ready", f"process 0 to start step {step}")
+                if ready != OK:
+                    raise SaveError(f"process 0 could not start step {step}: {ready}")
+            mine: BaseException | None = None
+            try:
+                if item.ready is not None:  # copies from a GPU still in flight
+                    item.ready()
+                self._checkpointer.save(
+                    epath.Path(temp) / _format.STATE_ITEM, args=_state_save(item.tree)
+                )
+                if group.primary:
+                    self._meta_handler.save(
+                        epath.Path(temp) / _format.META_ITEM, args=ocp.args.JsonSave(item.meta)
+                    )
+            except BaseException as e:
+                mine = e
+            group.tell(step, f"wrote/{group.index}", OK if mine is None else _reason(mine))
+            if mine is not None:
+                raise mine
+            if group.primary:
+                problems = []
+                for other in range(1, group.count):
+                    what = f"process {other} to write its part of step {step}"
+                    said = group.hear(step, f"wrote/{other}", what)
+                    if said != OK:
+                        problems.append(f"process {other}: {said}")
+                if problems:
+                    raise SaveError("; ".join(problems))
+                self._checkpointer.finalize(epath.Path(temp) / _format.STATE_ITEM)
+                _format.write_step_file(temp, self._checkpointer, self._meta_handler)
+                _format.fsync_tree(temp)
+                if os.path.lexists(final):  # appeared while writing: keep what is there
+                    raise FileExistsError(_in_the_way(final))
+                os.rename(temp, final)
+                _format.fsync_dir(self.directory)
+                self._retain()
+                group.tell(step, "commit", OK)
+                verdict_due = False
+            else:
+                verdict = group.hear(step, "commit", f"process 0 to commit step {step}")
+                if verdict != OK:
+                    raise group.refuse(step, verdict)
+        except BaseException as e:
+            if group.primary:
+                _format.remove_temp(self.directory, os.path.basename(temp))
+                if verdict_due:
+                    group.tell(step, "commit", _reason(e))
+            return self._failed(step, e)
+        write_s = time.perf_counter() - start
         self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
         return None
 
@@ -258,9 +355,20 @@ def _state_save(tree: dict[str, Any]) -> Any:
             array = x.to_jax(_format.storable)
             if array is not None:
                 return array
+        if x.layout.spans_processes:
+            raise SaveError(
+                f"a leaf of dtype {x.dtype} sharded over several processes cannot be "
+                "written on this backend yet (it would be put together from this "
+                "process's blocks only). Fix: store it widened (e.g. int8 for int4), or "
+                "save it replicated."
+            )
         return x.assemble(_format.storable)
 
     return ocp.args.PyTreeSave(jax.tree_util.tree_map(convert, tree, is_leaf=is_leaf))
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _in_the_way(final: str) -> str:

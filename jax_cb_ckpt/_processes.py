@@ -1,0 +1,114 @@
+"""Multi-process runs (`jax.distributed`): one writer per process, one checkpoint per step.
+
+Every process creates a Checkpointer on the same directory. Each process's writer
+writes the blocks its own devices handed over (Orbax's per-process OCDBT files,
+`state/ocdbt.process_<i>/`); process 0, the primary, makes the temporary directory,
+writes the small items, merges and commits. The processes agree through JAX's
+coordination service (the key-value store that `jax.distributed.initialize` starts),
+never through a device collective: a writer thread cannot take part in one while the
+training program holds the devices.
+
+Per step, keys under `jax_cb_ckpt/<run>/<step>/`:
+
+1. `ready`: the primary made the temporary directory (or says why it could not);
+2. `wrote/<i>`: process i wrote its part (or why it failed);
+3. `commit`: the primary's verdict: renamed into place only when every process wrote.
+
+Every wait has a timeout (`peer_timeout`), so a process that died makes the others fail
+with an error naming it, and a step that some process did not write is never listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from typing import Any
+
+import jax
+
+from ._errors import ConfigError, SaveError
+
+OK = "ok"
+_openings: dict[str, int] = {}
+_openings_lock = threading.Lock()
+
+
+def _client() -> Any:
+    """JAX's coordination-service client (started by `jax.distributed.initialize`)."""
+    from jax._src import distributed  # private: JAX has no public handle on it
+
+    client = distributed.global_state.client
+    if client is None:
+        raise ConfigError(
+            f"this run has {jax.process_count()} processes but no jax.distributed "
+            "client; the checkpointer coordinates processes through it. Fix: call "
+            "jax.distributed.initialize(...) in every process before creating it."
+        )
+    return client
+
+
+class Group:
+    """The processes of one run writing one directory together."""
+
+    def __init__(self, directory: str, timeout_s: float, list_steps: Any) -> None:
+        self.index = jax.process_index()
+        self.count = jax.process_count()
+        self.timeout_s = timeout_s
+        self._client = _client()
+        with _openings_lock:  # the n-th Checkpointer on this directory, in every process
+            opening = _openings.get(directory, 0)
+            _openings[directory] = opening + 1
+        key = f"jax_cb_ckpt/open/{directory}/{opening}"
+        if self.primary:
+            self.run = uuid.uuid4().hex
+            self.old_steps: list[int] = list_steps()
+            self._client.key_value_set(key, json.dumps([self.run, self.old_steps]))
+        else:
+            value = self._get(
+                key,
+                "process 0 to open the directory",
+                "Every process must create its Checkpointer on the same directory path, "
+                "in the same order.",
+            )
+            self.run, self.old_steps = json.loads(value)
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+    def _key(self, step: int, name: str) -> str:
+        return f"jax_cb_ckpt/{self.run}/{step}/{name}"
+
+    def temp_name(self, step: int) -> str:
+        """The step's temporary directory, the same in every process of the run."""
+        return f"{step}.jax_cb_ckpt-tmp-{self.run}"
+
+    def tell(self, step: int, name: str, value: str) -> None:
+        self._client.key_value_set(self._key(step, name), value)
+
+    def hear(self, step: int, name: str, what: str) -> str:
+        return self._get(self._key(step, name), what, "")
+
+    def _get(self, key: str, what: str, fix: str) -> str:
+        try:
+            return str(self._client.blocking_key_value_get(key, int(self.timeout_s * 1000)))
+        except Exception as e:
+            raise SaveError(
+                f"process {self.index} waited {self.timeout_s:g} s for {what}, in vain "
+                f"({type(e).__name__}: {e}). That process has died, hangs, or did not "
+                f"make the same save.{' ' + fix if fix else ''} Fix: restart every process of the run; "
+                "they resume from the last complete checkpoint (Checkpointer("
+                "peer_timeout=...) sets how long to wait)."
+            ) from e
+
+    def refuse(self, step: int, why: str) -> SaveError:
+        return SaveError(f"step {step} was not committed: {why}")
+
+
+def current(directory: str, timeout_s: float, list_steps: Any) -> Group | None:
+    """The run's Group when JAX runs several processes, else None."""
+    if jax.process_count() == 1:
+        return None
+    return Group(os.path.abspath(directory), timeout_s, list_steps)

@@ -1,0 +1,187 @@
+"""One process of a 2-process x 4-CPU-device run (tests/test_multiprocess.py).
+
+    python multiprocess_worker.py MODE PROCESS_ID NUM_PROCESSES PORT DIRECTORY
+
+jax.distributed with gloo collectives on 127.0.0.1. A 32 MiB float32 state sharded
+over all 8 devices (plus a sharded int leaf and a replicated scalar) is trained in a
+jitted scan whose body has a cross-device reduction, and saved with
+`maybe_save(..., shardings=...)`. Modes:
+
+- `train`: save steps 2 and 4, restore on every process (ours and plain Orbax), print
+  one JSON line of findings; exit 1 when anything differs from the final state.
+- `kill`: as `train`, then a second run of 20 steps in which process 1 exits hard
+  after its first save of that run; process 0 must fail with our error.
+- `run`: `ckpt.run(...)` of many steps; the test sends SIGTERM to every process.
+- `restore`: a single process (any device count) restores the latest checkpoint with
+  the state sharded over its own devices and checks it against a fresh computation.
+"""
+
+import json
+import os
+import sys
+import time
+
+MODE, PID, NPROC, PORT, DIRECTORY = sys.argv[1:6]
+PID, NPROC = int(PID), int(NPROC)
+DEVICES = int(os.environ.get("WORKER_DEVICES", "4"))
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if NPROC > 1:
+    jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_cb_ckpt  # noqa: E402
+
+MIB = 32
+ROWS = 64 * 8  # divisible by any device count used (8, 2)
+TIMEOUT = float(os.environ.get("WORKER_PEER_TIMEOUT", "20"))
+
+
+def host_initial():
+    n = MIB * 2**20 // 4
+    return {
+        "w": (np.arange(n, dtype=np.float32) * 1e-6).reshape(ROWS, -1),
+        "b": np.arange(ROWS * 4, dtype=np.int32).reshape(ROWS, 4),
+        "n": np.zeros((), np.int32),
+    }
+
+
+def shardings_for(mesh):
+    return {
+        "w": NamedSharding(mesh, P("d")),
+        "b": NamedSharding(mesh, P("d")),
+        "n": NamedSharding(mesh, P()),
+    }
+
+
+def place(host, shardings):
+    return {
+        k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+        for k, v in host.items()
+    }
+
+
+def update(s, i, collective=True):
+    top = jnp.max(s["w"]) if collective else 1.0  # a reduction over every device
+    return {"w": s["w"] * 0.999 + top * 1e-9, "b": s["b"] + i, "n": s["n"] + 1}
+
+
+def train_fn(ckpt, shardings, steps, start=0, collective=True):
+    def body(s, i):
+        s = update(s, i, collective)
+        if ckpt is not None:
+            ckpt.maybe_save(s, i + 1, shardings=shardings)
+        return s, None
+
+    return jax.jit(
+        lambda s: jax.lax.scan(body, s, start + jnp.arange(steps))[0], out_shardings=shardings
+    )
+
+
+def local_bytes(tree):
+    """This process's blocks of every leaf, in device order, as bytes."""
+    out = {}
+    for k, v in tree.items():
+        shards = sorted(v.addressable_shards, key=lambda s: s.device.id)
+        out[k] = [np.asarray(s.data).tobytes() for s in shards]
+    return out
+
+
+def main():
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    shardings = shardings_for(mesh)
+    findings = {"process": jax.process_index(), "devices": len(jax.devices())}
+
+    if MODE == "restore":
+        like = place(host_initial(), shardings)
+        expected = train_fn(None, shardings, 4)(like)
+        step = jax_cb_ckpt.latest_step(DIRECTORY)
+        restored = jax_cb_ckpt.restore(DIRECTORY, like, step=step)
+        findings["step"] = step
+        findings["exact"] = local_bytes(restored) == local_bytes(expected)
+        findings["sharding"] = str(restored["w"].sharding.spec)
+        print(json.dumps(findings), flush=True)
+        return 0 if findings["exact"] else 1
+
+    state = place(host_initial(), shardings)
+    if MODE == "run":
+        ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=50, peer_timeout=TIMEOUT)
+
+        def step_fn(s, i):
+            for _ in range(20):  # slow enough that the signals land mid-run
+                s = update(s, i)
+            return s
+
+        print("READY", flush=True)
+        try:
+            ckpt.run(step_fn, state, num_steps=10**6, check_every=10)
+        except jax_cb_ckpt.Preempted as e:
+            ckpt.close()
+            findings["preempted_at"] = e.step
+            findings["steps"] = ckpt.all_steps()
+            print(json.dumps(findings), flush=True)
+            return 0
+        return 1
+
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT)
+    start = time.perf_counter()
+    final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))
+    ckpt.wait()
+    findings["train_and_save_s"] = time.perf_counter() - start
+    findings["steps"] = ckpt.all_steps()
+    state_dir = os.path.join(DIRECTORY, "4", "state")
+    findings["shard_dirs"] = sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt"))
+    restored = ckpt.restore(place(host_initial(), shardings), step=4)
+    findings["exact"] = local_bytes(restored) == local_bytes(final)
+    # Plain Orbax, every process reading its own slices of the same checkpoint.
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), final
+    )
+    plain = ocp.StandardCheckpointer().restore(state_dir, target)
+    findings["plain_orbax_exact"] = local_bytes(plain) == local_bytes(final)
+    findings["plain_orbax_sharding"] = str(plain["w"].sharding.spec)
+
+    if MODE == "kill":
+        steps = 20
+        # No cross-process collective in this program: process 0 runs on alone, and
+        # its next save waits for process 1 in vain (a collective would block inside
+        # XLA instead, where JAX's heartbeat check ends the process; see the docs).
+        run = train_fn(ckpt, shardings, steps, start=4, collective=False)
+        if PID == 1:
+            # Die hard as soon as this run's first save is on disk (the scan goes on).
+            def die():
+                while 6 not in jax_cb_ckpt.all_steps(DIRECTORY):
+                    time.sleep(0.01)
+                os._exit(17)
+
+            import threading
+
+            threading.Thread(target=die, daemon=True).start()
+        start = time.perf_counter()
+        try:
+            jax.block_until_ready(run(final))
+            ckpt.wait()
+            findings["second_run"] = "finished"
+        except Exception as e:  # process 0: the save of a later step names process 1
+            findings["second_run"] = f"{type(e).__name__}: {e}"
+        findings["failed_after_s"] = time.perf_counter() - start
+        findings["steps_after"] = jax_cb_ckpt.all_steps(DIRECTORY)
+        print(json.dumps(findings), flush=True)
+        os._exit(0)  # the distributed client would wait for the dead process at exit
+
+    ckpt.close()
+    print(json.dumps(findings), flush=True)
+    ok = findings["exact"] and findings["plain_orbax_exact"] and findings["steps"] == [2, 4]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
