@@ -470,11 +470,22 @@ class Checkpointer:
         if chosen is not None:
             names = [specs[i].path for i in crossing_leaves]
             layout, mesh = _shards.layout_of(chosen, payload, names, where)
-            if layout.devices > 1:
+            # (Across processes only a mesh over every process's devices; refused below.)
+            if layout.devices > 1 and (self._group is None or layout.spans_processes):
                 _traced.cross_sharded(
                     self._host, signature, layout, mesh, traced_step, payload, pred, fast=fast
                 )
                 return
+        if self._group is not None and payload:
+            raise ConfigError(
+                f"{where}: in a multi-process run (jax.distributed, "
+                f"{self._group.count} processes) every process writes its own devices' "
+                "blocks, so a traced save needs shardings= (NamedShardings of one Mesh "
+                "over the devices of every process, e.g. jax.tree.map(lambda x: "
+                "x.sharding, state)). A gathered save, one under pmap/shard_map "
+                "(axis_name=) and one on a mesh of this process's devices alone are not "
+                "supported there (docs/multiprocess.md)."
+            )
         _traced.cross(
             self._host,
             signature,

@@ -98,9 +98,9 @@ class Group:
             raise SaveError(
                 f"process {self.index} waited {self.timeout_s:g} s for {what}, in vain "
                 f"({type(e).__name__}: {e}). That process has died, hangs, or did not "
-                f"make the same save.{' ' + fix if fix else ''} Fix: restart every process of the run; "
-                "they resume from the last complete checkpoint (Checkpointer("
-                "peer_timeout=...) sets how long to wait)."
+                f"make the same call.{' ' + fix if fix else ''} Fix: restart every "
+                "process of the run; they resume from the last complete checkpoint "
+                "(Checkpointer(peer_timeout=...) sets how long to wait)."
             ) from e
 
     def refuse(self, step: int, why: str) -> SaveError:

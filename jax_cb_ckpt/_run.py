@@ -15,8 +15,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
@@ -80,7 +79,7 @@ def run(
     shardings = read_stop = None
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
-        read_stop = _agreed(stop_flag.traced)
+        read_stop = _agreed(stop_flag.traced, shardings)
     else:
         read_stop = stop_flag.traced
 
@@ -149,15 +148,24 @@ def _process_shardings(state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(sharding, state)
 
 
-def _agreed(read: Callable[[Any], jax.Array]) -> Callable[[Any], jax.Array]:
+def _agreed(read: Callable[[Any], jax.Array], shardings: Any) -> Callable[[Any], jax.Array]:
     """The stop request as one decision for all processes: every device reads its own
     process's flag and a `pmax` over all devices combines them, so every process stops
-    at the same step (the first check after any of them was signalled)."""
-    mesh = Mesh(np.array(jax.devices()), ("_jax_cb_ckpt_all",))
+    at the same step (the first check after any of them was signalled). It runs on the
+    state's own mesh: JAX allows one mesh per program."""
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    if mesh.devices.size != jax.device_count():
+        raise ConfigError(
+            f"run: in a multi-process run the state's mesh must span every device of "
+            f"every process (the stop decision is agreed over it); it has "
+            f"{mesh.devices.size} of {jax.device_count()} devices. Fix: build the mesh "
+            "from jax.devices()."
+        )
+    axes = tuple(mesh.axis_names)
 
     def per_device(i: Any) -> jax.Array:
         mine = read(i).astype(jnp.int32)
-        return jax.lax.pmax(mine, "_jax_cb_ckpt_all") > 0
+        return jax.lax.pmax(mine, axes) > 0
 
     def agreed(i: Any) -> jax.Array:
         return jax.shard_map(

@@ -86,6 +86,16 @@ def train_fn(ckpt, shardings, steps, start=0, collective=True):
     )
 
 
+def reference(step, shardings):
+    """The state after `step` steps as the modes compute it: steps 1-4 with the
+    cross-device reduction (`train`), later ones without it (`kill`'s second run)."""
+    state = place(host_initial(), shardings)
+    state = train_fn(None, shardings, min(step, 4))(state)
+    if step > 4:
+        state = train_fn(None, shardings, step - 4, start=4, collective=False)(state)
+    return state
+
+
 def local_bytes(tree):
     """This process's blocks of every leaf, in device order, as bytes."""
     out = {}
@@ -95,6 +105,58 @@ def local_bytes(tree):
     return out
 
 
+def plain_orbax_outer_loop(shardings):
+    """Wall time of the same run and saves the usual way, for comparison: the loop
+    broken at every save, plain Orbax (multi-process) saving between the pieces."""
+    state = place(host_initial(), shardings)
+    start = time.perf_counter()
+
+    @jax.jit
+    def chunk(s, first):
+        return jax.lax.scan(lambda s, i: (update(s, i), None), s, first + jnp.arange(2))[0]
+
+    with ocp.CheckpointManager(
+        os.path.join(os.path.dirname(os.path.abspath(DIRECTORY)), "plain-orbax")
+    ) as manager:
+        for step in (2, 4):
+            state = chunk(state, step - 2)
+            manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    return time.perf_counter() - start
+
+
+def refusals(state, shardings):
+    """What a multi-process run refuses, each as `error type: message`, and a write
+    that fails on every process (a packed dtype) with nothing listed."""
+    found = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            found[name] = "accepted"
+        except Exception as e:
+            found[name] = f"{type(e).__name__}: {e}"
+
+    attempt("on_full_skip", lambda: jax_cb_ckpt.Checkpointer(DIRECTORY, on_full="skip"))
+    with jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT) as ckpt:
+        attempt("eager_save", lambda: ckpt.save(state, 1))
+        attempt("gathered", lambda: jax.jit(lambda s: ckpt.save(s, 2))(state))
+        with_host_leaf = {**state, "h": np.zeros(3)}
+        attempt("run_host_leaf", lambda: ckpt.run(lambda s, i: s, with_host_leaf, 2))
+        packed = {"q": jax.device_put(jnp.ones((ROWS, 8), jnp.int4), shardings["w"])}
+        packed_shardings = {"q": shardings["w"]}
+        attempt(
+            "packed",
+            lambda: (
+                jax.jit(lambda s: ckpt.save(s, 3, shardings=packed_shardings))(packed),
+                ckpt.wait(),
+            ),
+        )
+        found["steps"] = ckpt.all_steps()
+        attempt("after", ckpt.wait)
+    return found
+
+
 def main():
     mesh = Mesh(np.array(jax.devices()), ("d",))
     shardings = shardings_for(mesh)
@@ -102,16 +164,20 @@ def main():
 
     if MODE == "restore":
         like = place(host_initial(), shardings)
-        expected = train_fn(None, shardings, 4)(like)
         step = jax_cb_ckpt.latest_step(DIRECTORY)
+        expected = reference(step, shardings)
         restored = jax_cb_ckpt.restore(DIRECTORY, like, step=step)
         findings["step"] = step
         findings["exact"] = local_bytes(restored) == local_bytes(expected)
-        findings["sharding"] = str(restored["w"].sharding.spec)
+        findings["sharding"] = list(restored["w"].sharding.spec)
         print(json.dumps(findings), flush=True)
         return 0 if findings["exact"] else 1
 
     state = place(host_initial(), shardings)
+    if MODE == "refusals":
+        findings.update(refusals(state, shardings))
+        print(json.dumps(findings), flush=True)
+        return 0
     if MODE == "run":
         ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=50, peer_timeout=TIMEOUT)
 
@@ -127,6 +193,27 @@ def main():
             ckpt.close()
             findings["preempted_at"] = e.step
             findings["steps"] = ckpt.all_steps()
+            # The step saved at the signal is the previous checkpoint carried on with
+            # the same steps (recomputed here in a plain jitted loop).
+            at = e.step
+            before = max(s for s in findings["steps"] if s < at)
+            replay = jax.jit(
+                lambda s: jax.lax.fori_loop(before, at, lambda i, s: step_fn(s, i), s),
+                out_shardings=shardings,
+            )
+            like = place(host_initial(), shardings)
+            expected = replay(jax_cb_ckpt.restore(DIRECTORY, like, step=before))
+            saved = jax_cb_ckpt.restore(DIRECTORY, like, step=at)
+            findings["ints_exact"] = all(
+                local_bytes(saved)[k] == local_bytes(expected)[k] for k in ("b", "n")
+            )
+            findings["w_close"] = bool(
+                np.allclose(
+                    np.asarray(saved["w"].addressable_shards[0].data),
+                    np.asarray(expected["w"].addressable_shards[0].data),
+                    rtol=1e-6,
+                )
+            )
             print(json.dumps(findings), flush=True)
             return 0
         return 1
@@ -147,7 +234,8 @@ def main():
     )
     plain = ocp.StandardCheckpointer().restore(state_dir, target)
     findings["plain_orbax_exact"] = local_bytes(plain) == local_bytes(final)
-    findings["plain_orbax_sharding"] = str(plain["w"].sharding.spec)
+    findings["plain_orbax_sharding"] = list(plain["w"].sharding.spec)
+    findings["plain_orbax_outer_loop_s"] = plain_orbax_outer_loop(shardings)
 
     if MODE == "kill":
         steps = 20
@@ -155,7 +243,7 @@ def main():
         # its next save waits for process 1 in vain (a collective would block inside
         # XLA instead, where JAX's heartbeat check ends the process; see the docs).
         run = train_fn(ckpt, shardings, steps, start=4, collective=False)
-        if PID == 1:
+        if PID == int(os.environ.get("WORKER_VICTIM", "1")):
             # Die hard as soon as this run's first save is on disk (the scan goes on).
             def die():
                 while 6 not in jax_cb_ckpt.all_steps(DIRECTORY):

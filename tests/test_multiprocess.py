@@ -1,0 +1,232 @@
+"""Multi-process runs: 2 processes x 4 CPU devices on 127.0.0.1 (jax.distributed, gloo
+collectives), a 32 MiB state sharded over all 8 devices, saved with
+`maybe_save(..., shardings=...)` from a jitted scan (tests/multiprocess_worker.py does
+the work and reports what it found as one JSON line per process):
+
+- both processes list the same steps, and each wrote its own shard files;
+- the checkpoint is the final state bit for bit, read back by `restore(like)` on both
+  processes and by plain Orbax's multi-process reader;
+- a single process with 8 or with 2 devices restores it exactly;
+- a process killed mid-run makes the other fail with our error within `peer_timeout`,
+  and the last complete checkpoint still restores exactly;
+- SIGTERM to both processes of `ckpt.run` (or to one) stops both at the same step,
+  with that step saved.
+
+Before this, the first save hung forever: process 0's writer waited in Orbax's device
+barrier, which process 1 never joined. Every run here has a hard timeout that kills
+both process groups."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import CHILD_ENV
+
+import jax_cb_ckpt
+
+WORKER = Path(__file__).with_name("multiprocess_worker.py")
+TIMEOUT = 240  # a 2-process run takes ~15 s here; a hang never ends
+PEER_TIMEOUT = 8  # the kill case's wait for the dead process
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """The processes of one run, each in a session of its own, output in files (a full
+    pipe must not stall one process while the other waits for it)."""
+
+    def __init__(self, tmp_path, mode, directory, nproc=2, devices=4, victim=1):
+        port = free_port()
+        env = dict(
+            CHILD_ENV,
+            WORKER_DEVICES=str(devices),
+            WORKER_PEER_TIMEOUT=str(PEER_TIMEOUT),
+            WORKER_VICTIM=str(victim),
+        )
+        self.logs = []
+        self.children = []
+        for pid in range(nproc):
+            out, err = tmp_path / f"{mode}-{pid}.out", tmp_path / f"{mode}-{pid}.err"
+            self.logs.append((out, err))
+            args = [sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port)]
+            with open(out, "w") as stdout, open(err, "w") as stderr:  # the child's own now
+                self.children.append(
+                    subprocess.Popen(
+                        [*args, str(directory)],
+                        stdout=stdout,
+                        stderr=stderr,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+
+    def kill(self):
+        for child in self.children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+    def signal(self, pid, signum):
+        os.kill(self.children[pid].pid, signum)
+
+    def printed(self, pid):
+        return self.logs[pid][0].read_text()
+
+    def errors(self, pid):
+        return self.logs[pid][1].read_text()[-3000:]
+
+    def wait(self, timeout=TIMEOUT):
+        """Every process's exit code and last JSON line (None without one)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while any(c.poll() is None for c in self.children):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"no end in {timeout} s (a hang)\n"
+                        + "\n".join(self.errors(i) for i in range(len(self.children)))
+                    )
+                time.sleep(0.05)
+        finally:
+            self.kill()
+        results = []
+        for i, child in enumerate(self.children):
+            lines = [x for x in self.printed(i).splitlines() if x.startswith("{")]
+            results.append((child.returncode, json.loads(lines[-1]) if lines else None))
+        return results
+
+
+def run_group(tmp_path, mode, directory, **kwargs):
+    return Group(tmp_path, mode, directory, **kwargs).wait()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-process run that saved steps 2 and 4, with each process's findings."""
+    tmp_path = tmp_path_factory.mktemp("multiprocess")
+    directory = tmp_path / "ckpt"
+    start = time.perf_counter()
+    results = run_group(tmp_path, "train", directory)
+    wall_s = time.perf_counter() - start
+    for i, (rc, found) in enumerate(results):
+        assert rc == 0 and found is not None, (i, rc, found)
+    print(
+        f"\n2-process test run: {wall_s:.1f} s wall; in it, train + save "
+        f"{[round(f['train_and_save_s'], 2) for _, f in results]} s, plain Orbax outer loop "
+        f"{[round(f['plain_orbax_outer_loop_s'], 2) for _, f in results]} s"
+    )
+    return directory, [found for _, found in results]
+
+
+def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
+    directory, findings = trained
+    for i, found in enumerate(findings):
+        assert found["process"] == i and found["devices"] == 8, found
+        assert found["steps"] == [2, 4], found  # the same list on every process
+        assert found["shard_dirs"] == ["ocdbt.process_0", "ocdbt.process_1"], found
+        assert found["exact"] is True, found
+        assert found["plain_orbax_exact"] is True, found
+        assert found["plain_orbax_sharding"] == ["d"], found
+    assert jax_cb_ckpt.all_steps(directory) == [2, 4]
+    # Nothing left behind: no temporary directories, one lock per process at most.
+    leftovers = [p.name for p in directory.iterdir() if not p.name.isdigit()]
+    assert all(name.startswith(".jax_cb_ckpt.lock") for name in leftovers), leftovers
+
+
+@pytest.mark.parametrize("devices", [8, 2])
+def test_one_process_restores_what_two_wrote(tmp_path, trained, devices):
+    directory, _ = trained
+    [(rc, found)] = run_group(tmp_path, "restore", directory, nproc=1, devices=devices)
+    assert rc == 0 and found is not None, (rc, found)
+    assert found == {
+        "process": 0,
+        "devices": devices,
+        "step": 4,
+        "exact": True,
+        "sharding": ["d"],
+    }
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_fails_the_other_in_bounded_time(tmp_path, victim):
+    directory = tmp_path / "ckpt"
+    group = Group(tmp_path, "kill", directory, victim=victim)
+    results = group.wait()
+    (rc_dead, dead), (rc, found) = results[victim], results[1 - victim]
+    assert rc_dead == 17 and dead is None, (rc_dead, dead)  # died hard mid-run
+    if victim == 0 and rc == -signal.SIGABRT:
+        # Process 0 also ran JAX's coordination service: the survivor's JAX client may
+        # end it before our error surfaces (its own message, at once).
+        assert "JAX distributed service detected fatal errors" in group.errors(1)
+    else:
+        assert rc == 0 and found is not None, (rc, group.errors(1 - victim))
+        # The survivor's next save waited for the dead process in vain and said so, in
+        # bounded time. (It fails the running program, so JAX's runtime error carries
+        # our SaveError.)
+        error = found["second_run"]
+        assert "SaveError" in error and f"process {victim}" in error, found
+        assert "in vain" in error, found
+        assert found["failed_after_s"] < PEER_TIMEOUT + 30, found
+    # Steps of the first run and the one the victim saw on disk, none half-written.
+    steps = jax_cb_ckpt.all_steps(directory)
+    assert steps[:3] == [2, 4, 6], steps
+    if found is not None:
+        assert found["steps_after"] == steps, found
+    [(rc, restored)] = run_group(tmp_path, "restore", directory, nproc=1, devices=8)
+    assert rc == 0 and restored is not None and restored["exact"] is True, (rc, restored)
+    assert restored["step"] == steps[-1], restored
+
+
+@pytest.mark.parametrize("signalled", [(0, 1), (1,)], ids=["both", "one"])
+def test_sigterm_stops_every_process_at_the_same_saved_step(tmp_path, signalled):
+    directory = tmp_path / "ckpt"
+    group = Group(tmp_path, "run", directory)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while (jax_cb_ckpt.latest_step(directory) or 0) < 100:  # two saves done
+            assert time.monotonic() < deadline, "no save"
+            assert all(c.poll() is None for c in group.children), group.errors(0)
+            time.sleep(0.05)
+        for pid in signalled:
+            group.signal(pid, signal.SIGTERM)
+    except BaseException:
+        group.kill()
+        raise
+    results = group.wait()
+    (rc0, first), (rc1, second) = results
+    assert rc0 == 0 and rc1 == 0 and first and second, results
+    at = first["preempted_at"]
+    assert second["preempted_at"] == at and at % 10 == 0, results  # one agreed step
+    assert first["steps"] == second["steps"] and first["steps"][-1] == at, results
+    assert jax_cb_ckpt.all_steps(directory) == first["steps"]
+    for found in (first, second):  # the saved step carries on from the one before
+        assert found["ints_exact"] is True and found["w_close"] is True, found
+
+
+def test_what_a_multi_process_run_refuses(tmp_path):
+    """Refused with errors that say why and what to do, the same on both processes; a
+    write that fails fails everywhere and lists nothing."""
+    results = run_group(tmp_path, "refusals", tmp_path / "ckpt")
+    for rc, found in results:
+        assert rc == 0 and found is not None, results
+        assert found["on_full_skip"].startswith("ConfigError"), found
+        assert "on_full='block'" in found["on_full_skip"], found
+        assert found["eager_save"].startswith("InvalidStateError"), found
+        assert "shardings=" in found["eager_save"], found
+        assert found["gathered"].startswith("ConfigError"), found
+        assert "needs shardings=" in found["gathered"], found
+        assert found["run_host_leaf"].startswith("ConfigError"), found
+        assert "['h']" in found["run_host_leaf"], found
+        assert "SaveError" in found["packed"] and "int4" in found["packed"], found
+        assert found["steps"] == [], found
+    assert results[0][1]["packed"].split(":")[0] == results[1][1]["packed"].split(":")[0]
+    assert jax_cb_ckpt.all_steps(tmp_path / "ckpt") == []
