@@ -8,7 +8,7 @@ coordination service (the key-value store that `jax.distributed.initialize` star
 never through a device collective: a writer thread cannot take part in one while the
 training program holds the devices.
 
-Per step, keys under `jax_cb_ckpt/<run>/<step>/`:
+Per attempt at a step, keys under `jax_cb_ckpt/<run>/<step>.<attempt>/`:
 
 1. `ready`: the primary made the temporary directory (or says why it could not);
 2. `wrote/<i>`: process i wrote its part (or why it failed);
@@ -57,6 +57,7 @@ class Group:
         self.count = jax.process_count()
         self.timeout_s = timeout_s
         self._client = _client()
+        self._attempts: dict[int, int] = {}
         with _openings_lock:  # the n-th Checkpointer on this directory, in every process
             opening = _openings.get(directory, 0)
             _openings[directory] = opening + 1
@@ -78,12 +79,19 @@ class Group:
     def primary(self) -> bool:
         return self.index == 0
 
+    def begin(self, step: int) -> None:
+        """A new attempt at `step`: a step whose write failed may be saved again, and
+        must not read the verdicts of the failed attempt. Every process makes the same
+        saves in the same order, so the attempt numbers agree."""
+        self._attempts[step] = self._attempts.get(step, -1) + 1
+
     def _key(self, step: int, name: str) -> str:
-        return f"jax_cb_ckpt/{self.run}/{step}/{name}"
+        return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}/{name}"
 
     def temp_name(self, step: int) -> str:
-        """The step's temporary directory, the same in every process of the run."""
-        return f"{step}.jax_cb_ckpt-tmp-{self.run}"
+        """The attempt's temporary directory, the same in every process of the run
+        (32 hex digits after the prefix, as the cleanup of leftovers expects)."""
+        return f"{step}.jax_cb_ckpt-tmp-{self.run[:24]}{self._attempts[step]:08x}"
 
     def tell(self, step: int, name: str, value: str) -> None:
         self._client.key_value_set(self._key(step, name), value)

@@ -154,11 +154,10 @@ def layout_of(
             entry.append(axes)
         dims.append(tuple(entry))
     assert mesh is not None
-    devices = getattr(mesh, "devices", None)  # an AbstractMesh has none
     ids = local = None
-    if devices is not None:
-        ids = tuple(int(d.id) for d in devices.flat)
-        local = sum(d.process_index == jax.process_index() for d in devices.flat)
+    if isinstance(mesh, Mesh):  # an AbstractMesh names no devices (its .devices raises)
+        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     layout = Layout(
         tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), tuple(dims), ids, local
     )

@@ -241,6 +241,7 @@ class Writer:
         the primary prepares, every process writes its blocks, the primary commits only
         when every process reports success, and every process learns the verdict."""
         step = item.step
+        group.begin(step)
         temp = os.path.join(self.directory, group.temp_name(step))
         final = os.path.join(self.directory, str(step))
         start = time.perf_counter()

@@ -154,6 +154,15 @@ def refusals(state, shardings):
         )
         found["steps"] = ckpt.all_steps()
         attempt("after", ckpt.wait)
+        # The failed step saved again, now storable: a new attempt, written.
+        attempt(
+            "retry",
+            lambda: (
+                jax.jit(lambda s: ckpt.save(s, 3, shardings=shardings))(state),
+                ckpt.wait(),
+            ),
+        )
+        found["steps_after_retry"] = ckpt.all_steps()
     return found
 
 

@@ -214,7 +214,8 @@ def test_sigterm_stops_every_process_at_the_same_saved_step(tmp_path, signalled)
 
 def test_what_a_multi_process_run_refuses(tmp_path):
     """Refused with errors that say why and what to do, the same on both processes; a
-    write that fails fails everywhere and lists nothing."""
+    write that fails fails everywhere and lists nothing, and the step can be saved
+    again (a new attempt, which must not read the failed attempt's verdicts)."""
     results = run_group(tmp_path, "refusals", tmp_path / "ckpt")
     for rc, found in results:
         assert rc == 0 and found is not None, results
@@ -228,5 +229,6 @@ def test_what_a_multi_process_run_refuses(tmp_path):
         assert "['h']" in found["run_host_leaf"], found
         assert "SaveError" in found["packed"] and "int4" in found["packed"], found
         assert found["steps"] == [], found
+        assert found["retry"] == "accepted" and found["steps_after_retry"] == [3], found
     assert results[0][1]["packed"].split(":")[0] == results[1][1]["packed"].split(":")[0]
-    assert jax_cb_ckpt.all_steps(tmp_path / "ckpt") == []
+    assert jax_cb_ckpt.all_steps(tmp_path / "ckpt") == [3]
