@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from helpers import CHILD_ENV, kill_group
+from helpers import kill_group, start_process
 
 import jax_cb_ckpt
 
@@ -21,14 +21,7 @@ TIMEOUT = 240
 
 def run_example(directory, steps):
     args = [sys.executable, EXAMPLE, "--dir", str(directory), "--steps", str(steps), *SMALL]
-    child = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=CHILD_ENV,
-        start_new_session=True,
-    )
+    child = start_process(args)
     try:
         out, err = child.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -57,14 +50,7 @@ def test_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
 def test_sigterm_to_the_launcher_stops_both_processes_at_one_saved_step(tmp_path):
     directory = tmp_path / "ckpt"
     args = [sys.executable, EXAMPLE, "--dir", str(directory), "--steps", "10000000", *SMALL]
-    child = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=CHILD_ENV,
-        start_new_session=True,
-    )
+    child = start_process(args)
     try:
         deadline = time.monotonic() + TIMEOUT
         while (jax_cb_ckpt.latest_step(directory) or 0) < 40:
