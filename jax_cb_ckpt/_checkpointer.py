@@ -343,7 +343,9 @@ class Checkpointer:
                 (plain Orbax reads it with any sharding).
                 Inferred from the leaves' types on meshes with explicit axes
                 (`jax.make_mesh` default); otherwise the state is gathered first.
-                On a CPU this always uses the "buffer" crossing.
+                On a CPU this always uses the "buffer" crossing. Required in a
+                multi-process run: a mesh over every process's devices, each process
+                writing its own devices' blocks (docs/multiprocess.md).
         """
         where = "maybe_save"
         self._check_usable(where)
