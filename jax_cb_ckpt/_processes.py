@@ -58,6 +58,7 @@ class Group:
         self.timeout_s = timeout_s
         self._client = _client()
         self._attempts: dict[int, int] = {}
+        self._previous: str | None = None  # the primary's last attempt with keys
         with _openings_lock:  # the n-th Checkpointer on this directory, in every process
             opening = _openings.get(directory, 0)
             _openings[directory] = opening + 1
@@ -85,8 +86,22 @@ class Group:
         saves in the same order, so the attempt numbers agree."""
         self._attempts[step] = self._attempts.get(step, -1) + 1
 
+    def _prefix(self, step: int) -> str:
+        return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}"
+
     def _key(self, step: int, name: str) -> str:
-        return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}/{name}"
+        return f"{self._prefix(step)}/{name}"
+
+    def heard_all(self, step: int) -> None:
+        """The primary heard every process's `wrote` of `step`: each process is done
+        with the attempt it handled before (its writer takes one step at a time), so
+        that attempt's keys are deleted; the coordination service keeps them in memory."""
+        if self._previous is not None:
+            try:
+                self._client.key_value_delete(self._previous)
+            except Exception:  # housekeeping: the save goes on without it
+                pass
+        self._previous = self._prefix(step)
 
     def temp_name(self, step: int) -> str:
         """The attempt's temporary directory, the same in every process of the run

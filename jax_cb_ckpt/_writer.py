@@ -288,6 +288,7 @@ class Writer:
                     said = group.hear(step, f"wrote/{other}", what)
                     if said != OK:
                         problems.append(f"process {other}: {said}")
+                group.heard_all(step)
                 if problems:
                     raise SaveError("; ".join(problems))
                 self._checkpointer.finalize(epath.Path(temp) / _format.STATE_ITEM)

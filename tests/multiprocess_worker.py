@@ -233,6 +233,12 @@ def main():
     ckpt.wait()
     findings["train_and_save_s"] = time.perf_counter() - start
     findings["steps"] = ckpt.all_steps()
+    # What the run left in the coordination service (process 0 deletes each attempt's
+    # keys once every process is past it).
+    from jax._src import distributed
+
+    keys = [k for k, _ in distributed.global_state.client.key_value_dir_get("jax_cb_ckpt/")]
+    findings["kv_steps"] = sorted({k.split("/")[2] for k in keys if "/open/" not in k})
     state_dir = os.path.join(DIRECTORY, "4", "state")
     findings["shard_dirs"] = sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt"))
     restored = ckpt.restore(place(host_initial(), shardings), step=4)

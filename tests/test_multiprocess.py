@@ -132,6 +132,7 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
     for i, found in enumerate(findings):
         assert found["process"] == i and found["devices"] == 8, found
         assert found["steps"] == [2, 4], found  # the same list on every process
+        assert found["kv_steps"] == ["4.0"], found  # step 2's keys deleted
         assert found["shard_dirs"] == ["ocdbt.process_0", "ocdbt.process_1"], found
         assert found["exact"] is True, found
         assert found["plain_orbax_exact"] is True, found
