@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from . import _format, _tree
 from ._errors import ConfigError, NoCheckpointError, RestoreError
@@ -74,6 +75,17 @@ def _pick_step(path: str, step: int | None, what: str) -> int:
     )
 
 
+def _read_item(handler: Any, path: str, step: int, item: str, args: Any) -> Any:
+    """One item of a checkpoint, read by its Orbax handler directly. Not through an
+    Orbax `Checkpointer`: in a multi-process run its restore ends in a device barrier
+    of every process, which hangs a process that reads alone (process 0 reading
+    metadata, say) and waits on devices a running program holds."""
+    try:
+        return handler.restore(epath.Path(path) / str(step) / item, args=args)
+    finally:
+        handler.close()
+
+
 def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
     links = _format.symlinks_inside(os.path.join(path, str(step)))
     if links:
@@ -84,10 +96,9 @@ def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
             "the files they point to if you trust them."
         )
     try:
-        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-            meta = checkpointer.restore(
-                os.path.join(path, str(step), META_ITEM), args=ocp.args.JsonRestore()
-            )
+        meta = _read_item(
+            ocp.JsonCheckpointHandler(), path, step, META_ITEM, ocp.args.JsonRestore()
+        )
     except Exception as e:
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != _format.FORMAT:
@@ -162,13 +173,9 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
 
 
 def _read_state(path: str, step: int, where: str, restore_args: dict[str, Any]) -> dict[str, Any]:
-    handler = ocp.PyTreeCheckpointHandler()
     try:
-        with ocp.Checkpointer(handler) as checkpointer:
-            return checkpointer.restore(
-                os.path.join(path, str(step), STATE_ITEM),
-                args=ocp.args.PyTreeRestore(restore_args=restore_args),
-            )
+        args = ocp.args.PyTreeRestore(restore_args=restore_args)
+        return _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args)
     except Exception as e:
         raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
 

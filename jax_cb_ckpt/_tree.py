@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.lax import lax as _jax_lax  # private: see _weakly_typed
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _format
 from ._errors import InvalidStateError, StructureMismatchError
@@ -441,8 +442,14 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, 
             )
         array = cast
     if saved.kind == KEY:
+        sharding = getattr(like_leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not sharding.is_fully_addressable:
+            # Across processes: place the key data (one more axis) and wrap it there.
+            data_spec = PartitionSpec(*sharding.spec, *[None] * (array.ndim - len(sharding.spec)))
+            data = _place(jnp.asarray(array), NamedSharding(sharding.mesh, data_spec))
+            return jax.random.wrap_key_data(data, impl=saved.impl)
         key = jax.random.wrap_key_data(jnp.asarray(array), impl=saved.impl)
-        return _place(key, like_leaf)
+        return _place(key, sharding)
     if isinstance(like_leaf, _PY_SCALARS):
         return type(like_leaf)(array.item())
     if isinstance(like_leaf, np.generic):
@@ -452,7 +459,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, 
     value = jnp.asarray(array, dtype=spec.dtype)
     if getattr(like_leaf, "weak_type", False):
         value = _weakly_typed(value)
-    return _place(value, like_leaf)
+    return _place(value, getattr(like_leaf, "sharding", None))
 
 
 def _weakly_typed(value: jax.Array) -> jax.Array:
@@ -464,12 +471,16 @@ def _weakly_typed(value: jax.Array) -> jax.Array:
     return weak  # pyright: ignore[reportReturnType]
 
 
-def _place(value: jax.Array, like_leaf: Any) -> jax.Array:
-    """Put a restored array where the `like` leaf lives (its sharding), when it says."""
-    sharding = getattr(like_leaf, "sharding", None)
+def _place(value: jax.Array, sharding: Any) -> jax.Array:
+    """Put a restored array where the `like` leaf lives (its sharding), when it says.
+    A sharding over several processes' devices gets this process's blocks only (every
+    process holds the whole value here; `device_put` refuses devices of others)."""
     if sharding is None:
         return value
-    return jax.device_put(value, sharding)
+    if sharding.is_fully_addressable or not value.is_fully_addressable:  # (Orbax placed it)
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def same_bits(a: Any, b: Any) -> bool:

@@ -100,6 +100,8 @@ def local_bytes(tree):
     """This process's blocks of every leaf, in device order, as bytes."""
     out = {}
     for k, v in tree.items():
+        if jnp.issubdtype(v.dtype, jax.dtypes.prng_key):
+            v = jax.random.key_data(v)
         shards = sorted(v.addressable_shards, key=lambda s: s.device.id)
         out[k] = [np.asarray(s.data).tobytes() for s in shards]
     return out
@@ -189,11 +191,21 @@ def main():
         return 0
     if MODE == "run":
         ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=50, peer_timeout=TIMEOUT)
+        # With a typed PRNG key, replicated over both processes' devices.
+        shardings = {**shardings, "key": NamedSharding(mesh, P())}
+        new_key = jax.jit(lambda: jax.random.key(0), out_shardings=shardings["key"])
+
+        def with_key(s):
+            return {**s, "key": new_key()}
+
+        state = with_key(state)
 
         def step_fn(s, i):
+            key, _ = jax.random.split(s["key"])
+            s = {k: v for k, v in s.items() if k != "key"}
             for _ in range(20):  # slow enough that the signals land mid-run
                 s = update(s, i)
-            return s
+            return {**s, "key": key}
 
         print("READY", flush=True)
         try:
@@ -210,12 +222,13 @@ def main():
                 lambda s: jax.lax.fori_loop(before, at, lambda i, s: step_fn(s, i), s),
                 out_shardings=shardings,
             )
-            like = place(host_initial(), shardings)
+            like = with_key(place(host_initial(), shardings))
             expected = replay(jax_cb_ckpt.restore(DIRECTORY, like, step=before))
             saved = jax_cb_ckpt.restore(DIRECTORY, like, step=at)
             findings["ints_exact"] = all(
-                local_bytes(saved)[k] == local_bytes(expected)[k] for k in ("b", "n")
+                local_bytes(saved)[k] == local_bytes(expected)[k] for k in ("b", "n", "key")
             )
+            findings["key_sharding"] = str(saved["key"].sharding.spec)
             findings["w_close"] = bool(
                 np.allclose(
                     np.asarray(saved["w"].addressable_shards[0].data),
@@ -233,6 +246,10 @@ def main():
     ckpt.wait()
     findings["train_and_save_s"] = time.perf_counter() - start
     findings["steps"] = ckpt.all_steps()
+    if PID == 0:  # one process alone reads (no barrier with the others: they go on)
+        findings["metadata_step"] = ckpt.metadata()["step"]
+        alone = jax_cb_ckpt.restore(DIRECTORY, place(host_initial(), shardings), step=2)
+        findings["restored_alone"] = alone["n"].addressable_shards[0].data.item()
     # What the run left in the coordination service (process 0 deletes each attempt's
     # keys once every process is past it).
     from jax._src import distributed

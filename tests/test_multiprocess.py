@@ -137,6 +137,8 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
         assert found["exact"] is True, found
         assert found["plain_orbax_exact"] is True, found
         assert found["plain_orbax_sharding"] == ["d"], found
+    # Process 0 read metadata and a step alone, while process 1 went on.
+    assert findings[0]["metadata_step"] == 4 and findings[0]["restored_alone"] == 2
     assert jax_cb_ckpt.all_steps(directory) == [2, 4]
     # Nothing left behind: no temporary directories, one lock per process at most.
     leftovers = [p.name for p in directory.iterdir() if not p.name.isdigit()]
@@ -211,6 +213,7 @@ def test_sigterm_stops_every_process_at_the_same_saved_step(tmp_path, signalled)
     assert jax_cb_ckpt.all_steps(directory) == first["steps"]
     for found in (first, second):  # the saved step carries on from the one before
         assert found["ints_exact"] is True and found["w_close"] is True, found
+        assert found["key_sharding"] in ("PartitionSpec()", "P()"), found  # placed as like
 
 
 def test_what_a_multi_process_run_refuses(tmp_path):
