@@ -195,10 +195,11 @@ class Checkpointer:
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
-        self._group = _processes.current(path, float(peer_timeout), _list_steps(path))
         # refuses a second live writer of this directory (one per process of a run)
-        lock = DirectoryLock(path, _lock_name(self._group))
+        lock = DirectoryLock(path, _lock_name())
+        self._group = None
         try:
+            self._group = _processes.current(path, float(peer_timeout), _list_steps(path))
             old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
             self._exchange = Exchange(
                 path, queue_size=queue_size, on_existing=on_existing, old_steps=old_steps
@@ -210,6 +211,8 @@ class Checkpointer:
                 queue_size=queue_size,
                 on_error=on_error,
             )
+            if self._group is not None:
+                self._host.on_step = self._group.hand_over
             self._writer = Writer(
                 path,
                 self._exchange,
@@ -223,6 +226,8 @@ class Checkpointer:
             )
         except BaseException as e:
             lock.release()
+            if self._group is not None:
+                self._group.close()
             if isinstance(e, CheckpointError):
                 raise
             raise SaveError(f"could not open {path!r} for checkpoints: {e}") from e
@@ -423,12 +428,16 @@ class Checkpointer:
             # library keeps, with its exact dtype, before this call returns.
             if pred is not None and not bool(pred):
                 return
-            if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+            if self._group is not None:
                 raise InvalidStateError(
-                    f"{where}: outside jit, the state spans the devices of several "
-                    "processes, and no process can read it whole. Fix: save inside the "
-                    f"jitted program with shardings=, e.g. jax.jit(lambda s: ckpt.{where}"
-                    "(s, step, shardings=jax.tree.map(lambda x: x.sharding, state)))(state)."
+                    f"{where}: outside jit in a multi-process run: a state that spans "
+                    "the devices of several processes cannot be read whole by any of "
+                    "them, and host values (numpy, Python numbers, one process's "
+                    "arrays) may differ between processes, while the checkpoint would "
+                    "keep process 0's. Fix: save inside the jitted program with "
+                    f"shardings=, e.g. jax.jit(lambda s: ckpt.{where}(s, step, "
+                    "shardings=jax.tree.map(lambda x: x.sharding, state)))(state); keep "
+                    "per-process host data in files of your own."
                 )
             hosts = [
                 _tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)
@@ -707,10 +716,10 @@ def _list_steps(path: str) -> Callable[[], list[int]]:
     return lambda: _format.list_steps(path)
 
 
-def _lock_name(group: _processes.Group | None) -> str:
-    if group is None or group.primary:
-        return _format.LOCK_NAME
-    return f"{_format.LOCK_NAME}.process_{group.index}"
+def _lock_name() -> str:
+    """Process 0's lock file is the one of single-process runs; others have their own."""
+    index = jax.process_index()
+    return _format.LOCK_NAME if index == 0 else f"{_format.LOCK_NAME}.process_{index}"
 
 
 def _mark_closed(host: HostSide, reason: str) -> None:

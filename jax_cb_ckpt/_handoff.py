@@ -148,6 +148,9 @@ class HostSide:
         self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _shards.Assemblies()
         self.closed_reason: str | None = None  # set when the Checkpointer is closed
+        # Told the step of each per-device hand-off as it begins (multi-process runs:
+        # the others wait for a process that is handing a save over).
+        self.on_step: Callable[[int], None] | None = None
 
     @property
     def directory(self) -> str:
@@ -270,6 +273,8 @@ class HostSide:
         except CheckpointError as e:  # the same on every device: nothing was added
             self._exchange.record(e)
             raise
+        if self.on_step is not None:
+            self.on_step(step)
         position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
         arrays = [np.asarray(b) for b in blocks]
         for index, dtype in narrow.items():

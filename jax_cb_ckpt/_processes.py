@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -59,9 +60,10 @@ class Group:
         self._client = _client()
         self._attempts: dict[int, int] = {}
         self._previous: str | None = None  # the primary's last attempt with keys
-        with _openings_lock:  # the n-th Checkpointer on this directory, in every process
+        # The n-th Checkpointer on this directory, in every process; a failed opening
+        # (process 0 not there yet) does not count, so a retry waits for the same one.
+        with _openings_lock:
             opening = _openings.get(directory, 0)
-            _openings[directory] = opening + 1
         key = f"jax_cb_ckpt/open/{directory}/{opening}"
         if self.primary:
             self.run = uuid.uuid4().hex
@@ -71,10 +73,48 @@ class Group:
             value = self._get(
                 key,
                 "process 0 to open the directory",
+                None,
                 "Every process must create its Checkpointer on the same directory path, "
                 "in the same order.",
             )
             self.run, self.old_steps = json.loads(value)
+        with _openings_lock:
+            _openings[directory] = opening + 1
+        # Liveness: each process says every `beat_s` that it lives, which step its
+        # writer works on and which step it last began to hand over. A wait for a
+        # peer at work on the same step is extended (a large write or hand-off takes
+        # as long as it takes); a wait for a dead peer, or one at other steps (the
+        # processes did not make the same saves, or one is far behind), is not.
+        self.writing: int | None = None
+        self.handing: int | None = None
+        self._beat_s = min(1.0, timeout_s / 4)
+        self._stopped = threading.Event()
+        self._beat(0)
+        threading.Thread(target=self._beating, name="jax_cb_ckpt-heartbeat", daemon=True).start()
+
+    def _alive_key(self, index: int) -> str:
+        return f"jax_cb_ckpt/{self.run}/alive/{index}"
+
+    def _beat(self, n: int) -> None:
+        value = f"{n} {self.writing} {self.handing}"
+        self._client.key_value_set(self._alive_key(self.index), value, allow_overwrite=True)
+
+    def _beating(self) -> None:
+        n = 0
+        while not self._stopped.wait(self._beat_s):
+            n += 1
+            try:
+                self._beat(n)
+            except Exception:  # the service is gone: the waits report it
+                return
+
+    def close(self) -> None:
+        """Stop saying this process lives (its writer has stopped)."""
+        self._stopped.set()
+        try:
+            self._client.key_value_delete(self._alive_key(self.index))
+        except Exception:  # the service is gone already
+            pass
 
     @property
     def primary(self) -> bool:
@@ -85,6 +125,7 @@ class Group:
         must not read the verdicts of the failed attempt. Every process makes the same
         saves in the same order, so the attempt numbers agree."""
         self._attempts[step] = self._attempts.get(step, -1) + 1
+        self.writing = step
 
     def _prefix(self, step: int) -> str:
         return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}"
@@ -111,20 +152,45 @@ class Group:
     def tell(self, step: int, name: str, value: str) -> None:
         self._client.key_value_set(self._key(step, name), value)
 
-    def hear(self, step: int, name: str, what: str) -> str:
-        return self._get(self._key(step, name), what, "")
+    def hear(self, step: int, name: str, what: str, peer: int) -> str:
+        """The value process `peer` tells under `name`: waited for while `peer`'s
+        writer works on this save, and at most `timeout_s` more once it does not."""
+        return self._get(self._key(step, name), what, (peer, step), "")
 
-    def _get(self, key: str, what: str, fix: str) -> str:
-        try:
-            return str(self._client.blocking_key_value_get(key, int(self.timeout_s * 1000)))
-        except Exception as e:
-            raise SaveError(
-                f"process {self.index} waited {self.timeout_s:g} s for {what}, in vain "
-                f"({type(e).__name__}: {e}). That process has died, hangs, or did not "
-                f"make the same call.{' ' + fix if fix else ''} Fix: restart every "
-                "process of the run; they resume from the last complete checkpoint "
-                "(Checkpointer(peer_timeout=...) sets how long to wait)."
-            ) from e
+    def hand_over(self, step: int) -> None:
+        """This process began to hand `step` over (called from JAX's callbacks)."""
+        self.handing = step
+
+    def _get(self, key: str, what: str, peer: tuple[int, int] | None, fix: str) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        heard = None  # the peer's last heartbeat
+        while True:
+            left = deadline - time.monotonic()
+            wait_s = max(0.001, min(left, 2 * self._beat_s if peer is not None else left))
+            try:
+                return str(self._client.blocking_key_value_get(key, int(wait_s * 1000)))
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                    raise self._in_vain(what, fix, e) from e
+            if peer is not None:
+                index, step = peer
+                try:
+                    beat = str(self._client.key_value_try_get(self._alive_key(index)))
+                except Exception:
+                    beat = None
+                if beat is not None and beat != heard and str(step) in beat.split()[1:]:
+                    deadline = time.monotonic() + self.timeout_s  # at work on it: wait on
+                heard = beat
+
+    def _in_vain(self, what: str, fix: str, e: BaseException) -> SaveError:
+        return SaveError(
+            f"process {self.index} waited for {what} in vain: no sign of work from it "
+            f"for {self.timeout_s:g} s ({type(e).__name__}: {e}). That process has "
+            "died, hangs, or did not "
+            f"make the same call.{' ' + fix if fix else ''} Fix: restart every "
+            "process of the run; they resume from the last complete checkpoint "
+            "(Checkpointer(peer_timeout=...) sets how long to wait)."
+        )
 
     def refuse(self, step: int, why: str) -> SaveError:
         return SaveError(f"step {step} was not committed: {why}")

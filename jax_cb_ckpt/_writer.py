@@ -178,6 +178,7 @@ class Writer:
             self._checkpointer.close()
             if self._group is not None:
                 self._meta_handler.close()
+                self._group.close()
             self._lock.release()
             self._report_unclaimed()
 
@@ -240,6 +241,12 @@ class Writer:
         """One process's part of a multi-process step (the protocol in _processes.py):
         the primary prepares, every process writes its blocks, the primary commits only
         when every process reports success, and every process learns the verdict."""
+        try:
+            return self._write_part(item, group)
+        finally:
+            group.writing = None  # peers waiting for this process wait on while set
+
+    def _write_part(self, item: SaveItem, group: Group) -> SaveError | None:
         step = item.step
         group.begin(step)
         temp = os.path.join(self.directory, group.temp_name(step))
@@ -262,7 +269,7 @@ class Writer:
                 group.tell(step, "ready", OK)
                 verdict_due = True
             else:
-                ready = group.hear(step, "ready", f"process 0 to start step {step}")
+                ready = group.hear(step, "ready", f"process 0 to start step {step}", 0)
                 if ready != OK:
                     raise SaveError(f"process 0 could not start step {step}: {ready}")
             mine: BaseException | None = None
@@ -285,7 +292,7 @@ class Writer:
                 problems = []
                 for other in range(1, group.count):
                     what = f"process {other} to write its part of step {step}"
-                    said = group.hear(step, f"wrote/{other}", what)
+                    said = group.hear(step, f"wrote/{other}", what, other)
                     if said != OK:
                         problems.append(f"process {other}: {said}")
                 group.heard_all(step)
@@ -302,7 +309,7 @@ class Writer:
                 group.tell(step, "commit", OK)
                 verdict_due = False
             else:
-                verdict = group.hear(step, "commit", f"process 0 to commit step {step}")
+                verdict = group.hear(step, "commit", f"process 0 to commit step {step}", 0)
                 if verdict != OK:
                     raise group.refuse(step, verdict)
         except BaseException as e:

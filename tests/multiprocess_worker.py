@@ -43,6 +43,7 @@ import jax_cb_ckpt  # noqa: E402
 MIB = 32
 ROWS = 64 * 8  # divisible by any device count used (8, 2)
 TIMEOUT = float(os.environ.get("WORKER_PEER_TIMEOUT", "20"))
+SLOW_PEER_TIMEOUT = float(os.environ.get("WORKER_SLOW_PEER_TIMEOUT", "0.5"))
 
 
 def host_initial():
@@ -127,6 +128,63 @@ def plain_orbax_outer_loop(shardings):
     return time.perf_counter() - start
 
 
+def slow_writer(mesh):
+    """A 256 MiB replicated leaf, which process 0 writes alone, under a peer_timeout
+    far shorter than that write: process 1 waits for the commit as long as process 0
+    is at work on it, and both list the steps."""
+    shardings = {"r": NamedSharding(mesh, P()), "w": NamedSharding(mesh, P("d"))}
+    make = jax.jit(
+        lambda: {"r": jnp.ones((64, 2**20), jnp.float32), "w": jnp.zeros((ROWS, 8))},
+        out_shardings=shardings,
+    )
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=SLOW_PEER_TIMEOUT)
+    save = jax.jit(
+        lambda s, i: (ckpt.save({k: v + i for k, v in s.items()}, i, shardings=shardings), s)[1]
+    )
+    start = time.perf_counter()
+    state = make()
+    for i in (1, 2):
+        state = save(state, i)
+    jax.block_until_ready(state)
+    error = None
+    try:
+        ckpt.wait()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    found = {"error": error, "wait_s": time.perf_counter() - start}
+    found["steps"] = ckpt.all_steps()
+    found["failed"] = ckpt.stats.failed
+    found["write_max_s"] = ckpt.stats.write_max_s
+    ckpt.close()
+    return found
+
+
+def diverging_save(state, shardings):
+    """Process 1 makes a save process 0 never makes: process 1 fails after
+    peer_timeout (process 0, alive but not at work on that save, extends nothing)."""
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
+    only_here = PID == 1
+    run = jax.jit(lambda s: (ckpt.maybe_save(s, 7, when=only_here, shardings=shardings), s)[1])
+    start = time.perf_counter()
+    jax.block_until_ready(run(state))
+    error = None
+    try:
+        ckpt.wait()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    found = {"error": error, "failed_after_s": time.perf_counter() - start}
+    found["steps"] = ckpt.all_steps()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if PID == 1:
+        client.key_value_set("test/diverge_done", "1")
+    else:  # alive (its heartbeat goes on) until process 1 has given up
+        client.blocking_key_value_get("test/diverge_done", int((TIMEOUT + 60) * 1000))
+    ckpt.close()
+    return found
+
+
 def refusals(state, shardings):
     """What a multi-process run refuses, each as `error type: message`, and a write
     that fails on every process (a packed dtype) with nothing listed."""
@@ -185,6 +243,14 @@ def main():
         return 0 if findings["exact"] else 1
 
     state = place(host_initial(), shardings)
+    if MODE == "slow":
+        findings.update(slow_writer(mesh))
+        print(json.dumps(findings), flush=True)
+        return 0
+    if MODE == "diverge":
+        findings.update(diverging_save(state, shardings))
+        print(json.dumps(findings), flush=True)
+        return 0
     if MODE == "refusals":
         findings.update(refusals(state, shardings))
         print(json.dumps(findings), flush=True)
@@ -255,7 +321,9 @@ def main():
     from jax._src import distributed
 
     keys = [k for k, _ in distributed.global_state.client.key_value_dir_get("jax_cb_ckpt/")]
-    findings["kv_steps"] = sorted({k.split("/")[2] for k in keys if "/open/" not in k})
+    findings["kv_steps"] = sorted(
+        {k.split("/")[2] for k in keys if k.split("/")[1] != "open" and "/alive/" not in k}
+    )
     state_dir = os.path.join(DIRECTORY, "4", "state")
     findings["shard_dirs"] = sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt"))
     restored = ckpt.restore(place(host_initial(), shardings), step=4)

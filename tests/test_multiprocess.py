@@ -236,3 +236,24 @@ def test_what_a_multi_process_run_refuses(tmp_path):
         assert found["retry"] == "accepted" and found["steps_after_retry"] == [3], found
     assert results[0][1]["packed"].split(":")[0] == results[1][1]["packed"].split(":")[0]
     assert jax_cb_ckpt.all_steps(tmp_path / "ckpt") == [3]
+
+
+def test_a_slow_peer_at_work_is_waited_for_beyond_peer_timeout(tmp_path):
+    """Process 0 writes a 256 MiB replicated leaf alone, with peer_timeout=0.5 s:
+    process 1 waits for the commit while process 0's heartbeat says it works on that
+    step (a single timeout made process 1 fail a step that process 0 committed)."""
+    results = run_group(tmp_path, "slow", tmp_path / "ckpt")
+    for rc, found in results:
+        assert rc == 0 and found is not None, results
+        assert found["error"] is None and found["failed"] == 0, found
+        assert found["steps"] == [1, 2], found
+    assert results[0][1]["write_max_s"] > 0.5, results  # outlasted peer_timeout
+
+
+def test_a_save_made_by_one_process_only_fails_there_in_bounded_time(tmp_path):
+    (rc0, first), (rc1, second) = run_group(tmp_path, "diverge", tmp_path / "ckpt")
+    assert rc0 == 0 and rc1 == 0 and first and second, (first, second)
+    assert first["error"] is None and first["steps"] == [], first
+    assert "SaveError" in second["error"] and "process 0 to start step 7" in second["error"]
+    assert second["failed_after_s"] < PEER_TIMEOUT + 30, second
+    assert second["steps"] == [], second
