@@ -104,8 +104,10 @@ class Checkpointer:
             backend; about 10x slower per byte on CPU, 20-50x on an H200). `"auto"`
             (default): `"buffer"` on CPU and CUDA GPUs, `"callback"` elsewhere.
         peer_timeout: in a multi-process run (`jax.distributed`), how many seconds a
-            process waits for the others at each step of a save before the save fails
-            with an error naming the process it waited for (docs/multiprocess.md).
+            process waits for another with no sign of work from it on the same step
+            (each writer sends a heartbeat about once a second from a background
+            thread) before the save fails with an error naming that process
+            (docs/multiprocess.md).
             Every process creates a Checkpointer on the same directory; each writes
             its own devices' blocks and process 0 commits.
     """
