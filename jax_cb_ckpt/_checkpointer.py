@@ -8,7 +8,6 @@ import os
 import typing
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -201,7 +200,8 @@ class Checkpointer:
         lock = DirectoryLock(path, _lock_name())
         self._group = None
         try:
-            self._group = _processes.current(path, float(peer_timeout), _list_steps(path))
+            list_steps = functools.partial(_format.list_steps, path)
+            self._group = _processes.current(path, float(peer_timeout), list_steps)
             old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
             self._exchange = Exchange(
                 path, queue_size=queue_size, on_existing=on_existing, old_steps=old_steps
@@ -712,10 +712,6 @@ class Checkpointer:
         # past, and saving at or below one of them is a conflict (see `on_existing`).
         self._exchange.forget(_format.list_steps(self.directory))
         return restored
-
-
-def _list_steps(path: str) -> Callable[[], list[int]]:
-    return lambda: _format.list_steps(path)
 
 
 def _lock_name() -> str:

@@ -194,13 +194,9 @@ class Writer:
     def _write(self, item: SaveItem) -> SaveError | None:
         step = item.step
         temp = _format.temp_name(step)
+        final = os.path.join(self.directory, str(step))
         try:
-            self._check_directory()
-            for old in item.replace:  # on_existing='replace': the other run's steps
-                _format.remove_step(self.directory, old)
-            final = os.path.join(self.directory, str(step))
-            if os.path.lexists(final):
-                raise FileExistsError(_in_the_way(final))
+            self._make_room(item, final)
             start = time.perf_counter()
             if item.ready is not None:  # copies from a GPU still in flight
                 item.ready()
@@ -213,11 +209,7 @@ class Writer:
                     }
                 ),
             )
-            _format.fsync_tree(os.path.join(self.directory, temp))
-            if os.path.lexists(final):  # appeared while writing: keep what is there
-                raise FileExistsError(_in_the_way(final))
-            os.rename(os.path.join(self.directory, temp), final)
-            _format.fsync_dir(self.directory)
+            self._commit(os.path.join(self.directory, temp), final)
             write_s = time.perf_counter() - start
             self._retain()
         except BaseException as e:
@@ -225,6 +217,23 @@ class Writer:
             return self._failed(step, e)
         self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
         return None
+
+    def _make_room(self, item: SaveItem, final: str) -> None:
+        """Before a step is written: the directory is still ours, the other run's steps
+        it replaces are deleted, and nothing stands where the step will go."""
+        self._check_directory()
+        for old in item.replace:  # on_existing='replace': the other run's steps
+            _format.remove_step(self.directory, old)
+        if os.path.lexists(final):
+            raise FileExistsError(_in_the_way(final))
+
+    def _commit(self, temp: str, final: str) -> None:
+        """A complete step: fsynced, then renamed into place (atomic)."""
+        _format.fsync_tree(temp)
+        if os.path.lexists(final):  # appeared while writing: keep what is there
+            raise FileExistsError(_in_the_way(final))
+        os.rename(temp, final)
+        _format.fsync_dir(self.directory)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
@@ -256,15 +265,11 @@ class Writer:
         try:
             if group.primary:
                 try:
-                    self._check_directory()
-                    for old in item.replace:  # on_existing='replace': the other run's steps
-                        _format.remove_step(self.directory, old)
-                    if os.path.lexists(final):
-                        raise FileExistsError(_in_the_way(final))
+                    self._make_room(item, final)
                     os.makedirs(os.path.join(temp, _format.STATE_ITEM))
                     os.makedirs(os.path.join(temp, _format.META_ITEM))
                 except BaseException as e:
-                    group.tell(step, "ready", f"{type(e).__name__}: {e}")
+                    group.tell(step, "ready", _reason(e))
                     raise
                 group.tell(step, "ready", OK)
                 verdict_due = True
@@ -300,11 +305,7 @@ class Writer:
                     raise SaveError("; ".join(problems))
                 self._checkpointer.finalize(epath.Path(temp) / _format.STATE_ITEM)
                 _format.write_step_file(temp, self._checkpointer, self._meta_handler)
-                _format.fsync_tree(temp)
-                if os.path.lexists(final):  # appeared while writing: keep what is there
-                    raise FileExistsError(_in_the_way(final))
-                os.rename(temp, final)
-                _format.fsync_dir(self.directory)
+                self._commit(temp, final)
                 self._retain()
                 group.tell(step, "commit", OK)
                 verdict_due = False

@@ -128,6 +128,15 @@ def plain_orbax_outer_loop(shardings):
     return time.perf_counter() - start
 
 
+def error_of(fn):
+    """`fn()`'s exception as `type: message`, or None when it returned."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def slow_writer(mesh):
     """A 256 MiB replicated leaf, which process 0 writes alone, under a peer_timeout
     far shorter than that write: process 1 waits for the commit as long as process 0
@@ -146,12 +155,7 @@ def slow_writer(mesh):
     for i in (1, 2):
         state = save(state, i)
     jax.block_until_ready(state)
-    error = None
-    try:
-        ckpt.wait()
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    found = {"error": error, "wait_s": time.perf_counter() - start}
+    found = {"error": error_of(ckpt.wait), "wait_s": time.perf_counter() - start}
     found["steps"] = ckpt.all_steps()
     found["failed"] = ckpt.stats.failed
     found["write_max_s"] = ckpt.stats.write_max_s
@@ -167,12 +171,7 @@ def diverging_save(state, shardings):
     run = jax.jit(lambda s: (ckpt.maybe_save(s, 7, when=only_here, shardings=shardings), s)[1])
     start = time.perf_counter()
     jax.block_until_ready(run(state))
-    error = None
-    try:
-        ckpt.wait()
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    found = {"error": error, "failed_after_s": time.perf_counter() - start}
+    found = {"error": error_of(ckpt.wait), "failed_after_s": time.perf_counter() - start}
     found["steps"] = ckpt.all_steps()
     from jax._src import distributed
 
@@ -191,11 +190,7 @@ def refusals(state, shardings):
     found = {}
 
     def attempt(name, fn):
-        try:
-            fn()
-            found[name] = "accepted"
-        except Exception as e:
-            found[name] = f"{type(e).__name__}: {e}"
+        found[name] = error_of(fn) or "accepted"
 
     attempt("on_full_skip", lambda: jax_cb_ckpt.Checkpointer(DIRECTORY, on_full="skip"))
     with jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT) as ckpt:
