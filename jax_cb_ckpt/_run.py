@@ -76,12 +76,10 @@ def run(
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     _check_body(step_fn, state, batched)
-    shardings = read_stop = None
+    shardings, read_stop = None, stop_flag.traced
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
         read_stop = _agreed(stop_flag.traced, shardings)
-    else:
-        read_stop = stop_flag.traced
 
     def loop(state, start):
         def cond(carry):
