@@ -561,9 +561,10 @@ class Checkpointer:
                 # every later barrier; the caller of that program has seen it already).
                 failure = e
             self._exchange.drain()
-            # Every program dispatched so far has ended: a step some devices never
-            # reported (a run that failed mid-step) can no longer complete.
-            self._host.discard_open_assemblies()
+            # A per-device save that failed mid-step can no longer complete: give back
+            # its memory and slot. (Saves still assembling are left alone: a program
+            # another thread started since the barrier may be filling them.)
+            self._host.settle_failed_assemblies()
         try:
             self._raise_writer_error(depth + 1)
         except CheckpointError as error:

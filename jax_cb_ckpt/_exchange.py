@@ -26,6 +26,7 @@ which the crossing calls once per save after its data (see _traced.py).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import queue
 import threading
 from typing import Any, Literal
@@ -33,6 +34,14 @@ from typing import Any, Literal
 from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
 
 OnExisting = Literal["raise", "replace"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A claimed save holding a slot: its step, and the other run's steps it replaces."""
+
+    step: int
+    replace: tuple[int, ...]
 
 
 def is_failed_write(error: CheckpointError) -> bool:
@@ -139,11 +148,14 @@ class Exchange:
         if replace:
             self._old = sorted(set(self._old) | set(replace))
 
+    def unclaim_slot(self, plan: Plan) -> None:
+        """A claimed save that will not be submitted after all: its step may come
+        again, and its slot is free."""
+        self.unclaim(plan.step, plan.replace)
+        self._slots.release()
+
     def take_slot(self, block: bool) -> bool:
         return self._slots.acquire(blocking=block)
-
-    def give_slot(self) -> None:
-        self._slots.release()
 
     def submit(self, item: Any) -> int:
         """Queue a save (its slot taken); returns how many saves are now in flight."""

@@ -40,7 +40,7 @@ from ._errors import (
     SkippedSaveWarning,
     UnflushedSaveWarning,
 )
-from ._exchange import Exchange, is_failed_write
+from ._exchange import Exchange, Plan, is_failed_write
 from ._format import FORMAT
 from ._staging import StagingPool
 from ._stats import StatsRecorder
@@ -282,54 +282,104 @@ class HostSide:
         shapes = [layout.global_shape(i, a.shape) for i, a in enumerate(arrays)]
         if self._shard_pool is None:
             self._shard_pool = StagingPool(keep=self._queue_size * layout.devices, layouts=64)
-        pool = self._shard_pool
-
-        def add(assembly: _shards.Assembly) -> None:
-            # Checked here, so that a device that fails still reports: the step is
-            # then dropped once every device has, never completed by a later run.
-            self._refuse_if_failed()
-            spans = layout.spans_processes
-            owned = [(i, layout.index(i, position, a.shape, spans)) for i, a in enumerate(arrays)]
-            owned = [(i, index) for i, index in owned if index is not None]
-            if spans:  # replicas are kept once per process
-                with assembly.lock:
-                    owned = [
-                        (i, index)
-                        for i, index in owned
-                        if _shards.block_key(index, shapes[i]) not in assembly.blocks[i]
-                    ]
-            copies, release = pool.copy_in([arrays[i] for i, _ in owned])
-            with assembly.lock:
-                assembly.releases.append(release)
-                for (i, index), copy in zip(owned, copies, strict=True):
-                    assembly.blocks[i][_shards.block_key(index, shapes[i])] = copy
-
         key = (signature, step)
-        done = self._assemblies.add(key, layout.reporting, len(arrays), position, start, add)
-        if done is None:
-            return
-        if done.failed:
-            done.release()
+        assembly, first, stale = self._assemblies.join(key, layout.reporting, len(arrays), position)
+        if stale is not None:
+            self._settle(stale)
+        try:
+            if first:
+                plan = None
+                try:
+                    plan = self._decide(step)
+                finally:  # also when it raised: the other devices wait for it
+                    assembly.decide(plan)
+            else:
+                assembly.wait_decided()
+            if assembly.saving:
+                self._copy_blocks(assembly, layout, position, arrays, shapes)
+        except BaseException:
+            assembly.failed = True  # the step is given back once every device reported
+            raise
+        finally:
+            blocking_s = time.perf_counter() - start
+            if self._assemblies.finish(key, assembly, blocking_s):
+                self._complete(signature, step, members, assembly, layout, arrays, shapes)
+
+    def _decide(self, step: int) -> Plan | None:
+        """The first device's decision on a per-device save: the other run's steps it
+        replaces (it then holds a slot until the writer is done), or None (a repeated
+        step, or skipped: the queue is full and on_full="skip")."""
+        self._refuse_if_failed()
+        # owner=None: a step is complete once per run, so a second one is a duplicate.
+        return self._claim(step, owner=None, in_callback=True)
+
+    def _copy_blocks(
+        self,
+        assembly: _shards.Assembly,
+        layout: _shards.Layout,
+        position: tuple[int, ...],
+        arrays: Sequence[np.ndarray],
+        shapes: Sequence[tuple[int, ...]],
+    ) -> None:
+        """Copy the blocks this device writes into staging and add them to the step.
+        Several processes: every process keeps its own devices' replicas, once."""
+        spans = layout.spans_processes
+        owned = []
+        for i, array in enumerate(arrays):
+            index = layout.index(i, position, array.shape, spans)
+            if index is None:
+                continue
+            key = _shards.block_key(index, shapes[i])
+            if not (spans and assembly.holds(i, key)):
+                owned.append((i, key))
+        assert self._shard_pool is not None
+        copies, release = self._shard_pool.copy_in([arrays[i] for i, _ in owned])
+        assembly.add([(i, k, c) for (i, k), c in zip(owned, copies, strict=True)], release)
+
+    def _complete(
+        self,
+        signature: Signature,
+        step: int,
+        members: np.ndarray,
+        assembly: _shards.Assembly,
+        layout: _shards.Layout,
+        arrays: Sequence[np.ndarray],
+        shapes: Sequence[tuple[int, ...]],
+    ) -> None:
+        """Every device has reported: queue the save, or give back what it holds."""
+        if not assembly.saving:
+            self._settle(assembly)
             return
 
         def take() -> tuple[list[Any], Callable[[], None]]:
             crossed = [
-                _shards.ShardedArray(shapes[i], arrays[i].dtype, layout, i, done.blocks[i])
+                _shards.ShardedArray(shapes[i], arrays[i].dtype, layout, i, assembly.blocks[i])
                 for i in range(len(arrays))
             ]
-            return crossed, done.release
+            return crossed, assembly.release
 
-        # owner=None: the step is complete once per run, so a second one is a duplicate.
-        self._hand_over(signature, step, members, done.start, take, in_callback=True, owner=None)
+        self._submit(signature, step, members, take, assembly.plan, blocking_s=assembly.blocking_s)
+
+    def _settle(self, assembly: _shards.Assembly) -> None:
+        """A per-device save that will not be written: its staging and its slot (and the
+        claim of its step) are given back, once."""
+        if not self._assemblies.take_settled(assembly):
+            return
+        assembly.release()
+        if assembly.plan is not None:
+            self._exchange.unclaim_slot(assembly.plan)
 
     def _pinned_pool(self) -> StagingPool:
         if self._pinned is None:
             self._pinned = _cuda.pinned_pool(keep=self._queue_size)
         return self._pinned
 
-    def discard_open_assemblies(self) -> None:
-        """Called once every program dispatched so far has ended (`wait()`)."""
-        self._assemblies.discard_open()
+    def settle_failed_assemblies(self) -> None:
+        """Give back per-device saves that failed and never completed (a program that
+        ended early); called by `wait()`. Saves still in progress are left alone: a
+        program in another thread may be filling them."""
+        for assembly in self._assemblies.take_failed():
+            self._settle(assembly)
 
     def mark(self, signature: Signature, step: Any, pred: Any, token: Any) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a
@@ -415,6 +465,15 @@ class HostSide:
         in_callback: bool,
         owner: object,
     ) -> None:
+        plan = self._claim(step, owner, in_callback=in_callback)
+        if plan is not None:
+            self._submit(signature, step, members, take, plan, start=start)
+
+    def _claim(self, step: int, owner: object, *, in_callback: bool) -> Plan | None:
+        """Claim `step` and take a slot for it (the caller then owes the slot back or a
+        submitted save): the plan, or None when it is not to be written (another
+        device's copy; a repeated step, noted; skipped, the queue being full with
+        on_full="skip", noted and counted)."""
         exchange = self._exchange
         try:
             replace = exchange.claim(step, owner)
@@ -423,11 +482,11 @@ class HostSide:
                 exchange.record(e)
             raise
         if replace == "replica":  # another device's copy of a save already decided
-            return
+            return None
         self._stats.crossed()
         if replace == "duplicate":  # noted for the user
             self._stats.duplicate()
-            return
+            return None
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.
         if not exchange.take_slot(block=self._on_full == "block"):
@@ -440,7 +499,22 @@ class HostSide:
                 f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
                 f"({self._queue_size} saves in flight, on_full='skip').",
             )
-            return
+            return None
+        return Plan(step, replace)
+
+    def _submit(
+        self,
+        signature: Signature,
+        step: int,
+        members: np.ndarray,
+        take: Callable[[], tuple[Any, ...]],
+        plan: Plan,
+        *,
+        start: float | None = None,
+        blocking_s: float = 0.0,
+    ) -> None:
+        """Queue a claimed save (its slot taken). The device waited `blocking_s`, or
+        from `start` until now."""
         taken = time.perf_counter()
         try:
             # (crossed arrays, release) or, from a GPU, (..., ready: wait for the copies)
@@ -455,14 +529,16 @@ class HostSide:
                 meta["members"] = members.tolist()
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
-            exchange.unclaim(step, replace)
-            exchange.give_slot()
+            self._exchange.unclaim_slot(plan)
             raise
         end = time.perf_counter()
-        blocking_s = end - start
+        if start is not None:
+            blocking_s = end - start
         self._stats.handed_off(blocking_s)
-        item = SaveItem(step, tree, meta, nbytes, blocking_s, end - taken, release, replace, ready)
-        self._stats.in_flight(exchange.submit(item))
+        item = SaveItem(
+            step, tree, meta, nbytes, blocking_s, end - taken, release, plan.replace, ready
+        )
+        self._stats.in_flight(self._exchange.submit(item))
 
 
 _META_BASE = {"format": FORMAT, "library_version": version()}
