@@ -85,7 +85,11 @@ class Checkpointer:
         queue_size: at most this many saves in flight (handed over, not yet written).
         on_full: when `queue_size` saves are in flight, `"block"` makes the device
             wait (nothing lost); `"skip"` drops the save, counts it in `stats.skipped`
-            and warns with its step at the next `wait()`/`close()`.
+            and warns with its step at the next `wait()`/`close()`; `"newest"` keeps
+            the device going and the newest saves: the new save takes the place of the
+            oldest one still waiting (dropped unwritten, counted in
+            `stats.superseded`), so the last save of a run is always written. With
+            `"newest"`, `queue_size` saves wait and one more may be being written.
         compression: compress arrays with zstd (costs CPU the training may need).
         on_error: what a failed write (disk full, directory removed, ...) does.
             `"raise"`: the next hand-off fails the running computation, and `wait()` /
@@ -142,7 +146,8 @@ class Checkpointer:
             raise ConfigError(
                 f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
                 "'block' makes the device wait when the queue is full (nothing lost), "
-                "'skip' drops that save and counts it."
+                "'skip' drops that save and counts it, 'newest' drops the oldest save "
+                "still waiting instead (the device never waits for the disk)."
             )
         if on_error not in _ON_ERROR:
             raise ConfigError(
@@ -174,10 +179,10 @@ class Checkpointer:
                 "positive number of seconds (how long a process of a multi-process run "
                 "waits for the others at each save)."
             )
-        if on_full == "skip" and jax.process_count() > 1:
+        if on_full != "block" and jax.process_count() > 1:
             raise ConfigError(
-                "Checkpointer(on_full='skip'): in a multi-process run each process's "
-                "queue fills at its own pace, so the processes would skip different "
+                f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
+                "queue fills at its own pace, so the processes would drop different "
                 "steps and no checkpoint would be complete. Fix: use on_full='block' "
                 "(the default) and a larger queue_size."
             )
@@ -203,8 +208,10 @@ class Checkpointer:
             list_steps = functools.partial(_format.list_steps, path)
             self._group = _processes.current(path, float(peer_timeout), list_steps)
             old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
+            # "newest": queue_size saves wait, and one more may be being written.
+            slots = queue_size + (on_full == "newest")
             self._exchange = Exchange(
-                path, queue_size=queue_size, on_existing=on_existing, old_steps=old_steps
+                path, queue_size=slots, on_existing=on_existing, old_steps=old_steps
             )
             self._host = HostSide(
                 self._exchange,

@@ -5,7 +5,7 @@ queue, the pending count, the steps handed over, the first writer error and the 
 (warnings to emit in the user's thread). Each side uses its own methods:
 
 - callback side (inside JAX's callbacks, or an eager `save`): `claim`, `take_slot`,
-  `submit`, `unclaim`, `record`, `mark`;
+  `submit`, `supersede`, `unclaim`, `record`, `mark`;
 - writer thread: `next_item`, `finished`;
 - user thread: `drain`, `take_error`, `take_notes`, `forget`.
 
@@ -26,14 +26,15 @@ which the crossing calls once per save after its data (see _traced.py).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
-import queue
 import threading
 from typing import Any, Literal
 
 from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
 
 OnExisting = Literal["raise", "replace"]
+_STOP = object()  # in the queue: the writer ends once it gets there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,8 @@ class Exchange:
         self.directory = directory
         self.on_existing = on_existing
         self._slots = threading.BoundedSemaphore(queue_size)
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cond = threading.Condition()
+        self._queue: collections.deque[Any] = collections.deque()  # waiting for the writer
         self._pending = 0
         self._handed: dict[int, object] = {}  # step -> the crossing that handed it
         self._arrived: set[tuple[object, int]] = set()  # handed, not yet marked
@@ -161,9 +162,23 @@ class Exchange:
         """Queue a save (its slot taken); returns how many saves are now in flight."""
         with self._cond:
             self._pending += 1
-            in_flight = self._pending
-        self._queue.put(item)
-        return in_flight
+            self._queue.append(item)
+            self._cond.notify_all()
+            return self._pending
+
+    def supersede(self) -> Any:
+        """Take the oldest save still waiting for the writer out of the queue (the queue
+        is full and on_full="newest"): the caller releases it and its slot becomes the
+        caller's. None when every save in flight is being written or handed over."""
+        with self._cond:
+            for item in self._queue:
+                if item is not _STOP:
+                    self._queue.remove(item)
+                    self._unclaim(item.step, item.replace)
+                    self._pending -= 1
+                    self._cond.notify_all()
+                    return item
+            return None
 
     def peek_error(self) -> CheckpointError | None:
         with self._cond:
@@ -190,10 +205,17 @@ class Exchange:
     # -- writer thread --------------------------------------------------------------
 
     def next_item(self) -> Any:
-        return self._queue.get()
+        """The next save to write, or None: stop (every save queued before is done)."""
+        with self._cond:
+            while not self._queue:
+                self._cond.wait()
+            item = self._queue.popleft()
+            return None if item is _STOP else item
 
-    def stop_writer(self, marker: Any) -> None:
-        self._queue.put(marker)
+    def stop_writer(self) -> None:
+        with self._cond:
+            self._queue.append(_STOP)
+            self._cond.notify_all()
 
     def finished(self, step: int, replace: tuple[int, ...], error: SaveError | None) -> None:
         """The writer is done with a submitted save (written, or failed with `error`)."""

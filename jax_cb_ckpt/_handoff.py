@@ -48,7 +48,7 @@ from ._version import version
 from ._writer import SaveItem
 
 CLOSED_AT_EXIT = "was closed at interpreter exit"
-OnFull = Literal["block", "skip"]
+OnFull = Literal["block", "skip", "newest"]
 OnError = Literal["raise", "continue"]
 
 
@@ -473,7 +473,8 @@ class HostSide:
         """Claim `step` and take a slot for it (the caller then owes the slot back or a
         submitted save): the plan, or None when it is not to be written (another
         device's copy; a repeated step, noted; skipped, the queue being full with
-        on_full="skip", noted and counted)."""
+        on_full="skip", noted and counted). With on_full="newest" a full queue gives up
+        its oldest waiting save instead (counted in `superseded`)."""
         exchange = self._exchange
         try:
             replace = exchange.claim(step, owner)
@@ -489,18 +490,29 @@ class HostSide:
             return None
         # Blocking here blocks the device program: nothing is lost, the device waits
         # for the writer to free a slot.
-        if not exchange.take_slot(block=self._on_full == "block"):
-            # Never written: a later run's save of it is welcome (other devices' copies
-            # of this one are dropped, see Exchange.skipped).
-            exchange.skipped(step, replace, owner)
-            self._stats.skipped()
-            exchange.note(
-                SkippedSaveWarning,
-                f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
-                f"({self._queue_size} saves in flight, on_full='skip').",
-            )
-            return None
-        return Plan(step, replace)
+        if exchange.take_slot(block=self._on_full == "block"):
+            return Plan(step, replace)
+        if self._on_full == "newest":
+            # The oldest save still waiting gives its slot (and staging) to this one.
+            # None waits when every save in flight is being written or handed over
+            # (per-device saves take their slot at the first device): then wait.
+            older = exchange.supersede()
+            if older is not None:
+                older.release()
+                self._stats.superseded()
+            else:
+                exchange.take_slot(block=True)
+            return Plan(step, replace)
+        # on_full="skip". Never written: a later run's save of it is welcome (other
+        # devices' copies of this one are dropped, see Exchange.skipped).
+        exchange.skipped(step, replace, owner)
+        self._stats.skipped()
+        exchange.note(
+            SkippedSaveWarning,
+            f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
+            f"({self._queue_size} saves in flight, on_full='skip').",
+        )
+        return None
 
     def _submit(
         self,

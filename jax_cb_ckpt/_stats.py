@@ -28,6 +28,8 @@ class Stats:
     Attributes:
         saves: checkpoints written to disk.
         skipped: saves dropped because the queue was full (`on_full="skip"`).
+        superseded: saves dropped, before being written, for a newer one that found the
+            queue full (`on_full="newest"`).
         duplicates: saves dropped because their step was already handed over or
             already on disk.
         failed: saves the writer could not write (the first error is re-raised).
@@ -44,6 +46,7 @@ class Stats:
 
     saves: int = 0
     skipped: int = 0
+    superseded: int = 0
     duplicates: int = 0
     failed: int = 0
     crossings: int = 0
@@ -73,7 +76,8 @@ class Stats:
     def summary(self) -> str:
         """One line for logs and the demo."""
         return (
-            f"saves={self.saves} skipped={self.skipped} duplicates={self.duplicates} "
+            f"saves={self.saves} skipped={self.skipped} superseded={self.superseded} "
+            f"duplicates={self.duplicates} "
             f"failed={self.failed} bytes={self.bytes} "
             f"blocking/save={self.blocking_per_save_s * 1e3:.3f} ms "
             f"(hand-off {self.handoff_per_save_s * 1e3:.3f} ms) "
@@ -92,6 +96,7 @@ class _Counts:
 
     saves: int = 0
     skipped: int = 0
+    superseded: int = 0
     duplicates: int = 0
     failed: int = 0
     crossings: int = 0
@@ -122,6 +127,10 @@ class StatsRecorder:
     def skipped(self) -> None:
         with self._lock:
             self._counts.skipped += 1
+
+    def superseded(self) -> None:
+        with self._lock:
+            self._counts.superseded += 1
 
     def failed(self) -> None:
         with self._lock:

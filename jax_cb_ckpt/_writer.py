@@ -56,9 +56,6 @@ class SaveItem:
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
 
 
-_STOP = object()
-
-
 def make_checkpointer(*, compression: bool) -> Any:
     """The Orbax checkpointer the writer owns. Numpy arrays are not deep-copied by Orbax:
     the buffers handed to it stay untouched until the synchronous save returns."""
@@ -147,7 +144,7 @@ class Writer:
     def finish(self) -> None:
         """Ask the thread to end once the saves queued before this call are written."""
         self._lock.finishing = True  # a new Checkpointer on the directory waits for us
-        self._exchange.stop_writer(_STOP)
+        self._exchange.stop_writer()
 
     def stop(self) -> None:
         """`finish`, then wait for the thread (blocks the calling thread)."""
@@ -162,7 +159,7 @@ class Writer:
         try:
             while True:
                 item = self._exchange.next_item()
-                if item is _STOP:
+                if item is None:
                     break
                 error = None
                 try:
