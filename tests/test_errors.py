@@ -25,7 +25,7 @@ from jax_cb_ckpt import ConfigError, InvalidStateError, SaveError
         (dict(max_to_keep=0), r"max_to_keep must be a positive int or None"),
         (dict(queue_size=0), r"queue_size must be a positive int \(saves in flight"),
         (dict(queue_size=None), r"queue_size must be a positive int \("),
-        (dict(on_full="drop"), r"on_full must be one of \('block', 'skip'\)"),
+        (dict(on_full="drop"), r"on_full must be one of \('block', 'skip', 'newest'\)"),
     ],
 )
 def test_bad_config(ckpt_dir, kwargs, match):
