@@ -586,14 +586,41 @@ class Checkpointer:
 
     def _close(self, depth: int) -> None:
         if self._closed:
+            # Idempotent; but a close cut short (Ctrl-C while it waited) left the
+            # writer's error for the next close() or wait().
+            self._raise_writer_error(depth + 1)
             return
+        cut_short: BaseException | None = None
         try:
             self._wait(depth + 1)
+        except CheckpointError:
+            raise
+        except BaseException as e:  # Ctrl-C: the writer still finishes what it was given
+            cut_short = e
+            raise
         finally:
             self._closed = True
             self._host.closed_reason = "was closed"
             self._finalizer.detach()
-            self._writer.stop()
+            # Nobody asks a stopped writer, so at its end it reports an error still
+            # pending as a warning (for garbage collection and interpreter exit). After
+            # an interrupted wait, wait here for the writer instead (stop() would as
+            # long), take its error and notes first, and keep them for the next call.
+            try:
+                self._exchange.drain()
+            finally:
+                error, notes = self._exchange.take_error(), self._exchange.take_notes()
+                self._writer.stop()
+                for category, message in notes:
+                    self._exchange.note(category, message)
+                if error is not None:
+                    self._exchange.record(error)
+                    if cut_short is not None:
+                        cut_short.add_note(
+                            "jax_cb_ckpt: close() was interrupted with a writer error "
+                            "pending (the next close() or wait() raises it): "
+                            f"{type(error).__name__}: {error}"
+                        )
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -75,6 +75,14 @@ class StopFlag:
             self.requested, self.signum = False, None
             self.interrupted, self.deferred = False, None
 
+    def take(self) -> tuple[bool, int | None]:
+        """Consume the request: whether one was made, and by which signal (None for
+        `request_stop()`); the flag is cleared in the same step."""
+        with self._lock:
+            taken = self.requested, self.signum
+            self.clear()
+            return taken
+
     @contextlib.contextmanager
     def signals(self, *, sigint: bool) -> Iterator[None]:
         """While the block runs, turn signals into stop requests (main thread only;

@@ -107,8 +107,9 @@ def run(
             )
             ckpt.wait()  # the last save is on disk before we return or raise
     except BaseException:
-        if stop_flag.interrupted:
-            stop_flag.clear()  # the error wins over the Ctrl-C; a later run starts afresh
+        # The error wins over a stop request or Ctrl-C made meanwhile; the request is
+        # consumed all the same, so a later run in this process starts afresh.
+        stop_flag.clear()
         raise
     state, i, stopped = out
     if stop_flag.interrupted:
@@ -120,9 +121,12 @@ def run(
         )
         stop_flag.clear()  # consumed: a later run in this process starts afresh
         raise error
-    if bool(stopped) and int(i) < num_steps:
-        signum = stop_flag.signum
-        stop_flag.clear()  # consumed: a later run in this process starts afresh
+    # Consumed either way: a later run in this process starts afresh. A request the loop
+    # never read (made after its last check: a SIGTERM while the final save was written)
+    # is acted on all the same; that save is on disk now, and the process was asked to
+    # stop. `stopped` without a request of ours: another process was signalled.
+    requested, signum = stop_flag.take()
+    if requested or (bool(stopped) and int(i) < num_steps):
         raise Preempted(int(i), signum)
     return state
 
