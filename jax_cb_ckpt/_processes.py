@@ -16,12 +16,21 @@ Per attempt at a step, keys under `jax_cb_ckpt/<run>/<step>.<attempt>/`:
 
 Every wait has a timeout (`peer_timeout`), so a process that died makes the others fail
 with an error naming it, and a step that some process did not write is never listed.
+
+At opening, the processes check that they see one directory, not one path each (a
+local disk per host, a private mount): otherwise each process would write its blocks
+where the others never look, process 0 would list every step, and none would restore.
+Process 0 writes a file with a fresh nonce into the directory and publishes the nonce;
+every other process reads the file back and says what it found; process 0 removes the
+file and gives the verdict, and every process raises the same `ConfigError` on a
+failure. Keys under `jax_cb_ckpt/open/<directory>/<n>/`: `sees/<i>`, `verdict`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 import uuid
@@ -29,9 +38,14 @@ from typing import Any
 
 import jax
 
-from ._errors import ConfigError, SaveError
+from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
+# The check file of an opening; only ever there while a run opens the directory (a
+# leftover of a process 0 killed right then is removed at its next opening).
+NONCE_PREFIX = ".jax_cb_ckpt.nonce-"
+# The kinds of a failed check's verdict, as they travel through the key-value store.
+_VERDICT_ERRORS: dict[str, type[CheckpointError]] = {"config": ConfigError, "save": SaveError}
 _openings: dict[str, int] = {}
 _openings_lock = threading.Lock()
 
@@ -68,7 +82,8 @@ class Group:
         if self.primary:
             self.run = uuid.uuid4().hex
             self.old_steps: list[int] = list_steps()
-            self._client.key_value_set(key, json.dumps([self.run, self.old_steps]))
+            nonce, trouble = _write_nonce(directory, self.run)
+            self._client.key_value_set(key, json.dumps([self.run, self.old_steps, nonce]))
         else:
             value = self._get(
                 key,
@@ -77,9 +92,11 @@ class Group:
                 "Every process must create its Checkpointer on the same directory path, "
                 "in the same order.",
             )
-            self.run, self.old_steps = json.loads(value)
+            self.run, self.old_steps, nonce = json.loads(value)
+            trouble = None
         with _openings_lock:
             _openings[directory] = opening + 1
+        self._check_shared(directory, key, nonce, trouble)
         # Liveness: each process says every `beat_s` that it lives, which step its
         # writer works on and which step it last began to hand over. A wait for a
         # peer at work on the same step is extended (a large write or hand-off takes
@@ -91,6 +108,49 @@ class Group:
         self._stopped = threading.Event()
         self._beat(0)
         threading.Thread(target=self._beating, name="jax_cb_ckpt-heartbeat", daemon=True).start()
+
+    def _check_shared(self, directory: str, key: str, nonce: str, trouble: str | None) -> None:
+        """Every process sees the directory process 0 opened (the module doc), or every
+        process raises the same error. Before the heartbeat starts: nothing to stop."""
+        file = os.path.join(directory, NONCE_PREFIX + self.run)
+        if not self.primary:
+            self._client.key_value_set(f"{key}/sees/{self.index}", _read_nonce(file, nonce))
+            kind, message = json.loads(
+                self._get(f"{key}/verdict", "process 0 to check the directory", None, "")
+            )
+            if kind != OK:
+                raise _VERDICT_ERRORS[kind](message)
+            return
+        blind: list[str] = []
+        late: SaveError | None = None
+        try:
+            for i in range(1, self.count):
+                found = self._get(
+                    f"{key}/sees/{i}", f"process {i} to check the directory", None, ""
+                )
+                if found != OK:
+                    blind.append(f"process {i} {found}")
+                try:  # read once, by this process only
+                    self._client.key_value_delete(f"{key}/sees/{i}")
+                except Exception:
+                    pass
+        except SaveError as e:  # a process died while opening: say so everywhere
+            late = e
+        finally:
+            _remove_nonce(file)
+        if late is not None:
+            verdict = ["save", str(late)]
+        elif trouble is not None:
+            verdict = ["config", f"Checkpointer(directory={directory!r}): process 0 {trouble}."]
+        elif blind:
+            verdict = ["config", _not_shared(directory, NONCE_PREFIX + self.run, blind)]
+        else:
+            verdict = [OK, ""]
+        self._client.key_value_set(f"{key}/verdict", json.dumps(verdict))
+        if late is not None:
+            raise late
+        if verdict[0] != OK:
+            raise ConfigError(verdict[1])
 
     def _alive_key(self, index: int) -> str:
         return f"jax_cb_ckpt/{self.run}/alive/{index}"
@@ -194,6 +254,67 @@ class Group:
 
     def refuse(self, step: int, why: str) -> SaveError:
         return SaveError(f"step {step} was not committed: {why}")
+
+
+def _write_nonce(directory: str, run: str) -> tuple[str, str | None]:
+    """Process 0's check file of this opening, holding a fresh nonce: the nonce, and
+    what went wrong (None when written). Leftovers of earlier openings go first: this
+    process holds the directory's lock, so no other run is opening it."""
+    nonce = uuid.uuid4().hex
+    file = os.path.join(directory, NONCE_PREFIX + run)
+    try:
+        for name in os.listdir(directory):
+            if name.startswith(NONCE_PREFIX):
+                _remove_nonce(os.path.join(directory, name))
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, nonce.encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return nonce, (
+            f"cannot write the check file {file!r} ({e}), with which every process checks "
+            "that it sees the directory. Fix: make the directory writable (permissions, "
+            "free space)"
+        )
+    return nonce, None
+
+
+def _read_nonce(file: str, nonce: str) -> str:
+    """What this process finds in process 0's check file: OK, or how it differs. A name
+    never looked up before: no cache of a network file system can answer for it."""
+    try:
+        with open(file, "rb") as f:
+            found = f.read(100)
+    except FileNotFoundError:
+        return f"finds no file {os.path.basename(file)!r} there"
+    except OSError as e:
+        return f"cannot read {os.path.basename(file)!r} there ({e})"
+    if found != nonce.encode():
+        return f"finds other content in {os.path.basename(file)!r} ({found[:40]!r})"
+    return OK
+
+
+def _remove_nonce(file: str) -> None:
+    """Remove a check file: a regular file of ours only (lstat: never a link)."""
+    try:
+        if stat.S_ISREG(os.lstat(file).st_mode):
+            os.unlink(file)
+    except OSError:  # gone already; the next opening removes a leftover
+        pass
+
+
+def _not_shared(directory: str, name: str, blind: list[str]) -> str:
+    return (
+        f"Checkpointer(directory={directory!r}): not every process of this run sees the "
+        f"same directory at that path. Process 0 wrote the check file {name!r} into "
+        f"it; {'; '.join(blind)}. Each process writes its own blocks of every step into "
+        "the directory and process 0 commits what it sees, so with a directory that is "
+        "not shared (a local disk per host, a private mount) steps would be listed that "
+        "cannot be restored. Fix: put the directory on a file system that every process "
+        "mounts at the same path (NFS, a cluster file system, a bucket mounted with "
+        "FUSE), and pass that path to every process."
+    )
 
 
 def current(directory: str, timeout_s: float, list_steps: Any) -> Group | None:

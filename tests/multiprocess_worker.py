@@ -14,6 +14,9 @@ jitted scan whose body has a cross-device reduction, and saved with
 - `run`: `ckpt.run(...)` of many steps; the test sends SIGTERM to every process.
 - `restore`: a single process (any device count) restores the latest checkpoint with
   the state sharded over its own devices and checks it against a fresh computation.
+- `unshared`: DIRECTORY is not the same directory in every process (the test mounts
+  a private tmpfs there for process 1): opening must fail on every process; what a
+  run would do there otherwise is reported too.
 """
 
 import json
@@ -221,6 +224,28 @@ def refusals(state, shardings):
     return found
 
 
+def unshared(state, shardings):
+    """Each process opens DIRECTORY, which is a different directory in each: the
+    opening fails everywhere, naming the process that does not see process 0's
+    directory. (Before the opening checked it, both saved, and process 0 listed steps
+    that no process could restore: process 1's blocks were in its private mount.)"""
+    found = {"opening": "accepted"}
+    try:
+        ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT)
+    except Exception as e:
+        found["opening"] = f"{type(e).__name__}: {e}"
+        ckpt = None
+    if ckpt is not None:
+        jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))
+        found["save"] = error_of(ckpt.wait)
+        found["steps"] = ckpt.all_steps()
+        like = place(host_initial(), shardings)
+        found["restore"] = error_of(lambda: jax_cb_ckpt.restore(DIRECTORY, like, step=4))
+        ckpt.close()
+    found["left"] = sorted(os.listdir(DIRECTORY))
+    return found
+
+
 def main():
     mesh = Mesh(np.array(jax.devices()), ("d",))
     shardings = shardings_for(mesh)
@@ -244,6 +269,10 @@ def main():
         return 0
     if MODE == "diverge":
         findings.update(diverging_save(state, shardings))
+        print(json.dumps(findings), flush=True)
+        return 0
+    if MODE == "unshared":
+        findings.update(unshared(state, shardings))
         print(json.dumps(findings), flush=True)
         return 0
     if MODE == "refusals":

@@ -10,7 +10,9 @@ the work and reports what it found as one JSON line per process):
 - a process killed mid-run makes the other fail with our error within `peer_timeout`,
   and the last complete checkpoint still restores exactly;
 - SIGTERM to both processes of `ckpt.run` (or to one) stops both at the same step,
-  with that step saved.
+  with that step saved;
+- a directory that is not shared (process 1 in a mount namespace of its own, with a
+  private tmpfs at the same path) is refused at opening, on both processes.
 
 Before this, the first save hung forever: process 0's writer waited in Orbax's device
 barrier, which process 1 never joined. Every run here has a hard timeout that kills
@@ -45,7 +47,8 @@ class Group:
     """The processes of one run, each in a session of its own, output in files (a full
     pipe must not stall one process while the other waits for it)."""
 
-    def __init__(self, tmp_path, mode, directory, nproc=2, devices=4, victim=1):
+    def __init__(self, tmp_path, mode, directory, nproc=2, devices=4, victim=1, prefix=None):
+        """`prefix`: {process id: argv to run that process's command under}."""
         port = free_port()
         env = dict(
             CHILD_ENV,
@@ -59,6 +62,7 @@ class Group:
             out, err = tmp_path / f"{mode}-{pid}.out", tmp_path / f"{mode}-{pid}.err"
             self.logs.append((out, err))
             args = [sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port)]
+            args = [*(prefix or {}).get(pid, []), *args]
             with open(out, "w") as stdout, open(err, "w") as stderr:  # the child's own now
                 self.children.append(
                     subprocess.Popen(
@@ -257,3 +261,43 @@ def test_a_save_made_by_one_process_only_fails_there_in_bounded_time(tmp_path):
     assert "SaveError" in second["error"] and "process 0 to start step 7" in second["error"]
     assert second["failed_after_s"] < PEER_TIMEOUT + 30, second
     assert second["steps"] == [], second
+
+
+def private_mount(directory):
+    """An argv prefix that runs a command in a mount namespace of its own, with a
+    private tmpfs at `directory` (the same path, another directory: a host whose
+    "shared" path is a local disk). Needs root, or user namespaces; else skipped."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = 'd="$1"; shift; mount -t tmpfs jax_cb_ckpt_test "$d" && exec "$@"'
+    why = ""
+    for user in ([], ["--map-root-user"]):
+        prefix = ["unshare", *user, "--mount", "--propagation", "private"]
+        prefix += ["sh", "-c", script, "sh", str(directory)]
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+        except OSError as e:  # no unshare here
+            pytest.skip(f"cannot make a private mount: {e}")
+        if probe.returncode == 0:
+            return prefix
+        why = probe.stderr.strip()
+    pytest.skip(f"cannot make a private mount here: {why}")
+
+
+def test_a_directory_that_is_not_shared_is_refused_at_opening(tmp_path):
+    """Process 1 sees a private tmpfs at the checkpoint path. Before the opening checked
+    it, both processes saved "successfully", process 0 listed every step, and none
+    restored (process 1's blocks were where process 0 never looks)."""
+    directory = tmp_path / "ckpt"
+    prefix = {1: private_mount(directory)}
+    results = run_group(tmp_path, "unshared", directory, prefix=prefix)
+    for rc, found in results:
+        assert rc == 0 and found is not None, results
+        opening = found["opening"]
+        assert opening.startswith("ConfigError: Checkpointer(directory="), found
+        assert str(directory.resolve()) in opening, found
+        assert "process 1 finds no file '.jax_cb_ckpt.nonce-" in opening, found
+        assert "Fix: put the directory on a file system that every process" in opening, found
+    assert results[0][1]["opening"] == results[1][1]["opening"]  # the same error everywhere
+    # Nothing listed, and the check file is gone (process 0 removes it).
+    assert jax_cb_ckpt.all_steps(directory) == []
+    assert [n for n in os.listdir(directory) if "nonce" in n] == []
