@@ -5,11 +5,19 @@ through Orbax (a read-only checkpointer), so anything Orbax can read, we can; an
 JSON `meta` item says how each leaf was stored, so nothing is unpickled and no code
 runs. A checkpoint is trusted no further than its files: a `meta` item that does not
 match the arrays (hand-edited, corrupt, another program's) is a `RestoreError`.
+
+A step may be removed while it is read (`max_to_keep` retention of a writer running in
+another thread or process, or a replacing save): the read then fails the way a corrupt
+file would, or could even return a mix. So a step is identified (device, inode) before
+reading and checked after: a step that is gone, or is another directory now, is a
+`NoCheckpointError` that says so, whatever the read gave.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from typing import Any
 
 import jax
@@ -75,18 +83,98 @@ def _pick_step(path: str, step: int | None, what: str) -> int:
     )
 
 
+def _is_stale_wakeup(unraisable: Any) -> bool:
+    """The report a failed Orbax read leaves behind, and nothing else: Orbax runs each
+    read in a fresh asyncio loop and closes it as soon as one TensorStore read fails,
+    while the other reads of the same restore are still in flight; when one of those
+    finishes, TensorStore's thread calls `loop.call_soon_threadsafe` on the closed loop
+    to wake a task nobody waits for any more. The RuntimeError ("Event loop is closed")
+    has nowhere to go and Python prints it as a traceback, long after our RestoreError
+    was raised. Recognised by its exact shape: raised by asyncio's own
+    `call_soon_threadsafe`, called from native code (no Python caller), with no object."""
+    exc = unraisable.exc_value
+    if unraisable.object is not None or not isinstance(exc, RuntimeError):
+        return False
+    tb = exc.__traceback__
+    return (
+        str(exc) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+        and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncio.")
+    )
+
+
+_quiet_lock = threading.Lock()
+_quiet = False
+
+
+def _quiet_stale_wakeups() -> None:
+    """Drop the stale wake-ups of `_is_stale_wakeup` from `sys.unraisablehook` (every
+    other report goes to the hook that was there). Installed before the first read,
+    not after a failure: the wake-ups can come before the RestoreError is raised, and
+    as late as any time after it. Process-wide, and kept: the loop they aim at is gone,
+    so dropping them loses nothing, and the failure itself is raised as our error."""
+    global _quiet
+    with _quiet_lock:
+        if _quiet:
+            return
+        previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            if not _is_stale_wakeup(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        _quiet = True
+
+
 def _read_item(handler: Any, path: str, step: int, item: str, args: Any) -> Any:
     """One item of a checkpoint, read by its Orbax handler directly. Not through an
     Orbax `Checkpointer`: in a multi-process run its restore ends in a device barrier
     of every process, which hangs a process that reads alone (process 0 reading
     metadata, say) and waits on devices a running program holds."""
+    _quiet_stale_wakeups()
     try:
         return handler.restore(epath.Path(path) / str(step) / item, args=args)
     finally:
         handler.close()
 
 
-def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
+def _identify(path: str, step: int, where: str) -> tuple[int, int]:
+    """(device, inode) of checkpoint `step`, taken before reading it."""
+    try:
+        return _format.identity(os.path.join(path, str(step)))
+    except OSError as e:
+        raise _removed(path, step, where) from e
+
+
+def _still_there(path: str, step: int, seen: tuple[int, int]) -> bool:
+    """Checkpoint `step` is still a checkpoint of ours, the same directory it was when
+    the read began (not renamed aside by retention, nor replaced under its name)."""
+    step_dir = os.path.join(path, str(step))
+    try:
+        return _format.is_checkpoint(step_dir) and _format.identity(step_dir) == seen
+    except OSError:
+        return False
+
+
+def _removed(path: str, step: int, where: str) -> NoCheckpointError:
+    try:
+        steps = _format.list_steps(path)
+    except ConfigError:
+        steps = []
+    now = f"the steps there now are {_short(steps)}" if steps else "no step is there now"
+    return NoCheckpointError(
+        f"{where}: step {step} was removed while it was being read ({now}); nothing "
+        "read from it is returned. A writer running on the directory deletes old steps "
+        "(max_to_keep, or a save with on_existing='replace'). Fix: read another step, "
+        "e.g. the latest (restore() without step=, after latest_step()), and retry on "
+        "this error; to read an old step at leisure, raise max_to_keep or copy the "
+        "step's folder first."
+    )
+
+
+def _read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[str, Any]:
     links = _format.symlinks_inside(os.path.join(path, str(step)))
     if links:
         raise RestoreError(
@@ -100,6 +188,8 @@ def _read_meta(path: str, step: int, where: str) -> dict[str, Any]:
             ocp.JsonCheckpointHandler(), path, step, META_ITEM, ocp.args.JsonRestore()
         )
     except Exception as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != _format.FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
@@ -117,7 +207,8 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
     path = _format.resolve(directory, "metadata")
     step = _pick_step(path, _check_step_arg(step, "metadata"), "metadata")
-    return _read_meta(path, step, f"metadata(step={step}) from {path!r}")
+    where = f"metadata(step={step}) from {path!r}"
+    return _read_meta(path, step, where, _identify(path, step, where))
 
 
 def _saved_specs(meta: dict[str, Any], where: str) -> tuple[_tree.LeafSpec, ...]:
@@ -172,12 +263,21 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
     return sharding
 
 
-def _read_state(path: str, step: int, where: str, restore_args: dict[str, Any]) -> dict[str, Any]:
+def _read_state(
+    path: str, step: int, where: str, seen: tuple[int, int], restore_args: dict[str, Any]
+) -> dict[str, Any]:
     try:
         args = ocp.args.PyTreeRestore(restore_args=restore_args)
-        return _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args)
+        tree = _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args)
     except Exception as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
+    # Read without error, but perhaps while the step was renamed away: TensorStore reads
+    # a missing file as an absent key, and zarr an absent chunk as its fill value.
+    if not _still_there(path, step, seen):
+        raise _removed(path, step, where)
+    return tree
 
 
 def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = None) -> Any:
@@ -191,7 +291,8 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     `directory` may be relative (to the working directory), as everywhere.
 
     Raises:
-        NoCheckpointError: no complete checkpoint for that step.
+        NoCheckpointError: no complete checkpoint for that step, or it was removed
+            while it was being read (by a writer's retention): read another one.
         StructureMismatchError: `like` differs from the checkpoint; names the first leaf.
         RestoreError: the checkpoint cannot be read, or its description does not match
             its data.
@@ -202,7 +303,8 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    meta = _read_meta(path, step, where)
+    seen = _identify(path, step, where)
+    meta = _read_meta(path, step, where, seen)
     saved_specs = _saved_specs(meta, where)
     _tree.check_like(like_specs, saved_specs, where)
     by_name = {spec.name: spec for spec in saved_specs}
@@ -211,7 +313,7 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
         sharding = _placement(leaf, spec, by_name[spec.name])
         if sharding is not None:
             placed[spec.name] = sharding
-    tree = _read_state(path, step, where, _restore_args(saved_specs, placed))
+    tree = _read_state(path, step, where, seen, _restore_args(saved_specs, placed))
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
