@@ -4,6 +4,10 @@
     python -m benchmarks.run                    # the full run
     python -m benchmarks.run --out DIR          # where results.json/.md and the PNGs go
     python -m benchmarks.run --targets          # only what the targets need (~5 minutes)
+    python -m benchmarks.run --dir /mnt/nvme    # write the checkpoints there (default /tmp)
+
+Every profile but --gpu ends with the writer benchmark (benchmarks/writer.py; results
+in OUT/writer; `--only writer` runs it alone).
 
 Every configuration runs all methods in one process, interleaved (the order rotates per
 repetition), after a warm-up run that compiles; medians over the repetitions, ratios
@@ -19,6 +23,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -264,15 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="default: 3 quick, 5 full")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<backend>")
     parser.add_argument("--only", default=None, help="run only workloads containing this")
+    parser.add_argument("--dir", default=None, help="checkpoints go here; default: under /tmp")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 5)
     out = args.out or os.path.join("benchmarks", "results", jax.default_backend())
     os.makedirs(out, exist_ok=True)
     results, report = [], {}
-    with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_bench_") as root:
-        profile = (
-            "quick" if args.quick else "gpu" if args.gpu else "targets" if args.targets else "full"
-        )
+    profile = (
+        "quick" if args.quick else "gpu" if args.gpu else "targets" if args.targets else "full"
+    )
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_bench_", dir=args.dir) as root:
         for config in plan(profile):
             if args.only and args.only not in str(config["workload"]):
                 continue
@@ -285,7 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     if report:
         report_lib.plots(report, out)
         print(report_lib.markdown(report))
-    return 0
+    if profile == "gpu" or args.only not in (None, "writer"):
+        return 0
+    return run_writer(args, os.path.join(out, "writer"))
+
+
+def run_writer(args: argparse.Namespace, out: str) -> int:
+    """The writer benchmark, in a process of its own: its states (up to 256 MiB) and its
+    8-device child do not share this process's memory or devices, and writer.py imports
+    this module (run_config, machine), so this one does not import it."""
+    cmd = [sys.executable, "-m", "benchmarks.writer", "--out", os.path.abspath(out)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--reps", str(args.reps)] if args.reps else []
+    cmd += ["--dir", os.path.abspath(args.dir)] if args.dir else []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(cmd, cwd=root).returncode
 
 
 def _write_report(

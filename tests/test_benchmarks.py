@@ -1,5 +1,6 @@
-"""The benchmark suite's quick mode runs end to end and writes its report (a smoke test:
-no timing is asserted here; targets are judged by the suite itself)."""
+"""The benchmark suite's quick mode and the writer benchmark run end to end and write
+their reports (smoke tests: no timing is asserted here; targets are judged by the
+benchmarks themselves)."""
 
 import json
 import os
@@ -9,17 +10,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
-    out = tmp_path / "bench"
+def _run(*args, timeout):
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--reps", "2", "--out", str(out)],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    _run("benchmarks.run", "--quick", "--reps", "2", "--out", str(out), timeout=900)
     report = json.loads((out / "results.json").read_text())
     names = {r["workload"] for r in report["results"]}
     assert {"tiny", "medium", "state_1KB", "state_1MB", "state_16MB"} <= names
@@ -40,3 +46,31 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     assert "### Targets" in markdown and "maybe_save" in markdown
     for png in ("throughput.png", "state_size.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    writer = json.loads((out / "writer" / "results.json").read_text())  # ends the profile
+    assert writer["quick"] and writer["cases"] and writer["devices"]
+    assert [r["every"] for r in writer["loops"]] == [100, 1000]
+    assert writer["newest"]["newest_x_bare"] > 0  # a save every 10 steps, on_full="newest"
+
+
+def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
+    out, disk = tmp_path / "writer", tmp_path / "disk"
+    args = ("--only", "tiny,devices", "--reps", "1", "--dir", str(disk), "--out", str(out))
+    printed = _run("benchmarks.writer", *args, timeout=300).stdout
+    report = json.loads((out / "results.json").read_text())
+    machine = report["machine"]
+    assert machine["cpu_count"] >= 1 and machine["cpu_model"] and machine["jax"]
+    assert machine["orbax"] != "?" and machine["filesystem"]["type"] != "unknown"
+    assert machine["dir"].startswith(str(disk)) and not os.listdir(disk)  # cleaned up
+    cases = report["cases"]
+    assert [(c["case"], c["compression"]) for c in cases] == [("tiny", False), ("tiny", True)]
+    for c in cases:
+        assert c["leaves"] == 4 and c["bytes"] == 2048 and c["reps"] == 1
+        for key in ("save_s", "write_fsync_s", "commit_s", "writer_write_s", "x_write_fsync"):
+            assert c[key] > 0, key
+        assert c["checksum_s"] is None or c["checksum_s"] >= 0
+    devices = report["devices"]
+    assert devices["devices"] == 8 and devices["leaves"] == 80
+    assert devices["save_s"]["gathered"] > 0 and devices["save_s"]["per_device"] > 0
+    assert "loops" not in report
+    markdown = (out / "results.md").read_text()
+    assert markdown in printed and "x write+fsync" in markdown and "per device" in markdown
