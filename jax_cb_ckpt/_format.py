@@ -1,16 +1,18 @@
 """The on-disk layout, in one place: names, what counts as a step, how steps come and go.
 
 A checkpoint directory holds, for each saved step, a directory named by the step in
-plain decimal (`0`, `5`, `1200`), written by Orbax and holding two items: `state` (the
-arrays, as a nested dict) and `meta` (JSON describing every leaf, tagged with `FORMAT`).
+plain decimal (`0`, `5`, `1200`), in Orbax's layout and holding two items: `state` (the
+arrays, as a nested dict: `_METADATA` and an OCDBT database, `_store.py`) and `meta`
+(JSON describing every leaf and its checksums, tagged with `FORMAT`), plus Orbax's
+`_CHECKPOINT_METADATA` naming the items' handlers, so plain Orbax reads every step.
 
 Only such directories are steps. Anything else in the directory (a user's `2023/`, an
 empty `5/`, `007`, a symlink, a plain Orbax checkpoint) is ignored: never listed, never
 restored, never deleted. The library only ever deletes what it made itself:
 
-- `<step>.jax_cb_ckpt-tmp-<hex>`: a step being written. Orbax writes into it (through
-  its own `<that>.orbax-checkpoint-tmp`); once complete and fsynced it is renamed to
-  `<step>` (atomic), so a step directory is complete or absent, and a unique name per
+- `<step>.jax_cb_ckpt-tmp-<hex>`: a step being written (older versions let Orbax
+  write through `<that>.orbax-checkpoint-tmp`); once complete and fsynced it is renamed
+  to `<step>` (atomic), so a step directory is complete or absent, and a unique name per
   attempt means two writers can never collide on a temporary name.
 - `<step>.jax_cb_ckpt-deleting-<hex>`: a step being deleted (retention, or an explicit
   replace). The rename out of `<step>` is atomic, so a kill during the deletion never
@@ -24,6 +26,7 @@ checkpoint directory is ever touched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -42,6 +45,8 @@ STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
 META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
 META_FILE = "metadata"  # the file Orbax's JsonCheckpointHandler writes in META_ITEM
 ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"  # written by Orbax when a save is finalized
+STATE_METADATA = "_METADATA"  # Orbax's description of the state item's tree
+PROCESS_PREFIX = "ocdbt.process_"  # the state item's database of process i > 0
 LOCK_NAME = ".jax_cb_ckpt.lock"  # held (flock) by the one live writer of a directory
 
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
@@ -247,16 +252,26 @@ def clean_leftovers(directory: str) -> None:
         shutil.rmtree(legacy, ignore_errors=True)
 
 
-def write_step_file(path: str, state_handler: Any, meta_handler: Any) -> None:
-    """The file Orbax's Checkpointer writes when it finalizes a save (the multi-process
-    writer commits without one): which handler wrote each item, and when."""
+def write_meta(path: str, meta: dict[str, Any]) -> None:
+    """The `meta` item: the JSON file Orbax's JsonCheckpointHandler reads."""
+    with open(os.path.join(path, META_ITEM, META_FILE), "w") as f:
+        f.write(json.dumps(meta))
+
+
+def write_step_file(path: str) -> None:
+    """The file Orbax's Checkpointer writes when it finalizes a save: which handler
+    wrote each item (so a CheckpointManager reads them without being told), and when."""
+    import orbax.checkpoint as ocp  # only for the handlers' names
 
     def name(handler: Any) -> str:
-        return f"{type(handler).__module__}.{type(handler).__qualname__}"
+        return f"{handler.__module__}.{handler.__qualname__}"
 
     now = time.time_ns()
     content = {
-        "item_handlers": {META_ITEM: name(meta_handler), STATE_ITEM: name(state_handler)},
+        "item_handlers": {
+            META_ITEM: name(ocp.JsonCheckpointHandler),
+            STATE_ITEM: name(ocp.PyTreeCheckpointHandler),
+        },
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": now,
@@ -268,26 +283,31 @@ def write_step_file(path: str, state_handler: Any, meta_handler: Any) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(path, directory=True)
+
+
+def _fsync(path: str, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+# fsyncs of one step's files run concurrently: the file system commits them together
+# (measured: 1.5-1.9 ms for a small step against 3.3 ms one after another).
+_FSYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="jax_cb_ckpt-fsync")
+
+
 def fsync_tree(path: str) -> None:
-    """fsync every file and directory under `path` (what Orbax leaves unsynced)."""
+    """fsync every file and directory under `path` (nothing was synced while writing)."""
+    todo = []
     for root, _dirs, files in os.walk(path):
-        for name in files:
-            file = os.path.join(root, name)
-            if os.path.islink(file):
-                continue
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
+        todo += [(os.path.join(root, n), False) for n in files]
+        todo.append((root, True))
+    todo = [(p, d) for p, d in todo if not os.path.islink(p)]
+    for future in [_FSYNC_POOL.submit(_fsync, p, d) for p, d in todo]:
+        future.result()
 
 
 def identity(path: str) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 
+from . import _format
 from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
@@ -254,6 +255,36 @@ class Group:
 
     def refuse(self, step: int, why: str) -> SaveError:
         return SaveError(f"step {step} was not committed: {why}")
+
+
+class Solo:
+    """A run of one process, as a group of one: the writer has one path for one and
+    many processes, and a group of one has no one to tell or hear."""
+
+    index = 0
+    count = 1
+    primary = True
+
+    def __init__(self) -> None:
+        self.writing: int | None = None
+
+    def begin(self, step: int) -> None:
+        self.writing = step
+
+    def temp_name(self, step: int) -> str:
+        return _format.temp_name(step)
+
+    def tell(self, step: int, name: str, value: str) -> None:
+        pass
+
+    def hear(self, step: int, name: str, what: str, peer: int) -> str:
+        raise AssertionError(f"a group of one waited for {what}")
+
+    def heard_all(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _write_nonce(directory: str, run: str) -> tuple[str, str | None]:

@@ -10,22 +10,17 @@ the device whose coordinates are 0 along the mesh axes the leaf is not split ove
 staging memory and adds them to the step's `Assembly`. The device that completes it
 (every device of the mesh has reported) claims the step and queues one save.
 
-Writer side (CPU): each leaf becomes a sharded `jax.Array` whose device buffers alias
-the host blocks (`device_put(..., may_alias=True)` from 64-byte aligned memory), and
-Orbax writes it as it writes any sharded `jax.Array` (ArrayHandler, OCDBT, its sharding
-file, one chunk per shard): plain Orbax reads it with any sharding, and `restore(like)`
-reads on each device only the slices it holds. The writer must never wait for the
-devices, which the running program may hold while one of them waits for this writer (a
-full queue): aliasing queues nothing on them, Orbax's replica-parallel writes (a jitted
-slice) are off, and leaves of packed dtypes (int4: device_put must repack them) or a
-buffer that was copied after all are put together on the host and written as host
-arrays instead. (Measured before these rules: XLA's rendezvous aborted the program
-after 40 s.) Off a CPU the blocks are always put together on the host.
+Writer side: each leaf's blocks are written as they are, one zarr chunk per block
+(`_store.py`), by the lowest-numbered process holding a replica of the block; the
+writer never touches the devices, which the running program may hold while one of them
+waits for this writer (a full queue). Plain Orbax reads the leaf with any sharding, and
+`restore(like)` reads on each device only the slices it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -186,49 +181,34 @@ class ShardedArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
-    def to_jax(self, convert: Callable[[np.ndarray], np.ndarray]) -> jax.Array | None:
-        """A jax.Array with this leaf's partitioning over this process's CPU devices,
-        every device's buffer aliasing its host block (`may_alias`, from memory aligned
-        for XLA): nothing is queued on the devices, which the running program may hold
-        while one of them waits for this writer (a full queue). Built in the writer
-        thread, never in a callback. None when a buffer was copied after all."""
-        layout = self.layout
-        if layout.device_ids is None:
-            devices = np.array(jax.local_devices()[: layout.devices])
-        else:
-            by_id = {d.id: d for d in jax.devices()}
-            devices = np.array([by_id[i] for i in layout.device_ids])
-        devices = devices.reshape(layout.axis_sizes)
-        sharding = NamedSharding(Mesh(devices, layout.axis_names), layout.spec(self.leaf))
-        converted: dict[Any, np.ndarray] = {}
-        arrays = []
-        for device, index in sharding.addressable_devices_indices_map(self.shape).items():
-            key = block_key(index or (), self.shape)
-            if key not in converted:
-                converted[key] = aligned(convert(self.blocks[key]))
-            block = converted[key]
-            array = jax.device_put(block, device, may_alias=True)
-            if block.size and array.unsafe_buffer_pointer() != block.ctypes.data:
-                return None  # copied, not aliased: that copy waits for the device
-            arrays.append(array)
-        return jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
+    def written_here(self) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
+        """The blocks this process writes: each block once, by the lowest-numbered
+        process holding a replica of it (several processes each keep their own)."""
+        if not self.layout.spans_processes:
+            return self.blocks
+        writer = _writers(self.layout, self.leaf, self.shape)
+        me = jax.process_index()
+        return {key: block for key, block in self.blocks.items() if writer[key] == me}
 
-    def aliasable(self) -> bool:
-        """Can the devices' buffers alias the host blocks? Not for dtypes XLA packs
-        (int4: two per byte), which device_put must repack on the device."""
-        return not packed(self.dtype)
 
-    def assemble(self, convert: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """The global array, from the blocks (in the writer thread): off a CPU, where
-        the devices' memory is not host memory to alias."""
-        out: np.ndarray | None = None
-        for key, block in self.blocks.items():
-            block = convert(block)
-            if out is None:
-                out = empty_aligned(self.shape, block.dtype)
-            out[tuple(slice(a, b) for a, b in key)] = block
-        assert out is not None
-        return out
+@functools.lru_cache(maxsize=1024)
+def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[Any, int]:
+    """{block key: the lowest process index among the devices holding that block}."""
+    assert layout.device_ids is not None
+    process = {d.id: int(d.process_index) for d in jax.devices()}
+    sizes = dict(zip(layout.axis_names, layout.axis_sizes, strict=True))
+    dims = layout.dims[leaf]
+    block = tuple(
+        n // int(np.prod([sizes[a] for a in (dims[d] if d < len(dims) else ())]))
+        for d, n in enumerate(shape)
+    )
+    out: dict[Any, int] = {}
+    for k, device in enumerate(layout.device_ids):
+        coords = np.unravel_index(k, layout.axis_sizes)
+        index = layout.index(leaf, [int(c) for c in coords], block, replicas=True)
+        key = block_key(index, shape)
+        out[key] = min(out.get(key, process[device]), process[device])
+    return out
 
 
 # Dtypes XLA packs several to a byte (numpy views them one per byte), and the exact
@@ -252,14 +232,6 @@ def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def aligned(array: np.ndarray) -> np.ndarray:
-    if array.ctypes.data % ALIGNMENT == 0 and array.flags.c_contiguous:
-        return array
-    out = empty_aligned(array.shape, array.dtype)
-    np.copyto(out, array)
-    return out
 
 
 def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:

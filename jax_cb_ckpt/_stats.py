@@ -18,7 +18,8 @@ class SaveRecord:
     nbytes: int
     blocking_s: float  # time the device waited in the library's callback, queue wait included
     handoff_s: float  # the part of blocking_s spent taking the data (queue wait excluded)
-    write_s: float  # time the writer thread spent in Orbax for this save
+    write_s: float  # time the writer thread spent writing this save (fsync, commit)
+    checksum_s: float = 0.0  # the part of write_s spent computing checksums
 
 
 @dataclasses.dataclass(frozen=True)

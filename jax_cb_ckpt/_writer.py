@@ -1,22 +1,27 @@
 """The writer thread: takes handed-off states off the exchange and writes Orbax checkpoints.
 
-One thread per Checkpointer owns one synchronous `orbax.checkpoint.Checkpointer` for its
-whole life (Orbax objects are not thread-safe, and a save blocks, so it must never run
-in JAX's callback thread). This thread *is* the background, and a synchronous save means
-the host buffers of a save are free again as soon as it returns.
+One thread per Checkpointer writes each step in Orbax's standard layout (the `state`
+item's arrays with TensorStore, `_store.py`; the JSON files as plain files), so plain
+Orbax reads every step, but no Orbax object runs here: Orbax's save machinery cost ~30
+ms a step and collided between two Checkpointers of one process (docs/writer.md). This
+thread *is* the background: a save's host buffers are free again once it is written.
 
-Steps, retention and atomicity are ours, not a CheckpointManager's (see `_format`): a
-manager lists any integer-named folder as a step (and its retention deletes it), deletes
-a complete step to write it again (`force=True`), and shares one temporary name between
-writers. Here a step is written under a unique temporary name, fsynced, renamed into
-place, and the directory fsynced: after `wait()` returns, a listed step survives a power
-loss. A complete step is only ever removed by retention or by an explicit replace.
+Steps, retention and atomicity are ours (see `_format`): a step is written under a
+unique temporary name, its files fsynced (in parallel), renamed into place, and the
+directory fsynced: after `wait()` returns, a listed step survives a power loss. A
+complete step is only ever removed by retention or by an explicit replace.
+
+One path for one process and many (`_processes.py`; a single process is a group of
+one): the primary makes the temporary directory and says so, every process writes its
+own arrays and says so, the primary merges, writes the small files, commits and says
+so. With one process every "says so" is a no-op.
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -27,14 +32,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 
-from . import _format
+from . import _format, _store
 from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
-from ._processes import OK, Group
+from ._processes import OK, Group, Solo
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
@@ -54,29 +57,6 @@ class SaveItem:
     release: Callable[[], None]  # give the host buffers back (staging pool)
     replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
-
-
-def make_checkpointer(*, compression: bool) -> Any:
-    """The Orbax checkpointer the writer owns. Numpy arrays are not deep-copied by Orbax:
-    the buffers handed to it stay untouched until the synchronous save returns."""
-    handler = ocp.CompositeCheckpointHandler(
-        **{
-            _format.STATE_ITEM: state_handler(compression=compression),
-            _format.META_ITEM: ocp.JsonCheckpointHandler(),
-        }
-    )
-    return ocp.Checkpointer(handler)
-
-
-def state_handler(*, compression: bool) -> Any:
-    """Orbax's handler of the state item, with our type handlers."""
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        # Per-device leaves. No replica-parallel writes: those slice replicated arrays
-        # with a jitted computation, which waits for devices the running program holds.
-        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
-    )
-    return ocp.PyTreeCheckpointHandler(use_compression=compression, type_handler_registry=registry)
 
 
 class Writer:
@@ -107,15 +87,10 @@ class Writer:
         self._max_to_keep = max_to_keep
         self._stats = stats
         self._identity = _format.identity(directory)
-        self._group = group
-        if group is None:
+        self._group: Group | Solo = group or Solo()
+        if self._group.primary:  # the primary cleans up after killed writers
             _format.clean_leftovers(directory)
-            self._checkpointer = make_checkpointer(compression=compression)
-        else:  # one part of each checkpoint (see _processes.py); the primary cleans up
-            if group.primary:
-                _format.clean_leftovers(directory)
-            self._checkpointer = state_handler(compression=compression)
-            self._meta_handler = ocp.JsonCheckpointHandler()
+        self._store = _store.StoreWriter(compression=compression)
         self._thread = threading.Thread(
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
@@ -163,19 +138,13 @@ class Writer:
                     break
                 error = None
                 try:
-                    if self._group is None:
-                        error = self._write(item)
-                    else:
-                        error = self._write_shared(item, self._group)
+                    error = self._write(item)
                 finally:
                     item.release()
                     self._exchange.finished(item.step, item.replace, error)
         finally:
             _LIVE.discard(self)
-            self._checkpointer.close()
-            if self._group is not None:
-                self._meta_handler.close()
-                self._group.close()
+            self._group.close()
             self._lock.release()
             self._report_unclaimed()
 
@@ -187,33 +156,6 @@ class Writer:
         error = self._exchange.take_error()
         if error is not None:
             warnings.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning, stacklevel=1)
-
-    def _write(self, item: SaveItem) -> SaveError | None:
-        step = item.step
-        temp = _format.temp_name(step)
-        final = os.path.join(self.directory, str(step))
-        try:
-            self._make_room(item, final)
-            start = time.perf_counter()
-            if item.ready is not None:  # copies from a GPU still in flight
-                item.ready()
-            self._checkpointer.save(
-                os.path.join(self.directory, temp),
-                args=ocp.args.Composite(
-                    **{
-                        _format.STATE_ITEM: _state_save(item.tree),
-                        _format.META_ITEM: ocp.args.JsonSave(item.meta),
-                    }
-                ),
-            )
-            self._commit(os.path.join(self.directory, temp), final)
-            write_s = time.perf_counter() - start
-            self._retain()
-        except BaseException as e:
-            _format.remove_temp(self.directory, temp)
-            return self._failed(step, e)
-        self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
-        return None
 
     def _make_room(self, item: SaveItem, final: str) -> None:
         """Before a step is written: the directory is still ours, the other run's steps
@@ -243,22 +185,23 @@ class Writer:
         logger.debug("%s", error)  # reported to the user by wait()/close()/exit
         return error
 
-    def _write_shared(self, item: SaveItem, group: Group) -> SaveError | None:
-        """One process's part of a multi-process step (the protocol in _processes.py):
-        the primary prepares, every process writes its blocks, the primary commits only
-        when every process reports success, and every process learns the verdict."""
+    def _write(self, item: SaveItem) -> SaveError | None:
+        """Write one step (this process's part of it, with several processes): the
+        protocol in _processes.py, where a group of one tells and hears nothing."""
+        group = self._group
         try:
-            return self._write_part(item, group)
+            return self._write_step(item, group)
         finally:
             group.writing = None  # peers waiting for this process wait on while set
 
-    def _write_part(self, item: SaveItem, group: Group) -> SaveError | None:
+    def _write_step(self, item: SaveItem, group: Group | Solo) -> SaveError | None:
         step = item.step
         group.begin(step)
         temp = os.path.join(self.directory, group.temp_name(step))
         final = os.path.join(self.directory, str(step))
         start = time.perf_counter()
         verdict_due = False  # the primary owes the others a verdict on this step
+        checksum_s = 0.0
         try:
             if group.primary:
                 try:
@@ -275,19 +218,17 @@ class Writer:
                 if ready != OK:
                     raise SaveError(f"process 0 could not start step {step}: {ready}")
             mine: BaseException | None = None
+            sums: dict[str, Any] = {}
             try:
                 if item.ready is not None:  # copies from a GPU still in flight
                     item.ready()
-                self._checkpointer.save(
-                    epath.Path(temp) / _format.STATE_ITEM, args=_state_save(item.tree)
-                )
-                if group.primary:
-                    self._meta_handler.save(
-                        epath.Path(temp) / _format.META_ITEM, args=ocp.args.JsonSave(item.meta)
-                    )
+                sums, checksum_s = self._write_arrays(temp, item, group)
+                if not group.primary:
+                    _format.fsync_tree(os.path.join(temp, _format.STATE_ITEM, _part(group)))
             except BaseException as e:
                 mine = e
-            group.tell(step, f"wrote/{group.index}", OK if mine is None else _reason(mine))
+            told = _said(sums) if mine is None else _reason(mine)
+            group.tell(step, f"wrote/{group.index}", told)
             if mine is not None:
                 raise mine
             if group.primary:
@@ -295,13 +236,18 @@ class Writer:
                 for other in range(1, group.count):
                     what = f"process {other} to write its part of step {step}"
                     said = group.hear(step, f"wrote/{other}", what, other)
-                    if said != OK:
+                    if said.startswith(OK):
+                        _merge_sums(sums, said)
+                    else:
                         problems.append(f"process {other}: {said}")
                 group.heard_all(step)
                 if problems:
                     raise SaveError("; ".join(problems))
-                self._checkpointer.finalize(epath.Path(temp) / _format.STATE_ITEM)
-                _format.write_step_file(temp, self._checkpointer, self._meta_handler)
+                state = os.path.join(temp, _format.STATE_ITEM)
+                self._store.merge(state, group.count)
+                _store.write_state_metadata(state, _paths(item.tree))
+                _format.write_meta(temp, dict(item.meta, checksums=sums))
+                _format.write_step_file(temp)
                 self._commit(temp, final)
                 self._retain()
                 group.tell(step, "commit", OK)
@@ -309,7 +255,7 @@ class Writer:
             else:
                 verdict = group.hear(step, "commit", f"process 0 to commit step {step}", 0)
                 if verdict != OK:
-                    raise group.refuse(step, verdict)
+                    raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
             if group.primary:
                 _format.remove_temp(self.directory, os.path.basename(temp))
@@ -317,8 +263,31 @@ class Writer:
                     group.tell(step, "commit", _reason(e))
             return self._failed(step, e)
         write_s = time.perf_counter() - start
-        self._stats.written(SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s))
+        self._stats.written(
+            SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s)
+        )
         return None
+
+    def _write_arrays(
+        self, temp: str, item: SaveItem, group: Group | Solo
+    ) -> tuple[dict[str, Any], float]:
+        """This process's arrays of the step, with their checksums and the time spent
+        computing them (while TensorStore writes)."""
+        flat = {}
+        for path, leaf in _flatten(item.tree):
+            if isinstance(leaf, ShardedArray):
+                blocks = {k: _format.storable(b) for k, b in leaf.written_here().items()}
+                stored = _format.storage_dtype(leaf.dtype)
+                if group.count == 1 and leaf.nbytes <= _store.SMALL_BYTES:
+                    # A small leaf this process holds whole: one chunk (a memcpy costs
+                    # less than a key per block).
+                    flat[path] = _assemble(leaf.shape, stored, blocks)
+                else:
+                    flat[path] = _store.Blocks(leaf.shape, stored, blocks)
+            elif group.primary:  # host arrays (replicated): process 0 writes them
+                flat[path] = leaf
+        state = os.path.join(temp, _format.STATE_ITEM)
+        return self._store.write(state, flat, index=group.index, zarrays=group.primary)
 
     def _check_directory(self) -> None:
         """The directory we opened is still there, and is still the same directory: one
@@ -347,31 +316,38 @@ class Writer:
             _format.remove_step(self.directory, old)
 
 
-def _state_save(tree: dict[str, Any]) -> Any:
-    """Orbax's save arguments for the state item. Per-device leaves (`shardings=`)
-    become sharded jax.Arrays aliasing their host blocks on a CPU (Orbax writes them
-    shard by shard, with its sharding file), host arrays put together elsewhere."""
+def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):
+    """(path, leaf) of a nested dict of arrays, in order."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
 
-    def is_leaf(x: Any) -> bool:
-        return isinstance(x, ShardedArray)
 
-    def convert(x: Any) -> Any:
-        if not is_leaf(x):
-            return x
-        if jax.default_backend() == "cpu" and x.aliasable():
-            array = x.to_jax(_format.storable)
-            if array is not None:
-                return array
-        if x.layout.spans_processes:
-            raise SaveError(
-                f"a leaf of dtype {x.dtype} sharded over several processes cannot be "
-                "written on this backend yet (it would be put together from this "
-                "process's blocks only). Fix: store it widened (e.g. int8 for int4), or "
-                "save it replicated."
-            )
-        return x.assemble(_format.storable)
+def _paths(tree: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [path for path, _ in _flatten(tree)]
 
-    return ocp.args.PyTreeSave(jax.tree_util.tree_map(convert, tree, is_leaf=is_leaf))
+
+def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray]) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    for key, block in blocks.items():
+        out[tuple(slice(a, b) for a, b in key)] = block
+    return out
+
+
+def _part(group: Group | Solo) -> str:
+    return f"{_format.PROCESS_PREFIX}{group.index}"
+
+
+def _said(sums: dict[str, Any]) -> str:
+    """A process's report that it wrote its part, with its blocks' checksums."""
+    return f"{OK} {json.dumps(sums)}"
+
+
+def _merge_sums(sums: dict[str, Any], said: str) -> None:
+    for name, regions in json.loads(said[len(OK) :] or "{}").items():
+        sums.setdefault(name, {}).update(regions)
 
 
 def _reason(e: BaseException) -> str:

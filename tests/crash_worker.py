@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_cb_ckpt  # noqa: E402
 
-NUM_STEPS = 600
+NUM_STEPS = 3000  # ~2-4 s of saves: a random kill lands mid-run
 EVERY = 5
 SIZE = 1 << 14  # 64 KB of float32
 

@@ -82,8 +82,9 @@ def main(case, directory, crossing):
     restored = jax_cb_ckpt.restore(directory, jax.device_get(initial()), step=STEPS)
     check(case, "restore into numpy", restored, final)
     state_dir = os.path.join(directory, str(STEPS), "state")
-    # Per-device saves are stored as Orbax stores sharded jax.Arrays (its sharding file).
-    found["sharded_format"] = os.path.exists(os.path.join(state_dir, "_sharding"))
+    # Per-device saves store one chunk per device's block (a checksum per block).
+    regions = jax_cb_ckpt.metadata(directory, step=STEPS)["checksums"]["w"]
+    found["sharded_format"] = len(regions) == len(jax.devices())
     # restore(like) with shardings (another one than the save's, too): placed as like.
     for spec in (P("d"), P(None, "d")):  # "w" as saved, then split along the other axis
         shapes = jax.eval_shape(initial)

@@ -188,8 +188,9 @@ def diverging_save(state, shardings):
 
 
 def refusals(state, shardings):
-    """What a multi-process run refuses, each as `error type: message`, and a write
-    that fails on every process (a packed dtype) with nothing listed."""
+    """What a multi-process run refuses, each as `error type: message`; a write that
+    fails on every process (process 0 cannot start it) with nothing listed; a packed
+    dtype sharded over the processes, written block by block and restored exactly."""
     found = {}
 
     def attempt(name, fn):
@@ -201,18 +202,24 @@ def refusals(state, shardings):
         attempt("gathered", lambda: jax.jit(lambda s: ckpt.save(s, 2))(state))
         with_host_leaf = {**state, "h": np.zeros(3)}
         attempt("run_host_leaf", lambda: ckpt.run(lambda s, i: s, with_host_leaf, 2))
-        packed = {"q": jax.device_put(jnp.ones((ROWS, 8), jnp.int4), shardings["w"])}
-        packed_shardings = {"q": shardings["w"]}
+        # A step process 0 cannot start (a user's file where the step goes): the write
+        # fails on every process and nothing is listed.
+        blocker = os.path.join(DIRECTORY, "3")
+        if jax.process_index() == 0:
+            with open(blocker, "w") as f:
+                f.write("a user's file")
         attempt(
-            "packed",
+            "blocked",
             lambda: (
-                jax.jit(lambda s: ckpt.save(s, 3, shardings=packed_shardings))(packed),
+                jax.jit(lambda s: ckpt.save(s, 3, shardings=shardings))(state),
                 ckpt.wait(),
             ),
         )
         found["steps"] = ckpt.all_steps()
         attempt("after", ckpt.wait)
-        # The failed step saved again, now storable: a new attempt, written.
+        if jax.process_index() == 0:
+            os.remove(blocker)
+        # The failed step saved again: a new attempt, written.
         attempt(
             "retry",
             lambda: (
@@ -221,6 +228,24 @@ def refusals(state, shardings):
             ),
         )
         found["steps_after_retry"] = ckpt.all_steps()
+        # A packed dtype sharded over the processes: each process writes its blocks.
+        packed = {"q": jax.device_put(jnp.arange(ROWS * 8).reshape(ROWS, 8) % 7, shardings["w"])}
+        packed = {"q": packed["q"].astype(jnp.int4)}
+        attempt(
+            "packed",
+            lambda: (
+                jax.jit(lambda s: ckpt.save(s, 5, shardings={"q": shardings["w"]}))(packed),
+                ckpt.wait(),
+            ),
+        )
+        back = ckpt.restore(packed, step=5)
+        found["packed_exact"] = all(
+            np.asarray(a.data).astype(np.int8).tobytes()
+            == np.asarray(b.data).astype(np.int8).tobytes()
+            for a, b in zip(
+                back["q"].addressable_shards, packed["q"].addressable_shards, strict=True
+            )
+        )
     return found
 
 

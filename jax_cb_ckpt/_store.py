@@ -1,0 +1,300 @@
+"""The state item's arrays, written with TensorStore in the layout Orbax reads.
+
+Orbax's `PyTreeCheckpointHandler` stores a tree of arrays as zarr (v2) arrays inside one
+OCDBT database (TensorStore's key-value store packed into a few files) per item; plain
+Orbax reads it back with any reader of that handler. Writing through Orbax costs ~30 ms
+of Python machinery per save (event loops, threads, signalling, a merge, renames, ~42
+fsyncs in serial chains: docs/writer.md), where the disk commits a small step in ~2 ms.
+So the writer writes the same layout itself, with TensorStore (Orbax's own storage
+engine), and reading stays Orbax's:
+
+    <state>/_METADATA                 the tree (Orbax's JSON; every leaf a numpy array)
+    <state>/manifest.ocdbt, d/...      the root database: process 0's arrays
+    <state>/ocdbt.process_<i>/...      process i's arrays (several processes), whose
+                                       index process 0 merges into the root database
+
+Inside the database a leaf at tree path ('params', 'w') is the zarr array `params.w/`
+(`.zarray` JSON, chunks `params.w/0.0`, ...), as Orbax names it. One transaction per
+process and save; TensorStore's own fsyncs are off (the writer fsyncs the files of a
+step in parallel before its rename, `_format.fsync_tree`).
+
+Chunks: a sharded leaf is written block by block, one chunk per device's block (each
+process writes only the blocks whose lowest-numbered holder it is); a leaf written
+whole is split along its leading axes into chunks of at most `CHUNK_BYTES`, so that
+TensorStore copies and compresses chunks on every core. Leaves under `SMALL_BYTES` are
+written as raw chunk bytes (no zarr driver), and not compressed.
+
+Checksums: a CRC-32 of every chunk's bytes as written (C order, the stored dtype),
+computed in this thread from the host copy while TensorStore writes it (zlib releases
+the GIL), kept in the `meta` item and checked on restore (`verify_leaf`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ._format import PROCESS_PREFIX, STATE_METADATA
+
+CHUNK_BYTES = 16 << 20  # larger leaves are split, so chunks are copied in parallel
+SMALL_BYTES = 64 << 10  # smaller leaves: raw chunk bytes, never compressed
+
+# Orbax's OCDBT settings, so that what we write is what Orbax would have written and
+# what it expects to merge (values up to 1 KiB sit inline in the B-tree).
+_OCDBT_CONFIG = {
+    "max_inline_value_bytes": 1024,
+    "max_decoded_node_bytes": 100000000,
+    "manifest_kind": "single",
+}
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+
+class Blocks:
+    """A leaf written block by block: its global shape and dtype and {region: block}."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, blocks: Mapping[Region, Any]):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.blocks = dict(blocks)
+
+
+def param_name(path: tuple[str, ...]) -> str:
+    """The name Orbax gives a leaf's array inside the database."""
+    return ".".join(path)
+
+
+def region_key(region: Region) -> str:
+    """A region as text, for the checksums in `meta`: '0:4,8:16' ('' for a scalar)."""
+    return ",".join(f"{a}:{b}" for a, b in region)
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC-32 of an array's bytes in C order."""
+    array = np.ascontiguousarray(array)
+    return zlib.crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
+
+
+def _file(path: str) -> dict[str, Any]:
+    return {"driver": "file", "path": path.rstrip("/") + "/"}
+
+
+def ocdbt_spec(path: str) -> dict[str, Any]:
+    """An OCDBT database in directory `path`. Files are written non-atomically: data
+    files are named by a random hash and referenced only once complete, and the whole
+    step is a temporary directory, renamed into place once fsynced."""
+    plain = dict(_file(path), file_io_locking={"mode": "non_atomic"})
+    return {
+        "driver": "ocdbt",
+        "base": plain,
+        "manifest": plain,
+        "config": dict(_OCDBT_CONFIG),
+        "assume_config": True,
+        "cache_pool": "cache_pool#ocdbt",
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _zarr_dtype(dtype: np.dtype) -> str:
+    if dtype.type.__module__ == "numpy":
+        return dtype.str  # '<f4', '|i1', '|b1', ...
+    return dtype.name  # ml_dtypes: 'bfloat16', 'float8_e4m3fn', ...
+
+
+def zarray(shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...], compress: bool):
+    """The `.zarray` of a leaf, as TensorStore's zarr driver writes it for Orbax."""
+    return {
+        "chunks": list(chunks),
+        "compressor": {"id": "zstd", "level": 1} if compress else None,
+        "dimension_separator": ".",
+        "dtype": _zarr_dtype(dtype),
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "shape": list(shape),
+        "zarr_format": 2,
+    }
+
+
+def chunks_of(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Chunk shape of a leaf written whole: split along the leading axes so that a
+    chunk holds at most CHUNK_BYTES."""
+    chunks = [max(1, n) for n in shape]
+    for axis in range(len(shape)):
+        nbytes = itemsize * math.prod(chunks)
+        if nbytes <= CHUNK_BYTES:
+            break
+        per_row = nbytes // chunks[axis]
+        chunks[axis] = max(1, min(chunks[axis], CHUNK_BYTES // max(1, per_row)))
+    return tuple(chunks)
+
+
+def split(array: np.ndarray, chunks: tuple[int, ...]) -> Iterator[tuple[Region, np.ndarray]]:
+    """The chunks of `array` (views), with their regions."""
+    if array.ndim == 0:
+        yield (), array
+        return
+    starts = [range(0, n, c) for n, c in zip(array.shape, chunks, strict=True)]
+    for corner in _product(starts):
+        region = tuple(
+            (s, min(s + c, n)) for s, c, n in zip(corner, chunks, array.shape, strict=True)
+        )
+        yield region, array[tuple(slice(a, b) for a, b in region)]
+
+
+def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    for first in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (first, *rest)
+
+
+def _chunk_key(region: Region, chunks: tuple[int, ...]) -> str:
+    if not region:
+        return "0"
+    return ".".join(str(a // c) for (a, _), c in zip(region, chunks, strict=True))
+
+
+def _padded(block: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
+    """zarr v2 stores edge chunks at full chunk size."""
+    if block.shape == chunks or block.ndim == 0:
+        return np.ascontiguousarray(block)
+    full = np.zeros(chunks, block.dtype)
+    full[tuple(slice(0, n) for n in block.shape)] = block
+    return full
+
+
+class StoreWriter:
+    """Writes state items. Holds one TensorStore context (thread pools) for its whole
+    life and no global state (two writers in one process never meet); not thread-safe:
+    one per writer thread."""
+
+    def __init__(self, *, compression: bool) -> None:
+        self.compression = compression
+        self._context = ts.Context(
+            {
+                "file_io_concurrency": {"limit": 32},
+                "data_copy_concurrency": {"limit": os.cpu_count() or 1},
+                "cache_pool": {"total_bytes_limit": 0},
+                "cache_pool#ocdbt": {"total_bytes_limit": 0},
+                "file_io_sync": False,  # the writer fsyncs the step's files in parallel
+            }
+        )
+
+    def write(
+        self, state_dir: str, flat: Mapping[tuple[str, ...], Any], *, index: int, zarrays: bool
+    ) -> tuple[dict[str, dict[str, int]], float]:
+        """Write this process's arrays (`flat`: tree path -> numpy array or `Blocks`)
+        as one transaction: process 0 into the root database of `state_dir`, process
+        `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray` (the
+        primary). Returns the checksums, {name: {region key: crc32}}, and the seconds
+        spent computing them."""
+        part = state_dir if index == 0 else os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
+        kv = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
+        txn = ts.Transaction(atomic=False)
+        kvt = kv.with_transaction(txn)
+        pending: list[Any] = []
+        sums: dict[str, dict[str, int]] = {}
+        large = []
+        for path, leaf in flat.items():
+            name = param_name(path)
+            pieces, shape, dtype, chunks = _pieces(leaf)
+            nbytes = dtype.itemsize * math.prod(shape)
+            small = nbytes <= SMALL_BYTES
+            compress = self.compression and not small
+            if zarrays:
+                meta = json.dumps(zarray(shape, dtype, chunks, compress))
+                pending.append(kvt.write(f"{name}/.zarray", meta))
+            if small:  # raw chunk bytes: no zarr driver to open
+                for region, block in pieces:
+                    data = _padded(block, chunks).tobytes()
+                    pending.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
+                    sums.setdefault(name, {})[region_key(region)] = checksum(block)
+                continue
+            store = ts.open(
+                {"driver": "zarr", "metadata": zarray(shape, dtype, chunks, compress)},
+                kvstore=kv / f"{name}/",
+                context=self._context,
+                transaction=txn,
+                open=True,
+                assume_metadata=True,
+            ).result()
+            for region, block in pieces:
+                target = store[tuple(slice(a, b) for a, b in region)] if region else store
+                pending.append(target.write(block, can_reference_source_data_indefinitely=True))
+            large.append((name, pieces))
+        start = time.perf_counter()
+        for name, pieces in large:  # while TensorStore writes them
+            for region, block in pieces:
+                sums.setdefault(name, {})[region_key(region)] = checksum(block)
+        checksum_s = time.perf_counter() - start
+        for future in pending:
+            future.result() if isinstance(future, ts.Future) else future.copy.result()
+        txn.commit_async().result()
+        return sums, checksum_s
+
+    def merge(self, state_dir: str, count: int) -> None:
+        """The primary, once every process wrote: copy processes 1..count-1's database
+        index into the root database (one transaction; the data stays in their files),
+        as Orbax's finalize does."""
+        if count <= 1:
+            return
+        root = ts.KvStore.open(ocdbt_spec(state_dir), context=self._context).result()
+        txn = ts.Transaction(atomic=True)
+        copies = []
+        for index in range(1, count):
+            part = os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
+            child = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
+            copies.append(child.experimental_copy_range_to(root.with_transaction(txn)))
+        for copy in copies:
+            copy.result()
+        txn.commit_async().result()
+
+
+def _pieces(leaf: Any) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, Any]:
+    """(region, block) pieces of a leaf, its shape, dtype and chunk shape."""
+    if isinstance(leaf, Blocks):
+        pieces = sorted(leaf.blocks.items())
+        first = pieces[0][1] if pieces else np.empty(leaf.shape, leaf.dtype)
+        chunks = tuple(max(1, n) for n in np.shape(first))
+        return pieces, leaf.shape, leaf.dtype, chunks
+    array = np.asarray(leaf)
+    chunks = chunks_of(array.shape, array.dtype.itemsize)
+    return list(split(array, chunks)), array.shape, array.dtype, chunks
+
+
+def state_metadata(paths: list[tuple[str, ...]]) -> str:
+    """The `_METADATA` JSON of a state item: every leaf a numpy array (plain Orbax
+    restores numpy, or jax.Arrays where the caller passes shardings)."""
+    tree = {
+        str(tuple(path)): {
+            "key_metadata": [{"key": k, "key_type": 2} for k in path],
+            "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
+        }
+        for path in paths
+    }
+    return json.dumps(
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": True,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        }
+    )
+
+
+def write_state_metadata(state_dir: str, paths: list[tuple[str, ...]]) -> None:
+    with open(os.path.join(state_dir, STATE_METADATA), "w") as f:
+        f.write(state_metadata(paths))
