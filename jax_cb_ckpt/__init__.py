@@ -21,6 +21,7 @@ from ._restore import all_steps as all_steps
 from ._restore import latest_step as latest_step
 from ._restore import metadata as metadata
 from ._restore import restore as restore
+from ._restore import verify as verify
 from ._stats import SaveRecord as SaveRecord
 from ._stats import Stats as Stats
 from ._tree import same_bits as same_bits

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import _format, _tree
+from . import _format, _store, _tree, _verify
 from ._errors import ConfigError, NoCheckpointError, RestoreError
 from ._format import META_ITEM, STATE_ITEM
 
@@ -280,7 +280,9 @@ def _read_state(
     return tree
 
 
-def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = None) -> Any:
+def restore(
+    directory: str | os.PathLike[str], like: Any, *, step: int | None = None, verify: bool = True
+) -> Any:
     """Restore checkpoint `step` (default: the latest) of `directory` into the shape of `like`.
 
     `like` is a pytree like the saved state: concrete arrays, or `jax.ShapeDtypeStruct`s
@@ -288,6 +290,8 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
     NamedTuple, dataclass, dict, ...), dtypes, typed PRNG keys (re-wrapped with the
     recorded implementation) and Python scalar types; jax.Array leaves are placed with
     the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
+    With `verify` (default), every array read is checked against the checksums
+    recorded when it was written: a corrupted file is a `RestoreError`, never numbers.
     `directory` may be relative (to the working directory), as everywhere.
 
     Raises:
@@ -314,16 +318,48 @@ def restore(directory: str | os.PathLike[str], like: Any, *, step: int | None = 
         if sharding is not None:
             placed[spec.name] = sharding
     tree = _read_state(path, step, where, seen, _restore_args(saved_specs, placed))
+    checks = _checksums(meta, os.path.join(path, str(step)), where) if verify else None
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
-        array = _stored_array(tree, saved, where)
+        array = _stored_array(tree, saved, where, checks)
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     return treedef.unflatten(leaves)
 
 
-def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> Any:
-    """The data of one leaf, checked against its description."""
+def _checksums(meta: dict[str, Any], step_dir: str, where: str) -> Any:
+    """`check(saved, array)`: verifies a leaf's stored data against its checksums."""
+    sums = meta.get("checksums")
+    if sums is None:  # written before checksums were recorded
+        return None
+    if not isinstance(sums, dict):
+        raise RestoreError(f"{where}: the checkpoint's checksums are not a dict; it was edited.")
+
+    def check(saved: _tree.LeafSpec, array: Any) -> None:
+        name = _store.param_name(saved.name)
+        leaf_sums = sums.get(name)
+        if leaf_sums is None:
+            raise RestoreError(
+                f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
+                f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another "
+                "step, or pass verify=False to read it unchecked."
+            )
+
+        def report(key: str) -> RestoreError:
+            return _verify.mismatch(where, name, saved.path, key, step_dir)
+
+        def read_host() -> np.ndarray:
+            return _verify.read_leaf(step_dir, saved.name)
+
+        _verify.check_leaf(array, leaf_sums, read_host, report)
+
+    return check
+
+
+def _stored_array(
+    tree: dict[str, Any], saved: _tree.LeafSpec, where: str, check: Any = None
+) -> Any:
+    """The data of one leaf, checked against its description (and its checksums)."""
     shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
     dtype = np.dtype(saved.dtype)
     if 0 in shape:  # zero-size leaves are described, not stored (Orbax cannot store them)
@@ -336,6 +372,8 @@ def _stored_array(tree: dict[str, Any], saved: _tree.LeafSpec, where: str) -> An
         )
     if not isinstance(array, jax.Array):  # read sharded: never gathered here
         array = np.asarray(array)
+    if check is not None and array.shape == shape:
+        check(saved, array)
     value = _format.from_storage(array, dtype) if array.shape == shape else None
     if value is None:
         raise RestoreError(
@@ -350,3 +388,35 @@ def _short(steps: list[int]) -> str:
     if len(steps) <= 10:
         return str(steps)
     return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-3:]))}]"
+
+
+def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
+    """Check every stored byte of `step` (default: every step) against the checksums
+    recorded when it was written, without a `like`: each leaf is read whole into host
+    memory, one at a time. Returns the steps checked; raises `RestoreError` naming the
+    first corrupted leaf (its step, region and directory). Blocks while reading."""
+    path = _format.resolve(directory, "verify")
+    steps = _format.list_steps(path)
+    if step is not None:
+        steps = [_pick_step(path, _check_step_arg(step, "verify"), "verify")]
+    for one in steps:
+        where = f"verify(step={one}) of {path!r}"
+        seen = _identify(path, one, where)
+        meta = _read_meta(path, one, where, seen)
+        check = _checksums(meta, os.path.join(path, str(one)), where)
+        if check is None:
+            continue
+        for saved in _saved_specs(meta, where):
+            shape = saved.shape + (
+                _tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ()
+            )
+            if 0 in shape:
+                continue  # described, not stored
+            try:
+                array = _verify.read_leaf(os.path.join(path, str(one)), saved.name)
+            except Exception as e:
+                if not _still_there(path, one, seen):
+                    raise _removed(path, one, where) from e
+                raise RestoreError(f"{where}: cannot read leaf {saved.path}: {e}") from e
+            check(saved, array)
+    return steps

@@ -27,6 +27,7 @@ PUBLIC = [
     "metadata",
     "restore",
     "same_bits",
+    "verify",
 ]
 
 
