@@ -211,7 +211,15 @@ class Group:
         return f"{step}.jax_cb_ckpt-tmp-{self.run[:24]}{self._attempts[step]:08x}"
 
     def tell(self, step: int, name: str, value: str) -> None:
-        self._client.key_value_set(self._key(step, name), value)
+        try:
+            self._client.key_value_set(self._key(step, name), value)
+        except Exception as e:  # the service lives in process 0
+            raise SaveError(
+                f"process {self.index} could not tell the others '{name}' of step {step} "
+                f"through the coordination service, which process 0 runs ({type(e).__name__}: "
+                f"{e}). Process 0 has died or cannot be reached. Fix: restart every process "
+                "of the run; they resume from the last complete checkpoint."
+            ) from e
 
     def hear(self, step: int, name: str, what: str, peer: int) -> str:
         """The value process `peer` tells under `name`: waited for while `peer`'s
