@@ -125,6 +125,13 @@ def zarray(shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...], com
     }
 
 
+@functools.lru_cache(maxsize=4096)
+def _zarray_json(
+    shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...], compress: bool
+) -> str:
+    return json.dumps(zarray(shape, dtype, chunks, compress))
+
+
 def chunks_of(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Chunk shape of a leaf written whole: split along the leading axes so that a
     chunk holds at most CHUNK_BYTES."""
@@ -204,7 +211,8 @@ class StoreWriter:
         kv = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
         txn = ts.Transaction(atomic=False)
         kvt = kv.with_transaction(txn)
-        pending: list[Any] = []
+        pending: list[Any] = []  # writes through the zarr driver
+        staged: list[Any] = []  # key-value writes
         sums: dict[str, dict[str, int]] = {}
         large = []
         for path, leaf in flat.items():
@@ -214,13 +222,14 @@ class StoreWriter:
             small = nbytes <= SMALL_BYTES
             compress = self.compression and not small
             if zarrays:
-                meta = json.dumps(zarray(shape, dtype, chunks, compress))
-                pending.append(kvt.write(f"{name}/.zarray", meta))
+                meta = _zarray_json(tuple(shape), dtype, tuple(chunks), compress)
+                staged.append(kvt.write(f"{name}/.zarray", meta))
             if small:  # raw chunk bytes: no zarr driver to open
+                leaf_sums = sums.setdefault(name, {})
                 for region, block in pieces:
                     data = _padded(block, chunks).tobytes()
-                    pending.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
-                    sums.setdefault(name, {})[region_key(region)] = checksum(block)
+                    staged.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
+                    leaf_sums[region_key(region)] = checksum(block)
                 continue
             store = ts.open(
                 {"driver": "zarr", "metadata": zarray(shape, dtype, chunks, compress)},
@@ -240,8 +249,11 @@ class StoreWriter:
                 sums.setdefault(name, {})[region_key(region)] = checksum(block)
         checksum_s = time.perf_counter() - start
         for future in pending:
-            future.result() if isinstance(future, ts.Future) else future.copy.result()
+            future.copy.result()
         txn.commit_async().result()
+        for future in staged:  # staged in the transaction (done by now): any failure?
+            if future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
         return sums, checksum_s
 
     def merge(self, state_dir: str, count: int) -> None:
@@ -270,11 +282,15 @@ def _pieces(leaf: Any) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...]
         chunks = tuple(max(1, n) for n in np.shape(first))
         return pieces, leaf.shape, leaf.dtype, chunks
     array = np.asarray(leaf)
+    if array.nbytes <= CHUNK_BYTES:  # one chunk, the whole array
+        chunks = tuple(max(1, n) for n in array.shape)
+        return [(tuple((0, n) for n in array.shape), array)], array.shape, array.dtype, chunks
     chunks = chunks_of(array.shape, array.dtype.itemsize)
     return list(split(array, chunks)), array.shape, array.dtype, chunks
 
 
-def state_metadata(paths: list[tuple[str, ...]]) -> str:
+@functools.lru_cache(maxsize=64)
+def state_metadata(paths: tuple[tuple[str, ...], ...]) -> str:
     """The `_METADATA` JSON of a state item: every leaf a numpy array (plain Orbax
     restores numpy, or jax.Arrays where the caller passes shardings)."""
     tree = {
@@ -297,4 +313,4 @@ def state_metadata(paths: list[tuple[str, ...]]) -> str:
 
 def write_state_metadata(state_dir: str, paths: list[tuple[str, ...]]) -> None:
     with open(os.path.join(state_dir, STATE_METADATA), "w") as f:
-        f.write(state_metadata(paths))
+        f.write(state_metadata(tuple(paths)))

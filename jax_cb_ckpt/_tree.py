@@ -144,6 +144,7 @@ def _key_name(entry: Any, where: str, path: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=256)
 def _is_key(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -152,7 +153,18 @@ def _is_key(dtype: Any) -> bool:
 _ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "uint4")
 
 
+@functools.lru_cache(maxsize=256)
+def _numeric(dtype: np.dtype) -> str | None:
+    """The name of a dtype a checkpoint stores, else None (cached: numpy computes a
+    dtype's name anew each time)."""
+    if dtype.kind in "biufc" or dtype.name.startswith(_ML_DTYPES):
+        return dtype.name
+    return None
+
+
 def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
+    if isinstance(dtype, np.dtype) and _numeric(dtype) is not None:
+        return dtype
     try:
         np_dtype = np.dtype(dtype)
     except TypeError:
@@ -202,7 +214,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
             impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
         np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
-        return LeafSpec(path, name, ARRAY, np_dtype.name, shape)
+        return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape)
     shown = repr(leaf)
     if len(shown) > 60:
         shown = shown[:57] + "..."
