@@ -15,6 +15,7 @@ reading and checked after: a step that is gone, or is another directory now, is 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -125,7 +126,21 @@ def _quiet_stale_wakeups() -> None:
                 previous(unraisable)
 
         sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_orphaned_read_failure)
         _quiet = True
+
+
+def _orphaned_read_failure(record: logging.LogRecord) -> bool:
+    """A logging filter for asyncio's logger: False (drop) for its "exception was never
+    retrieved" report of a TensorStore read that failed in the same Orbax restore as
+    another one (Orbax raised the first failure, which we raise as a RestoreError, and
+    left the other reads' futures unread). Every other record passes."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        isinstance(exc, ValueError)
+        and "tensorstore_spec" in str(exc)
+        and "exception was never retrieved" in record.getMessage()
+    )
 
 
 def _read_item(handler: Any, path: str, step: int, item: str, args: Any) -> Any:
