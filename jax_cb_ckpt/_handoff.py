@@ -330,7 +330,7 @@ class HostSide:
             if index is None:
                 continue
             key = _shards.block_key(index, shapes[i])
-            if not (spans and assembly.holds(i, key)):
+            if not spans or assembly.reserve(i, key):
                 owned.append((i, key))
         assert self._shard_pool is not None
         copies, release = self._shard_pool.copy_in([arrays[i] for i, _ in owned])

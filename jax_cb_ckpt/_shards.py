@@ -256,6 +256,7 @@ class Assembly:
         self.seen: set[tuple[int, ...]] = set()
         self.lock = threading.Lock()
         self.blocks: list[dict[Any, np.ndarray]] = [{} for _ in range(leaves)]
+        self._reserved: list[set[Any]] = [set() for _ in range(leaves)]
         self.releases: list[Callable[[], None]] = []
         self.blocking_s = 0.0  # the longest any device waited in its own call
         self.plan: Any = None  # the first device's decision: None saves nothing
@@ -281,9 +282,15 @@ class Assembly:
             for leaf, key, copy in blocks:
                 self.blocks[leaf][key] = copy
 
-    def holds(self, leaf: int, key: Any) -> bool:
+    def reserve(self, leaf: int, key: Any) -> bool:
+        """Claim the copy of a block (several processes: each keeps one replica of a
+        replicated block); False when another device of this process has claimed it.
+        Devices report at once, so without this each would copy the block."""
         with self.lock:
-            return key in self.blocks[leaf]
+            if key in self._reserved[leaf]:
+                return False
+            self._reserved[leaf].add(key)
+            return True
 
     def release(self) -> None:
         with self.lock:

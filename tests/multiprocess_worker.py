@@ -154,9 +154,16 @@ def slow_writer(mesh):
         lambda s, i: (ckpt.save({k: v + i for k, v in s.items()}, i, shardings=shardings), s)[1]
     )
     start = time.perf_counter()
-    state = make()
+    state = jax.block_until_ready(make())
+    compiled = save.lower(state, 1).compile()
+    # Both processes start saving together: a process still compiling (or making the
+    # state) when the other's writer waits for it is a peer not yet at the step, which
+    # the wait does not extend for (what this tests is a slow write).
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("slow_writer: compiled")
     for i in (1, 2):
-        state = save(state, i)
+        state = compiled(state, i)
     jax.block_until_ready(state)
     found = {"error": error_of(ckpt.wait), "wait_s": time.perf_counter() - start}
     found["steps"] = ckpt.all_steps()
