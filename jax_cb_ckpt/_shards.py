@@ -222,7 +222,7 @@ def packed(dtype: Any) -> bool:
     return name in PACKED_AS or name.startswith("float4")
 
 
-ALIGNMENT = 64  # what XLA's CPU client needs to alias host memory instead of copying
+ALIGNMENT = 64  # staging starts on a cache line (also what XLA needs to alias host memory)
 
 
 def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -26,12 +26,13 @@ written as raw chunk bytes (no zarr driver), and not compressed.
 
 Checksums: a CRC-32 of every chunk's bytes as written (C order, the stored dtype),
 computed in this thread from the host copy while TensorStore writes it (zlib releases
-the GIL), kept in the `meta` item and checked on restore (`verify_leaf`).
+the GIL), kept in the `meta` item and checked on restore (`_verify.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -151,20 +152,11 @@ def split(array: np.ndarray, chunks: tuple[int, ...]) -> Iterator[tuple[Region, 
         yield (), array
         return
     starts = [range(0, n, c) for n, c in zip(array.shape, chunks, strict=True)]
-    for corner in _product(starts):
+    for corner in itertools.product(*starts):
         region = tuple(
             (s, min(s + c, n)) for s, c, n in zip(corner, chunks, array.shape, strict=True)
         )
         yield region, array[tuple(slice(a, b) for a, b in region)]
-
-
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for first in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (first, *rest)
 
 
 def _chunk_key(region: Region, chunks: tuple[int, ...]) -> str:
