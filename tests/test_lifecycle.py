@@ -4,6 +4,7 @@ existing step is never overwritten (exit paths: tests/test_reliability.py)."""
 import copy
 import dataclasses
 import pickle
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -120,35 +121,40 @@ def test_each_event_is_reported_once_at_the_users_line(make_ckpt, caplog):
 
 def test_memory_does_not_grow_with_the_number_of_saves(tmp_path):
     """Issue 18 7(e): resident memory grew ~10-20 KiB per save with Orbax's save (its
-    and TensorStore's caches of specs and signals, kept per save). After a warm-up of
-    1,500 saves (allocator arenas, the 1,024 records of stats.recent), 1,000 more must
-    not add more than 2 KiB each (measured: 0.04-0.6 KiB)."""
+    and TensorStore's caches of specs and signals, kept per save), in every window of
+    saves. After a warm-up of 1,500 saves (allocator arenas, the 1,024 records of
+    stats.recent), the growth over four windows of 400 saves is measured; a leak shows
+    in all of them, while the allocator grows its heap in steps of a few MiB now and
+    then (one window of 2 KiB/save in CI). The median window must stay under 2 KiB per
+    save (measured: 0.03-0.6 KiB)."""
     result = run_script(
         tmp_path,
         """
+        import os
         import sys
         import numpy as np
         import jax_cb_ckpt
 
         def rss():
             with open("/proc/self/statm") as f:
-                import os
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
         state = {f"l{i}": np.arange(256, dtype=np.float32) for i in range(8)}
         with jax_cb_ckpt.Checkpointer(sys.argv[1], max_to_keep=2) as ckpt:
-            for step in range(1500):
-                ckpt.save(state, step)
-                ckpt.wait()
-            before = rss()
-            for step in range(1500, 2500):
-                ckpt.save(state, step)
-                ckpt.wait()
-            after = rss()
-        print((after - before) / 1000)
+            step = 0
+            for window in range(5):
+                before = rss()
+                for _ in range(1500 if window == 0 else 400):
+                    ckpt.save(state, step)
+                    ckpt.wait()
+                    step += 1
+                if window:
+                    print((rss() - before) / 400)
         """,
         tmp_path / "ckpt",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    per_save = float(result.stdout.split()[-1])
-    assert per_save < 2048, f"resident memory grew {per_save:.0f} bytes per save"
+    windows = [float(line) for line in result.stdout.split()]
+    assert len(windows) == 4, result.stdout
+    per_save = statistics.median(windows)
+    assert per_save < 2048, f"resident memory grew {windows} bytes per save"
