@@ -214,6 +214,26 @@ def temp_name(step: int) -> str:
     return f"{step}.jax_cb_ckpt-tmp-{uuid.uuid4().hex}"
 
 
+def run_temp_name(step: int, run: str, attempt: int) -> str:
+    """An attempt's temporary directory in a multi-process run, the same in every
+    process: 24 hex digits of the run, 8 of the attempt (32, as `_OURS` expects)."""
+    return f"{step}.jax_cb_ckpt-tmp-{run[:24]}{attempt:08x}"
+
+
+def remove_run_temps(directory: str, run: str) -> None:
+    """Delete every temporary directory of the multi-process run `run`: called when a
+    step was committed, after which none of its earlier attempts is written to (a
+    late process may have re-created the one of an attempt that had failed)."""
+    marker = f".jax_cb_ckpt-tmp-{run[:24]}"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if marker in name and _OURS.fullmatch(name):
+            _remove_ours(os.path.join(directory, name))
+
+
 def _remove_ours(path: str) -> None:
     """Delete a directory we made (never a symlink: lstat, and rmtree refuses links)."""
     if _is_real_dir(path):

@@ -16,6 +16,11 @@ Per attempt at a step, keys under `jax_cb_ckpt/<run>/<step>.<attempt>/`:
 
 Every wait has a timeout (`peer_timeout`), so a process that died makes the others fail
 with an error naming it, and a step that some process did not write is never listed.
+Every call to the service is bounded in this process too (`_bounded`): the service
+runs inside process 0, and while process 0 is stopped (SIGSTOP, a debugger, a host
+swapping) a call does not return, whatever timeout it was given (the timeout is the
+service's). A process that wrote its part but heard no verdict says that whether the
+step was committed is unknown: process 0 may commit it once it runs again.
 
 At opening, the processes check that they see one directory, not one path each (a
 local disk per host, a private mount): otherwise each process would write its blocks
@@ -34,6 +39,7 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,6 +55,37 @@ NONCE_PREFIX = ".jax_cb_ckpt.nonce-"
 _VERDICT_ERRORS: dict[str, type[CheckpointError]] = {"config": ConfigError, "save": SaveError}
 _openings: dict[str, int] = {}
 _openings_lock = threading.Lock()
+
+
+class VerdictUnknown(SaveError):
+    """This process wrote its part of a step, and heard no verdict from process 0."""
+
+
+def _bounded(fn: Callable[..., Any], *args: Any, bound_s: float) -> Any:
+    """`fn(*args)`, given up after `bound_s` with TimeoutError (the module doc: a call
+    to a stopped process 0 returns only when it runs again). The call runs in a daemon
+    thread of its own, which is left to end whenever the call does; a few per step."""
+    result: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:
+            result.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="jax_cb_ckpt-coordination", daemon=True).start()
+    if not done.wait(bound_s):
+        raise TimeoutError(
+            f"no answer from the coordination service in {bound_s:g} s (process 0, "
+            "which runs it, is stopped or cannot be reached)"
+        )
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _client() -> Any:
@@ -84,7 +121,7 @@ class Group:
             self.run = uuid.uuid4().hex
             self.old_steps: list[int] = list_steps()
             nonce, trouble = _write_nonce(directory, self.run)
-            self._client.key_value_set(key, json.dumps([self.run, self.old_steps, nonce]))
+            self._call("key_value_set", key, json.dumps([self.run, self.old_steps, nonce]))
         else:
             value = self._get(
                 key,
@@ -115,7 +152,7 @@ class Group:
         process raises the same error. Before the heartbeat starts: nothing to stop."""
         file = os.path.join(directory, NONCE_PREFIX + self.run)
         if not self.primary:
-            self._client.key_value_set(f"{key}/sees/{self.index}", _read_nonce(file, nonce))
+            self._call("key_value_set", f"{key}/sees/{self.index}", _read_nonce(file, nonce))
             kind, message = json.loads(
                 self._get(f"{key}/verdict", "process 0 to check the directory", None, "")
             )
@@ -132,7 +169,7 @@ class Group:
                 if found != OK:
                     blind.append(f"process {i} {found}")
                 try:  # read once, by this process only
-                    self._client.key_value_delete(f"{key}/sees/{i}")
+                    self._call("key_value_delete", f"{key}/sees/{i}")
                 except Exception:
                     pass
         except SaveError as e:  # a process died while opening: say so everywhere
@@ -147,18 +184,23 @@ class Group:
             verdict = ["config", _not_shared(directory, NONCE_PREFIX + self.run, blind)]
         else:
             verdict = [OK, ""]
-        self._client.key_value_set(f"{key}/verdict", json.dumps(verdict))
+        self._call("key_value_set", f"{key}/verdict", json.dumps(verdict))
         if late is not None:
             raise late
         if verdict[0] != OK:
             raise ConfigError(verdict[1])
+
+    def _call(self, name: str, *args: Any, bound_s: float | None = None) -> Any:
+        """The client's method `name`, bounded by `bound_s` (default: peer_timeout)."""
+        method = getattr(self._client, name)
+        return _bounded(method, *args, bound_s=self.timeout_s if bound_s is None else bound_s)
 
     def _alive_key(self, index: int) -> str:
         return f"jax_cb_ckpt/{self.run}/alive/{index}"
 
     def _beat(self, n: int) -> None:
         value = f"{n} {self.writing} {self.handing}"
-        self._client.key_value_set(self._alive_key(self.index), value, allow_overwrite=True)
+        self._call("key_value_set", self._alive_key(self.index), value, True)
 
     def _beating(self) -> None:
         n = 0
@@ -166,6 +208,8 @@ class Group:
             n += 1
             try:
                 self._beat(n)
+            except TimeoutError:  # process 0 is stopped: beat on once it runs again
+                pass
             except Exception:  # the service is gone: the waits report it
                 return
 
@@ -173,7 +217,7 @@ class Group:
         """Stop saying this process lives (its writer has stopped)."""
         self._stopped.set()
         try:
-            self._client.key_value_delete(self._alive_key(self.index))
+            self._call("key_value_delete", self._alive_key(self.index))
         except Exception:  # the service is gone already
             pass
 
@@ -200,7 +244,7 @@ class Group:
         that attempt's keys are deleted; the coordination service keeps them in memory."""
         if self._previous is not None:
             try:
-                self._client.key_value_delete(self._previous)
+                self._call("key_value_delete", self._previous)
             except Exception:  # housekeeping: the save goes on without it
                 pass
         self._previous = self._prefix(step)
@@ -208,11 +252,16 @@ class Group:
     def temp_name(self, step: int) -> str:
         """The attempt's temporary directory, the same in every process of the run
         (32 hex digits after the prefix, as the cleanup of leftovers expects)."""
-        return f"{step}.jax_cb_ckpt-tmp-{self.run[:24]}{self._attempts[step]:08x}"
+        return _format.run_temp_name(step, self.run, self._attempts[step])
+
+    def committed(self, directory: str) -> None:
+        """The primary committed a step: no process writes an earlier attempt now
+        (each wrote its part of this step after them), so what is left of them goes."""
+        _format.remove_run_temps(directory, self.run)
 
     def tell(self, step: int, name: str, value: str) -> None:
         try:
-            self._client.key_value_set(self._key(step, name), value)
+            self._call("key_value_set", self._key(step, name), value)
         except Exception as e:  # the service lives in process 0
             raise SaveError(
                 f"process {self.index} could not tell the others '{name}' of step {step} "
@@ -226,6 +275,23 @@ class Group:
         writer works on this save, and at most `timeout_s` more once it does not."""
         return self._get(self._key(step, name), what, (peer, step), "")
 
+    def verdict(self, step: int) -> str:
+        """Process 0's verdict on `step`, which this process wrote its part of: OK, or
+        why it was not committed. `VerdictUnknown` when it does not come."""
+        try:
+            return self.hear(step, "commit", f"process 0 to commit step {step}", 0)
+        except SaveError as e:
+            cause = e.__cause__ or e
+            raise VerdictUnknown(
+                f"process {self.index} wrote its part of step {step}, then heard no "
+                f"verdict on it from process 0 in {self.timeout_s:g} s "
+                f"({type(cause).__name__}: {cause}). Whether step {step} was committed "
+                "is unknown: process 0 may still commit it (now, or once it runs again) "
+                "or may have failed it. Fix: restart every process of the run; "
+                "ckpt.latest_step() then says from which step they resume "
+                "(Checkpointer(peer_timeout=...) sets how long to wait)."
+            ) from e
+
     def hand_over(self, step: int) -> None:
         """This process began to hand `step` over (called from JAX's callbacks)."""
         self.handing = step
@@ -237,14 +303,19 @@ class Group:
             left = deadline - time.monotonic()
             wait_s = max(0.001, min(left, 2 * self._beat_s if peer is not None else left))
             try:
-                return str(self._client.blocking_key_value_get(key, int(wait_s * 1000)))
+                got = self._call(
+                    "blocking_key_value_get", key, int(wait_s * 1000), bound_s=wait_s + 1.0
+                )
+                return str(got)
             except Exception as e:
-                if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                answered = not isinstance(e, TimeoutError) and "DEADLINE_EXCEEDED" not in str(e)
+                if answered or time.monotonic() >= deadline:
                     raise self._in_vain(what, fix, e) from e
             if peer is not None:
                 index, step = peer
                 try:
-                    beat = str(self._client.key_value_try_get(self._alive_key(index)))
+                    alive = self._alive_key(index)
+                    beat = str(self._call("key_value_try_get", alive, bound_s=self._beat_s))
                 except Exception:
                     beat = None
                 if beat is not None and beat != heard and str(step) in beat.split()[1:]:
@@ -289,6 +360,12 @@ class Solo:
         raise AssertionError(f"a group of one waited for {what}")
 
     def heard_all(self, step: int) -> None:
+        pass
+
+    def verdict(self, step: int) -> str:
+        raise AssertionError("a group of one waited for its own verdict")
+
+    def committed(self, directory: str) -> None:
         pass
 
     def close(self) -> None:

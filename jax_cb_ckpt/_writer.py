@@ -37,7 +37,7 @@ from . import _format, _store
 from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
-from ._processes import OK, Group, Solo
+from ._processes import OK, Group, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
@@ -177,8 +177,9 @@ class Writer:
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
         kept = " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
+        outcome = "ended with an unknown outcome" if isinstance(e, VerdictUnknown) else "failed"
         error = SaveError(
-            f"saving step {step} to {self.directory!r} failed: {type(e).__name__}: "
+            f"saving step {step} to {self.directory!r} {outcome}: {type(e).__name__}: "
             f"{str(e).rstrip('.')}.{kept}"
         )
         error.__cause__ = e
@@ -222,6 +223,8 @@ class Writer:
             try:
                 if item.ready is not None:  # copies from a GPU still in flight
                     item.ready()
+                if not group.primary:
+                    _enter_attempt(temp, group)
                 sums, checksum_s = self._write_arrays(temp, item, group)
                 if not group.primary:
                     _format.fsync_tree(os.path.join(temp, _format.STATE_ITEM, _part(group)))
@@ -249,11 +252,12 @@ class Writer:
                 _format.write_meta(temp, dict(item.meta, checksums=sums))
                 _format.write_step_file(temp)
                 self._commit(temp, final)
+                group.committed(self.directory)
                 self._retain()
                 group.tell(step, "commit", OK)
                 verdict_due = False
             else:
-                verdict = group.hear(step, "commit", f"process 0 to commit step {step}", 0)
+                verdict = group.verdict(step)
                 if verdict != OK:
                     raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
@@ -334,6 +338,23 @@ def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray])
     for key, block in blocks.items():
         out[tuple(slice(a, b) for a, b in key)] = block
     return out
+
+
+def _enter_attempt(temp: str, group: Group | Solo) -> None:
+    """Make this process's part's folder in the attempt's temporary directory, which
+    process 0 made: refused when process 0 has removed it again (it gave up on the
+    step before this process came to it), rather than re-create a folder nobody
+    removes (TensorStore creates the folders it writes into)."""
+    try:
+        os.mkdir(os.path.join(temp, _format.STATE_ITEM, _part(group)))
+    except FileNotFoundError:
+        raise SaveError(
+            f"process 0 had given up on this step before process {group.index} began "
+            f"to write its part (its temporary directory {os.path.basename(temp)!r} is "
+            "gone); nothing was written"
+        ) from None
+    except FileExistsError:  # an earlier try of this process at this attempt
+        pass
 
 
 def _part(group: Group | Solo) -> str:

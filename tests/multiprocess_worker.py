@@ -14,6 +14,10 @@ jitted scan whose body has a cross-device reduction, and saved with
 - `run`: `ckpt.run(...)` of many steps; the test sends SIGTERM to every process.
 - `restore`: a single process (any device count) restores the latest checkpoint with
   the state sharded over its own devices and checks it against a fresh computation.
+- `stopped`: process 0 stops itself (SIGSTOP) just before a commit; process 1 must
+  give up in bounded time, saying the outcome is unknown (the test sends SIGCONT).
+- `late`: process 1 hands a step over after process 0 gave up on it; nothing of the
+  failed attempt may be left on disk.
 - `unshared`: DIRECTORY is not the same directory in every process (the test mounts
   a private tmpfs there for process 1): opening must fail on every process; what a
   run would do there otherwise is reported too.
@@ -256,6 +260,96 @@ def refusals(state, shardings):
     return found
 
 
+def _small_saver(mesh, ckpt):
+    """A small sharded state and a jitted `save(state, step)` of it, compiled on both
+    processes, which then start together."""
+    from jax.experimental import multihost_utils
+
+    shardings = {"w": NamedSharding(mesh, P("d"))}
+    state = jax.device_put({"w": jnp.arange(ROWS * 8, dtype=jnp.float32).reshape(ROWS, 8)})
+    state = jax.device_put(state, shardings)
+    save = jax.jit(
+        lambda s, i: (ckpt.save({k: v + i for k, v in s.items()}, i, shardings=shardings), s)[1]
+    )
+    compiled = save.lower(state, 1).compile()
+    multihost_utils.sync_global_devices("small saver: compiled")
+    return state, compiled
+
+
+def stopped_before_commit(mesh):
+    """Process 0 stops itself (SIGSTOP) just before it commits step 2, until the test
+    sends SIGCONT. Process 1 must give up on the verdict in bounded time while process
+    0 is stopped, saying the outcome is unknown (it was "not committed", although
+    process 0 committed it once it ran again; and its calls to the coordination
+    service blocked for the whole stop). Process 1 prints a first line as soon as it
+    knows; both print the steps once process 0 is done."""
+    import signal
+
+    from jax._src import distributed
+
+    if PID == 0:
+        commits = []
+        write_step_file = jax_cb_ckpt._format.write_step_file
+
+        def stopping(temp):
+            commits.append(temp)
+            if len(commits) == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return write_step_file(temp)
+
+        jax_cb_ckpt._format.write_step_file = stopping
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
+    state, save = _small_saver(mesh, ckpt)
+    start = time.perf_counter()
+    for i in (1, 2):
+        state = save(state, i)
+    jax.block_until_ready(state)
+    found = {"error": error_of(ckpt.wait), "failed_after_s": time.perf_counter() - start}
+    client = distributed.global_state.client
+    if PID == 1:
+        print(json.dumps(found), flush=True)  # while process 0 is still stopped
+        client.blocking_key_value_get("test/stopped_done", int((TIMEOUT + 120) * 1000))
+    else:
+        client.key_value_set("test/stopped_done", "1")
+    found["steps"] = ckpt.all_steps()
+    ckpt.close()
+    return found
+
+
+def late_for_a_step(mesh):
+    """Process 1 hands step 1 over long after process 0 gave up on it (peer_timeout):
+    it must not re-create the attempt's temporary directory that process 0 removed.
+    Then process 1 re-creates it as a write racing process 0's removal would, and
+    committing step 2 must remove it: nothing of the run's attempts is left."""
+    from jax.experimental import multihost_utils
+
+    def temps():
+        return sorted(n for n in os.listdir(DIRECTORY) if ".jax_cb_ckpt-tmp-" in n)
+
+    ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
+    state, save = _small_saver(mesh, ckpt)
+    if PID == 1:
+        time.sleep(TIMEOUT + 6)  # process 0 waits TIMEOUT for this part, then gives up
+    jax.block_until_ready(save(state, 1))
+    found = {"late_error": error_of(ckpt.wait)}
+    multihost_utils.sync_global_devices("late: step 1 over")
+    found["temps_after_step_1"] = temps()
+    multihost_utils.sync_global_devices("late: step 1 listed")
+    if PID == 1:  # the race the refusal cannot close: a late write past its check
+        gone = found["late_error"].split("its temporary directory '")[1].split("'")[0]
+        part = os.path.join(DIRECTORY, gone, "state", "ocdbt.process_1")
+        os.makedirs(part)
+        with open(os.path.join(part, "manifest.ocdbt"), "wb") as f:
+            f.write(b"late")
+    jax.block_until_ready(save(state, 2))
+    found["error"] = error_of(ckpt.wait)
+    multihost_utils.sync_global_devices("late: step 2 over")
+    found["temps_after_step_2"] = temps()
+    found["steps"] = ckpt.all_steps()
+    ckpt.close()
+    return found
+
+
 def unshared(state, shardings):
     """Each process opens DIRECTORY, which is a different directory in each: the
     opening fails everywhere, naming the process that does not see process 0's
@@ -297,6 +391,14 @@ def main():
     state = place(host_initial(), shardings)
     if MODE == "slow":
         findings.update(slow_writer(mesh))
+        print(json.dumps(findings), flush=True)
+        return 0
+    if MODE == "stopped":
+        findings.update(stopped_before_commit(mesh))
+        print(json.dumps(findings), flush=True)
+        return 0
+    if MODE == "late":
+        findings.update(late_for_a_step(mesh))
         print(json.dumps(findings), flush=True)
         return 0
     if MODE == "diverge":

@@ -104,9 +104,14 @@ class Group:
             self.kill()
         results = []
         for i, child in enumerate(self.children):
-            lines = [x for x in self.printed(i).splitlines() if x.startswith("{")]
-            results.append((child.returncode, json.loads(lines[-1]) if lines else None))
+            lines = json_lines(self.printed(i))
+            results.append((child.returncode, lines[-1] if lines else None))
         return results
+
+
+def json_lines(printed):
+    """The JSON lines a worker printed (gloo prints lines of its own)."""
+    return [json.loads(x) for x in printed.splitlines() if x.startswith("{")]
 
 
 def run_group(tmp_path, mode, directory, **kwargs):
@@ -262,6 +267,73 @@ def test_a_save_made_by_one_process_only_fails_there_in_bounded_time(tmp_path):
     assert "SaveError" in second["error"] and "process 0 to start step 7" in second["error"]
     assert second["failed_after_s"] < PEER_TIMEOUT + 30, second
     assert second["steps"] == [], second
+
+
+def process_state(pid):
+    """The state letter of a process (`T` when stopped), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_stopped_process_0_leaves_the_verdict_unknown_in_bounded_time(tmp_path):
+    """Issue 18 7(a): process 0 stops (SIGSTOP) just before it commits step 2. Before,
+    process 1's calls to the coordination service (which runs in process 0) blocked for
+    the whole stop, so peer_timeout bounded nothing, and it then said step 2 was "not
+    committed" although process 0 committed it once it ran again. Now process 1 gives
+    up within peer_timeout while process 0 is still stopped, saying the outcome is
+    unknown; once continued, process 0 commits and both list step 2."""
+    directory = tmp_path / "ckpt"
+    group = Group(tmp_path, "stopped", directory)
+    pid0 = group.children[0].pid
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while process_state(pid0) != "T":
+            assert time.monotonic() < deadline, "process 0 never stopped\n" + group.errors(0)
+            assert all(c.poll() is None for c in group.children), group.errors(1)
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        while not json_lines(group.printed(1)):  # process 1's verdict, while 0 is stopped
+            assert time.monotonic() < stopped + PEER_TIMEOUT + 30, (
+                "process 1 said nothing while process 0 was stopped (a call blocked)\n"
+                + group.errors(1)
+            )
+            assert group.children[1].poll() is None, group.errors(1)
+            time.sleep(0.05)
+        assert process_state(pid0) == "T"  # still stopped when process 1 spoke
+    finally:
+        if group.children[0].poll() is None:
+            group.signal(0, signal.SIGCONT)
+    early = json_lines(group.printed(1))[0]
+    (rc0, first), (rc1, second) = group.wait()
+    assert rc0 == 0 and rc1 == 0 and first and second, (group.errors(0), group.errors(1))
+    error = early["error"]
+    assert "SaveError" in error and "ended with an unknown outcome" in error, error
+    assert "Whether step 2 was committed is unknown" in error, error
+    assert "not committed" not in error, error
+    assert first["error"] is None, first  # process 0 committed step 2 once continued
+    assert first["steps"] == second["steps"] == [1, 2], (first, second)
+    assert jax_cb_ckpt.all_steps(directory) == [1, 2]
+
+
+def test_a_late_process_leaves_no_temporary_directory_behind(tmp_path):
+    """Issue 18 7(b): process 1 comes to step 1 after process 0 gave up on it and
+    removed its temporary directory. Before, process 1 re-created that directory
+    (TensorStore makes the folders it writes into) and it stayed until the next
+    opening; now process 1 refuses to write into a removed attempt, and process 0
+    removes what is left of the run's attempts at each commit."""
+    directory = tmp_path / "ckpt"
+    results = run_group(tmp_path, "late", directory)
+    for rc, found in results:
+        assert rc == 0 and found is not None, results
+        assert found["temps_after_step_1"] == [], found
+        assert found["temps_after_step_2"] == [], found
+        assert found["error"] is None and found["steps"] == [2], found
+    first, second = results[0][1], results[1][1]
+    assert "in vain" in first["late_error"] and "process 1" in first["late_error"], first
+    assert "process 0 had given up on this step" in second["late_error"], second
 
 
 def private_mount(directory):
