@@ -251,14 +251,30 @@ def remove_step(directory: str, step: int) -> bool:
 
     Returns False (and touches nothing) when `<step>` is not a checkpoint of ours.
     """
+    aside = set_aside(directory, step)
+    if aside is None:
+        return False
+    fsync_dir(directory)
+    remove_aside(aside)
+    return True
+
+
+def set_aside(directory: str, step: int) -> str | None:
+    """Unlist checkpoint `step`: renamed aside (atomic), for `remove_aside` to delete
+    later. None (and nothing touched) when `<step>` is not a checkpoint of ours. Not
+    fsynced: a crash that loses the rename gives the step back, complete, and the next
+    retention sets it aside again; a crash after it leaves a leftover that the next
+    opening removes."""
     source = os.path.join(directory, str(step))
     if not is_checkpoint(source):
-        return False
+        return None
     aside = os.path.join(directory, f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
     os.rename(source, aside)
-    fsync_dir(directory)
-    _remove_ours(aside)
-    return True
+    return aside
+
+
+def remove_aside(path: str) -> None:
+    _remove_ours(path)
 
 
 def clean_leftovers(directory: str) -> None:

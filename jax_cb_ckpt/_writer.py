@@ -88,6 +88,7 @@ class Writer:
         self._stats = stats
         self._identity = _format.identity(directory)
         self._group: Group | Solo = group or Solo()
+        self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
             _format.clean_leftovers(directory)
         self._store = _store.StoreWriter(compression=compression)
@@ -142,7 +143,9 @@ class Writer:
                 finally:
                     item.release()
                     self._exchange.finished(item.step, item.replace, error)
+                self._sweep()
         finally:
+            self._sweep()
             _LIVE.discard(self)
             self._group.close()
             self._lock.release()
@@ -253,7 +256,7 @@ class Writer:
                 _format.write_step_file(temp)
                 self._commit(temp, final)
                 group.committed(self.directory)
-                self._retain()
+                self._retain()  # before the verdict: every process then lists the same
                 group.tell(step, "commit", OK)
                 verdict_due = False
             else:
@@ -313,11 +316,21 @@ class Writer:
             )
 
     def _retain(self) -> None:
+        """Unlist the steps beyond `max_to_keep`; their files are deleted by `_sweep`
+        once the save is reported (a few ms per step the waiter need not wait for)."""
         if self._max_to_keep is None:
             return
         steps = _format.list_steps(self.directory)
         for old in steps[: max(0, len(steps) - self._max_to_keep)]:
-            _format.remove_step(self.directory, old)
+            aside = _format.set_aside(self.directory, old)
+            if aside is not None:
+                self._aside.append(aside)
+
+    def _sweep(self) -> None:
+        """Delete the steps retention set aside: after the save is reported, so the
+        waiter does not wait for the few ms of unlinking a step's files."""
+        while self._aside:
+            _format.remove_aside(self._aside.pop())
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):

@@ -48,6 +48,8 @@ def test_max_to_keep_counts_existing_checkpoints(make_ckpt, ckpt_dir):
     second.wait()
     assert second.all_steps() == [4, 5]
     np.testing.assert_array_equal(second.restore(state_at(0))["w"], np.full(3, 5.0))
+    second.close()  # the files of the steps retention removed are gone by then
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".")) == ["4", "5"]
 
 
 def test_existing_step_is_never_overwritten(make_ckpt):
