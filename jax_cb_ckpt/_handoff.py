@@ -23,7 +23,9 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import importlib.metadata
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -535,7 +537,15 @@ class HostSide:
             hosts = signature.assemble(crossed, members.shape)
             specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
-            meta = dict(_META_BASE, step=step, leaves=[s.to_json() for s in specs])
+            meta: dict[str, Any] = dict(
+                _versions(),
+                step=step,
+                saved_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+                leaves=[s.to_json() for s in specs],
+            )
+            shardings = _described_shardings(specs, hosts)
+            if shardings:
+                meta["shardings"] = shardings
             if members.shape:
                 meta["batch_shape"] = list(members.shape)
                 meta["members"] = members.tolist()
@@ -553,7 +563,39 @@ class HostSide:
         self._stats.in_flight(self._exchange.submit(item))
 
 
-_META_BASE = {"format": FORMAT, "library_version": version()}
+@functools.cache
+def _versions() -> dict[str, str]:
+    """What wrote a step, for `metadata()` and `jax-cb-ckpt show` (read once)."""
+    import jaxlib
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "format": FORMAT,
+        "library_version": version(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jaxlib, "__version__", installed("jaxlib")),
+        "orbax_version": installed("orbax-checkpoint"),
+        "tensorstore_version": installed("tensorstore"),
+    }
+
+
+def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
+    """How each leaf saved per device was split: the mesh's axes and, per dimension,
+    the mesh axes it is split over (`jax-cb-ckpt show` prints them)."""
+    out = {}
+    for spec, host in zip(specs, hosts, strict=True):
+        if isinstance(host, _shards.ShardedArray):
+            layout = host.layout
+            out[spec.path] = {
+                "mesh": dict(zip(layout.axis_names, layout.axis_sizes, strict=True)),
+                "spec": [list(axes) for axes in layout.dims[host.leaf]],
+            }
+    return out
 
 
 def _noop() -> None:

@@ -130,3 +130,20 @@ def wait_for_step(directory, step, child, timeout=120):
         assert child.poll() is None, child.communicate()
         assert time.monotonic() < deadline, "the child saved nothing"
         time.sleep(0.01)
+
+
+def data_files(step_dir):
+    """The state item's data files, largest first."""
+    root = os.path.join(step_dir, "state")
+    found = []
+    for where, _dirs, files in os.walk(root):
+        found += [os.path.join(where, f) for f in files if os.sep + "d" in where]
+    return sorted(found, key=os.path.getsize, reverse=True)
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))

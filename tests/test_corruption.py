@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import data_files, flip
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,23 +24,6 @@ def state(compression_seed=0):
         "small": np.arange(8, dtype=np.int32),
         "z": np.repeat(np.arange(N // 64, dtype=np.float32), 64),  # compressible
     }
-
-
-def data_files(step_dir):
-    """The state item's data files, largest first."""
-    root = os.path.join(step_dir, "state")
-    found = []
-    for where, _dirs, files in os.walk(root):
-        found += [os.path.join(where, f) for f in files if os.sep + "d" in where]
-    return sorted(found, key=os.path.getsize, reverse=True)
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 @pytest.mark.parametrize("compression", [False, True])

@@ -1,0 +1,152 @@
+"""The command line, run as a user runs it (a subprocess): `jax-cb-ckpt` and
+`python -m jax_cb_ckpt`, `ls`, `show`, `verify`, with and without `--json`, on real
+checkpoints; a flipped byte makes `verify` exit 1 naming the leaf and step."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import CHILD_ENV, data_files, flip
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cb_ckpt
+
+SCRIPT = Path(sys.executable).with_name("jax-cb-ckpt")  # installed by pip with the package
+
+
+def cli(*args, module=False):
+    command = [sys.executable, "-m", "jax_cb_ckpt"] if module else [str(SCRIPT)]
+    return subprocess.run(
+        [*command, *map(str, args)], capture_output=True, text=True, env=CHILD_ENV, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 (a 1 MiB float leaf sharded over a 2x2 mesh, a typed key, ints)
+    and step 3 saved under jit(vmap) over 3 members, of which 2 saved."""
+    directory = tmp_path_factory.mktemp("cli") / "ckpt"
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    shardings = {
+        "w": NamedSharding(mesh, P("a", "b")),
+        "key": NamedSharding(mesh, P()),
+        "n": NamedSharding(mesh, P()),
+    }
+    state = {
+        "w": jnp.arange(1 << 18, dtype=jnp.float32).reshape(512, 512),
+        "key": jax.random.key(0),
+        "n": jnp.int32(7),
+    }
+    state = jax.device_put(state, shardings)
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        save = jax.jit(lambda s, i: ckpt.save(s, i, shardings=shardings))
+        save(state, 1)
+        save(state, 2)
+        ckpt.wait()
+
+        def member(x, keep):
+            ckpt.maybe_save({"x": x}, 3, when=keep)
+            return x
+
+        jax.jit(jax.vmap(member))(jnp.ones((3, 4)), jnp.array([True, False, True]))
+    return directory
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["script", "python -m"])
+def test_ls_lists_every_step_complete_with_size_and_time(saved, module):
+    result = cli("ls", saved, module=module)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:2] == ["step", "saved"], result.stdout
+    assert [line.split()[0] for line in lines[1:]] == ["1", "2", "3"], result.stdout
+    assert all(line.endswith("complete") for line in lines[1:]), result.stdout
+    assert "MiB" in lines[1] and jax_cb_ckpt.metadata(saved, step=1)["saved_at"][:10] in lines[1]
+
+
+def test_ls_json_and_a_step_being_written(saved, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    shutil.copytree(copy / "2", copy / ("9.jax_cb_ckpt-tmp-" + "ab" * 16))  # mid-write
+    (copy / "notes.txt").write_text("a user's file, not a step")
+    result = cli("ls", copy, "--json")
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["directory"] == str(copy.resolve())
+    steps = found["steps"]
+    assert [(s["step"], s["complete"]) for s in steps] == [
+        (1, True),
+        (2, True),
+        (3, True),
+        (9, False),
+    ]
+    assert steps[0]["bytes"] >= 1 << 20  # the 1 MiB leaf, as stored
+    assert steps[0]["saved_at"] == jax_cb_ckpt.metadata(copy, step=1)["saved_at"]
+    assert steps[3]["saved_at"] is None
+    assert "incomplete" in cli("ls", copy).stdout.splitlines()[-1]
+
+
+def test_show_names_leaves_shardings_batch_and_versions(saved):
+    result = cli("show", saved, "--step", 2)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith(f"step 2 of {saved.resolve()}"), out
+    assert f"jax {jax.__version__}" in out and "orbax-checkpoint" in out, out
+    assert f"jax_cb_ckpt {jax_cb_ckpt.__version__}" in out, out
+    (w,) = [line for line in out.splitlines() if "state['w']" in line]
+    assert "float32" in w and "(512, 512)" in w, w
+    assert "saved per device: mesh(a=2, b=2) P('a', 'b')" in w, w
+    (key,) = [line for line in out.splitlines() if "state['key']" in line]
+    assert "key<threefry2x32>" in key and "P()" in key, key
+    batch = cli("show", saved).stdout  # the latest step: the vmapped save
+    assert "step 3 of" in batch, batch
+    assert "shape (3,)" in batch and "2 of 3 members saved: [(0,), (2,)]" in batch, batch
+
+
+def test_show_json_is_the_metadata(saved):
+    result = cli("show", saved, "--step", 1, "--json")
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    meta = jax_cb_ckpt.metadata(saved, step=1)
+    assert found == {"directory": str(saved.resolve()), **meta}
+    assert meta["jax_version"] == jax.__version__
+    assert meta["shardings"]["state['w']"] == {"mesh": {"a": 2, "b": 2}, "spec": [["a"], ["b"]]}
+
+
+def test_verify_passes_then_finds_a_flipped_byte(saved, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    result = cli("verify", copy)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ok (every byte matches its checksum)") == 3, result.stdout
+    biggest = data_files(copy / "2")[0]
+    flip(biggest, os.path.getsize(biggest) // 2)
+    result = cli("verify", copy)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("step 1: ok") and lines[2].startswith("step 3: ok"), lines
+    assert lines[1].startswith("step 2: FAILED") and "state['w']" in lines[1], lines
+    found = json.loads(cli("verify", copy, "--step", 2, "--json").stdout)
+    assert found["ok"] is False and found["steps"][0]["ok"] is False, found
+    assert "is corrupted" in found["steps"][0]["error"], found
+    assert cli("verify", copy, "--step", 1).returncode == 0
+
+
+def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
+    missing = cli("ls", tmp_path / "nowhere")
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr, missing
+    no_step = cli("show", saved, "--step", 99)
+    assert no_step.returncode == 2 and "99" in no_step.stderr, no_step
+    assert "jax-cb-ckpt show:" in no_step.stderr, no_step
+    usage = cli("frobnicate", saved)
+    assert usage.returncode == 2 and "invalid choice" in usage.stderr, usage
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("ls", empty).stdout.startswith("no checkpoints in"), cli("ls", empty)
