@@ -650,6 +650,7 @@ class Checkpointer:
         batched: bool = False,
         sigint: bool = False,
         check_every: int | None = None,
+        progress: bool = False,
     ) -> Any:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
@@ -676,6 +677,10 @@ class Checkpointer:
             num_steps: total steps of the run.
             batched: `init` has a leading axis (seeds, say) and `body` is written for
                 one member: the loop runs `vmap(body)` and saves the whole batch.
+            progress: show a progress bar (tqdm: `pip install 'jax_cb_ckpt[progress]'`)
+                with steps/s and the last saved step. It moves every `check_every`
+                steps, from the stop-flag read the loop makes anyway: nothing more
+                crosses to the host.
 
         Example:
             ```python
@@ -692,6 +697,7 @@ class Checkpointer:
             batched=batched,
             sigint=sigint,
             check_every=check_every,
+            progress=progress,
         )
 
     def should_stop(self, step: Any) -> jax.Array:

@@ -56,6 +56,7 @@ class StopFlag:
         # SIGINT handler of the user's own raised) once the loop has stopped and saved.
         self.interrupted = False
         self.deferred: BaseException | None = None
+        self.reached: int | None = None  # the last step a loop read the flag at
 
     def request(self, signum: int | None = None) -> None:
         with self._lock:
@@ -142,6 +143,7 @@ class StopFlag:
         # pure_callback: no effect to order, DCE may drop an unused read, and it batches
         # (vmap_method) and differentiates (no inputs need tangents) without trouble.
         def read(step: np.ndarray) -> np.ndarray:
+            self.reached = int(np.max(step)) if np.size(step) else self.reached
             return np.full(np.shape(step), self.requested, dtype=bool)
 
         step = jnp.asarray(step)

@@ -9,6 +9,7 @@ Checkpoint `k` holds the state after `k` steps.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,6 +37,8 @@ class Saver(Protocol):
         self, state: Any, step: Any, *, when: Any = None, shardings: Any = None
     ) -> None: ...
     def wait(self) -> None: ...
+    @property
+    def stats(self) -> Any: ...
 
 
 def run(
@@ -48,6 +51,7 @@ def run(
     batched: bool,
     sigint: bool,
     check_every: int | None,
+    progress: bool = False,
 ) -> Any:
     every = ckpt.every
     if every is None:
@@ -60,6 +64,9 @@ def run(
     check = every if check_every is None else check_every
     if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
         raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
+    if not isinstance(progress, bool):
+        raise ConfigError(f"run: progress must be True or False, got {progress!r}.")
+    bar_type = _progress_bar_type() if progress else None
 
     latest = ckpt.latest_step()
     start = latest or 0
@@ -72,6 +79,13 @@ def run(
             )
         state = ckpt.restore(init, step=start)
     if start == num_steps:
+        logger.warning(
+            "jax_cb_ckpt: run: nothing to do, the latest checkpoint in %s is step %d of "
+            "num_steps=%d (the run is complete; restore() gives its state)",
+            ckpt.directory,
+            start,
+            num_steps,
+        )
         return state
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
@@ -100,10 +114,13 @@ def run(
         i, state, stop = jax.lax.while_loop(cond, one_step, carry)
         return state, i, stop
 
+    bar = None if bar_type is None else _Progress(bar_type, ckpt, stop_flag, start, num_steps)
     try:
         with stop_flag.signals(sigint=sigint):
             out = _in_thread(
-                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))), stop_flag
+                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))),
+                stop_flag,
+                None if bar is None else bar.tick,
             )
             ckpt.wait()  # the last save is on disk before we return or raise
     except BaseException:
@@ -111,6 +128,9 @@ def run(
         # consumed all the same, so a later run in this process starts afresh.
         stop_flag.clear()
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     state, i, stopped = out
     if stop_flag.interrupted:
         # Raised only now, with the loop ended and its save on disk: raised at the press
@@ -127,8 +147,56 @@ def run(
     # stop. `stopped` without a request of ours: another process was signalled.
     requested, signum = stop_flag.take()
     if requested or (bool(stopped) and int(i) < num_steps):
-        raise Preempted(int(i), signum)
+        preempted = Preempted(int(i), signum)
+        logger.warning("%s; exit code %s", preempted.message, preempted.code)
+        raise preempted
     return state
+
+
+def _progress_bar_type() -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        raise ConfigError(
+            "run: progress=True needs tqdm, which is not installed. Fix: pip install "
+            "'jax_cb_ckpt[progress]' (or pip install tqdm)."
+        ) from None
+    return tqdm
+
+
+class _Progress:
+    """A progress bar of a run inside one jit: steps/s and the last saved step.
+
+    Nothing crosses to the host for it: the loop already reads the stop flag every
+    `check_every` steps, and that read records the step (`StopFlag.reached`); the
+    waiting thread moves the bar from it every 50 ms, with the writer's last step
+    (`ckpt.stats.last_saved_step`). So the bar moves every `check_every` steps.
+    """
+
+    def __init__(self, bar_type: Any, ckpt: Saver, flag: StopFlag, start: int, total: int):
+        self._ckpt = ckpt
+        self._flag = flag
+        self._shown = start
+        self._saved: int | None = None
+        flag.reached = None
+        self._bar = bar_type(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self._bar.set_description(f"jax_cb_ckpt {os.path.basename(ckpt.directory)}")
+        if start:
+            self._bar.set_postfix_str(f"resumed from {start}", refresh=False)
+
+    def tick(self) -> None:
+        reached = self._flag.reached
+        saved = self._ckpt.stats.last_saved_step
+        if saved != self._saved:
+            self._saved = saved
+            self._bar.set_postfix_str(f"saved {saved}", refresh=False)
+        if reached is not None and reached > self._shown:
+            self._bar.update(reached - self._shown)
+            self._shown = reached
+
+    def close(self) -> None:
+        self.tick()
+        self._bar.close()
 
 
 def _process_shardings(state: Any) -> Any:
@@ -210,7 +278,9 @@ def _check_body(step_fn: Callable[[Any, Any], Any], state: Any, batched: bool) -
         )
 
 
-def _in_thread(fn: Callable[[], Any], stop: StopFlag) -> Any:
+def _in_thread(
+    fn: Callable[[], Any], stop: StopFlag, tick: Callable[[], None] | None = None
+) -> Any:
     """Run `fn` in a helper thread while this thread waits in short, interruptible steps.
 
     A jitted program with callbacks is dispatched synchronously: the calling thread stays
@@ -234,6 +304,8 @@ def _in_thread(fn: Callable[[], Any], stop: StopFlag) -> Any:
     noted = False
     while thread.is_alive():
         thread.join(0.05)
+        if tick is not None:
+            tick()
         if stop.interrupted and not noted:
             noted = True  # once, however many presses
             logger.warning(

@@ -42,7 +42,11 @@ class Stats:
             worst. JAX's own transfer of the arguments to the callback comes before it.
         write_total_s / write_max_s: time the writer thread spent writing.
         queue_high_water: the most saves in flight (queued or being written) at once.
+        last_saved_step: the step of the last save that reached disk (None before).
         recent: the last 1024 saves that reached disk, oldest first.
+
+    Reading `ckpt.stats` is thread-safe and cheap (a copy taken under a lock): another
+    thread may poll it while a jitted run trains, e.g. to log `last_saved_step`.
     """
 
     saves: int = 0
@@ -57,6 +61,7 @@ class Stats:
     write_total_s: float = 0.0
     write_max_s: float = 0.0
     queue_high_water: int = 0
+    last_saved_step: int | None = None
     recent: tuple[SaveRecord, ...] = ()
 
     @property
@@ -109,6 +114,7 @@ class _Counts:
     write_total_s: float = 0.0
     write_max_s: float = 0.0
     queue_high_water: int = 0
+    last_saved_step: int | None = None
 
 
 class StatsRecorder:
@@ -155,6 +161,7 @@ class StatsRecorder:
             c.bytes += record.nbytes
             c.write_total_s += record.write_s
             c.write_max_s = max(c.write_max_s, record.write_s)
+            c.last_saved_step = record.step
             self._recent.append(record)
 
     def snapshot(self) -> Stats:

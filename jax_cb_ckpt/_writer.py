@@ -273,6 +273,15 @@ class Writer:
         self._stats.written(
             SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s)
         )
+        logger.info(
+            "jax_cb_ckpt: saved step %d to %s: %d bytes, written in %.1f ms (device waited "
+            "%.2f ms)",
+            step,
+            self.directory,
+            item.nbytes,
+            write_s * 1e3,
+            item.blocking_s * 1e3,
+        )
         return None
 
     def _write_arrays(

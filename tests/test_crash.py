@@ -84,6 +84,9 @@ def test_preemption_saves_stops_and_resumes(tmp_path, uninterrupted, sig, flag):
     assert "done" not in out
     latest = jax_cb_ckpt.latest_step(directory)
     assert latest < crash_worker.NUM_STEPS and latest % crash_worker.EVERY == 0
+    name = signal.Signals(sig).name
+    said = f"jax_cb_ckpt: stopped at step {latest} after {name}; checkpoint saved; exit code "
+    assert err.count(said + str(128 + sig)) == 1, err[-2000:]  # one line, on stderr
     assert not [n for n in os.listdir(directory) if "tmp" in n]  # the last save completed
     check_disk_and_resume(directory, uninterrupted)
 

@@ -1,0 +1,82 @@
+"""Watching a long run inside one jit: one INFO line per committed step, the progress
+bar of `run(progress=True)` (a subprocess, as a user sees it), the line a re-run of a
+finished directory prints, and `ckpt.stats` polled from another thread while training."""
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import run_script
+
+
+def test_one_info_line_per_committed_step(make_ckpt, caplog):
+    caplog.set_level(logging.INFO, logger="jax_cb_ckpt")
+    ckpt = make_ckpt()
+    state = {"w": np.zeros(1000, np.float32)}
+    ckpt.save(state, 3)
+    ckpt.save(state, 4)
+    ckpt.wait()
+    lines = [r.getMessage() for r in caplog.records if r.name == "jax_cb_ckpt"]
+    assert len(lines) == 2, lines
+    for step, line in zip((3, 4), lines, strict=True):
+        assert line.startswith(f"jax_cb_ckpt: saved step {step} to {ckpt.directory}: 4000 bytes")
+        assert "written in" in line and "device waited" in line, line
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "jax_cb_ckpt")
+
+
+RUN_WITH_PROGRESS = """
+import sys
+import jax.numpy as jnp
+import jax_cb_ckpt
+
+ckpt = jax_cb_ckpt.Checkpointer(sys.argv[1], every=50)
+body = lambda s, i: {"x": s["x"] * 1.0001 + i}
+out = ckpt.run(body, {"x": jnp.zeros(4)}, 200, check_every=10, progress=True)
+print("done", ckpt.stats.last_saved_step, flush=True)
+ckpt.run(body, {"x": jnp.zeros(4)}, 200, progress=True)  # finished already
+ckpt.close()
+"""
+
+
+def test_run_shows_a_progress_bar_and_says_when_nothing_is_left(tmp_path):
+    result = run_script(tmp_path, RUN_WITH_PROGRESS, tmp_path / "ckpt", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["done", "200"], result.stdout
+    frames = result.stderr.replace("\r", "\n").splitlines()
+    bars = [f for f in frames if f.startswith("jax_cb_ckpt ckpt")]
+    assert bars, result.stderr[-2000:]
+    assert "200/200" in bars[-1] and "saved 200" in bars[-1], bars[-1]
+    assert "step/s" in bars[-1] or "s/step" in bars[-1], bars[-1]
+    assert "nothing to do, the latest checkpoint in" in result.stderr, result.stderr[-2000:]
+    assert "is step 200 of num_steps=200" in result.stderr
+
+
+def test_stats_polled_from_another_thread_while_training(make_ckpt):
+    ckpt = make_ckpt(every=1)
+    seen = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            seen.append(ckpt.stats.last_saved_step)
+            done.wait(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+
+    def body(s, i):
+        s = s + 1.0
+        ckpt.maybe_save(s, i + 1)
+        return s, None
+
+    jax.block_until_ready(
+        jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(200))[0])(jnp.zeros(8))
+    )
+    ckpt.wait()
+    done.set()
+    poller.join()
+    assert ckpt.stats.last_saved_step == 200
+    steps = [s for s in seen if s is not None]
+    assert steps == sorted(steps) and steps, seen[:20]  # never goes back
