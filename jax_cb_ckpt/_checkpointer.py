@@ -741,15 +741,23 @@ class Checkpointer:
         """
         return _restore.metadata(self.directory, step=step)
 
-    def restore(self, like: Any, *, step: int | None = None, verify: bool = True) -> Any:
+    def restore(
+        self,
+        like: Any,
+        *,
+        step: int | None = None,
+        verify: bool = True,
+        member: int | tuple[int, ...] | None = None,
+    ) -> Any:
         """Restore `step` (default: the latest) into the pytree types of `like`.
 
         Waits for pending saves first (see `wait()`), then blocks while reading. `like`
         may hold concrete arrays or `jax.ShapeDtypeStruct`s. `verify=False` skips the
-        checksums. See `jax_cb_ckpt.restore`.
+        checksums; `member=k` restores member k of a batch saved under vmap (reading
+        only its chunks). See `jax_cb_ckpt.restore`.
         """
         self.wait()
-        restored = _restore.restore(self.directory, like, step=step, verify=verify)
+        restored = _restore.restore(self.directory, like, step=step, verify=verify, member=member)
         # The run goes on from the restored step: every step on disk now belongs to the
         # past, and saving at or below one of them is a conflict (see `on_existing`).
         self._exchange.forget(_format.list_steps(self.directory))

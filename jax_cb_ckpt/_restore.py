@@ -15,6 +15,7 @@ reading and checked after: a step that is gone, or is another directory now, is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from . import _format, _store, _tree, _verify
-from ._errors import ConfigError, NoCheckpointError, RestoreError
+from ._errors import ConfigError, NoCheckpointError, RestoreError, StructureMismatchError
 from ._format import META_ITEM, STATE_ITEM
 
 
@@ -296,7 +297,12 @@ def _read_state(
 
 
 def restore(
-    directory: str | os.PathLike[str], like: Any, *, step: int | None = None, verify: bool = True
+    directory: str | os.PathLike[str],
+    like: Any,
+    *,
+    step: int | None = None,
+    verify: bool = True,
+    member: int | tuple[int, ...] | None = None,
 ) -> Any:
     """Restore checkpoint `step` (default: the latest) of `directory` into the shape of `like`.
 
@@ -308,6 +314,11 @@ def restore(
     With `verify` (default), every array read is checked against the checksums
     recorded when it was written: a corrupted file is a `RestoreError`, never numbers.
     `directory` may be relative (to the working directory), as everywhere.
+
+    `member`: for a checkpoint saved under `vmap` (seeds, say; `metadata()["batch_shape"]`),
+    restore one member of the batch: an int for one batch axis, a tuple of ints for
+    several. `like` is then one member's state (without the batch axes). Only the
+    chunks holding that member are read from disk (and, with `verify`, checked).
 
     Raises:
         NoCheckpointError: no complete checkpoint for that step, or it was removed
@@ -325,6 +336,12 @@ def restore(
     seen = _identify(path, step, where)
     meta = _read_meta(path, step, where, seen)
     saved_specs = _saved_specs(meta, where)
+    batch = _batch_shape(meta, where)
+    if member is not None:
+        index = _member_index(member, batch, meta, where)
+        return _restore_member(path, step, seen, meta, like, index, verify)
+    if batch:
+        _check_batched_like(like_specs, saved_specs, batch, where)
     _tree.check_like(like_specs, saved_specs, where)
     by_name = {spec.name: spec for spec in saved_specs}
     placed = {}
@@ -340,6 +357,162 @@ def restore(
         array = _stored_array(tree, saved, where, checks)
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     return treedef.unflatten(leaves)
+
+
+def _batch_shape(meta: dict[str, Any], where: str) -> tuple[int, ...]:
+    batch = meta.get("batch_shape", [])
+    if not isinstance(batch, list) or not all(isinstance(n, int) and n >= 0 for n in batch):
+        raise RestoreError(f"{where}: the checkpoint's batch_shape {batch!r} is invalid.")
+    return tuple(batch)
+
+
+def _member_index(
+    member: Any, batch: tuple[int, ...], meta: dict[str, Any], where: str
+) -> tuple[int, ...]:
+    """`member` as an index into the batch axes, checked (and saved: a member whose
+    `maybe_save` predicate was false at this step holds no state of its own)."""
+    if not batch:
+        raise ConfigError(
+            f"{where}: member={member!r}, but step {meta.get('step')} was not saved under "
+            "vmap (it has no batch axes). Fix: restore without member=."
+        )
+    parts = (member,) if isinstance(member, int) else member
+    index = tuple(parts) if isinstance(parts, tuple) else ()
+    ok = (
+        len(index) == len(batch)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in index)
+        and all(0 <= i < n for i, n in zip(index, batch, strict=True))
+    )
+    if not ok:
+        kind = "an int" if len(batch) == 1 else f"a tuple of {len(batch)} ints"
+        raise ConfigError(
+            f"{where}: member={member!r} is not a member of the checkpoint's batch of "
+            f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
+        )
+    saved = np.asarray(meta.get("members", True), dtype=bool)
+    if saved.shape == batch and not saved[index]:
+        raise RestoreError(
+            f"{where}: member {index} did not save at step {meta.get('step')} (its "
+            "maybe_save predicate was false), so the step holds no state of its own for "
+            "it. Fix: restore another step, or another member."
+        )
+    return index
+
+
+def _check_batched_like(
+    like_specs: tuple[_tree.LeafSpec, ...],
+    saved_specs: tuple[_tree.LeafSpec, ...],
+    batch: tuple[int, ...],
+    where: str,
+) -> None:
+    """A `like` of one member for a batched checkpoint: say so, and how to pick one."""
+    by_name = {spec.name: spec for spec in saved_specs}
+    for spec in like_specs:
+        saved = by_name.get(spec.name)
+        if saved is not None and saved.shape != spec.shape and saved.shape == batch + spec.shape:
+            pick = "member=k" if len(batch) == 1 else f"member=(i, ..., k) ({len(batch)} ints)"
+            raise StructureMismatchError(
+                f"{where}: the checkpoint holds a batch saved under vmap, of shape {batch} "
+                f"(the leading axes of every leaf: {spec.path} is stored as "
+                f"{saved.describe()}), and like has one member's shapes "
+                f"({spec.describe()}). Fix: restore one member with restore(like, "
+                f"{pick}), or pass a like with the batch axes to restore the whole batch."
+            )
+
+
+def _restore_member(
+    path: str,
+    step: int,
+    seen: tuple[int, int],
+    meta: dict[str, Any],
+    like: Any,
+    index: tuple[int, ...],
+    verify: bool,
+) -> Any:
+    """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
+    shown = index[0] if len(index) == 1 else index
+    where = f"restore(step={step}, member={shown}) from {path!r}"
+    treedef, like_specs, like_leaves = _tree.describe_state(
+        like, where, prefix="like", abstract_ok=True
+    )
+    batch = _batch_shape(meta, where)
+    n = len(batch)
+    saved_specs = _saved_specs(meta, where)
+    batched = {s.name for s in saved_specs if s.shape[:n] == batch}
+    one = tuple(
+        dataclasses.replace(s, shape=s.shape[n:]) if s.name in batched else s for s in saved_specs
+    )
+    by_name = {spec.name: spec for spec in one}
+    for spec in like_specs:
+        saved = by_name.get(spec.name)
+        if saved is not None and spec.name in batched and spec.shape == batch + saved.shape:
+            raise StructureMismatchError(
+                f"{where}: like has the batch axes {batch} (leaf {spec.path} is "
+                f"{spec.describe()}); with member=, like is one member's state "
+                f"({saved.describe()}). Fix: pass one member's like (e.g. "
+                "jax.tree.map(lambda x: x[0], like)), or restore without member=."
+            )
+    _tree.check_like(like_specs, one, where)
+    step_dir = os.path.join(path, str(step))
+    sums = meta.get("checksums") if verify else None
+    leaves = []
+    for leaf, spec in zip(like_leaves, like_specs, strict=True):
+        saved = by_name[spec.name]
+        try:
+            array = _member_leaf(step_dir, saved, batch, index, saved.name in batched, sums, where)
+        except RestoreError:
+            raise
+        except Exception as e:
+            if not _still_there(path, step, seen):
+                raise _removed(path, step, where) from e
+            raise RestoreError(f"{where}: cannot read leaf {saved.path}: {e}") from e
+        leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
+    if not _still_there(path, step, seen):
+        raise _removed(path, step, where)
+    return treedef.unflatten(leaves)
+
+
+def _member_leaf(
+    step_dir: str,
+    saved: _tree.LeafSpec,
+    batch: tuple[int, ...],
+    index: tuple[int, ...],
+    batched: bool,
+    sums: dict[str, Any] | None,
+    where: str,
+) -> Any:
+    """One leaf of one member (`saved`: its description without the batch axes)."""
+    stored = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+    dtype = np.dtype(saved.dtype)
+    if 0 in stored or 0 in batch:
+        return np.zeros(stored, dtype)
+    name = _store.param_name(saved.name)
+    leaf_sums = None if sums is None else sums.get(name)
+    if sums is not None and leaf_sums is None:
+        raise RestoreError(
+            f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
+            f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
+            "or pass verify=False to read it unchecked."
+        )
+
+    def report(key: str) -> RestoreError:
+        return _verify.mismatch(where, name, saved.path, key, step_dir)
+
+    if batched:
+        full = batch + stored
+        array = _verify.read_member(step_dir, saved.name, full, index, leaf_sums, report)
+    else:
+        array = _verify.read_leaf(step_dir, saved.name)
+        if leaf_sums is not None:
+            _verify.check_host(array, leaf_sums, report)
+    value = _format.from_storage(array, dtype) if array.shape == stored else None
+    if value is None:
+        raise RestoreError(
+            f"{where}: leaf {saved.path} is described as {dtype.name}{list(stored)} but "
+            f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
+            "or corrupted. Fix: restore another step."
+        )
+    return value
 
 
 def _checksums(meta: dict[str, Any], step_dir: str, where: str) -> Any:

@@ -75,10 +75,50 @@ def _shard_region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Any:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
+def read_member(
+    step_dir: str,
+    name: tuple[str, ...],
+    shape: tuple[int, ...],
+    member: tuple[int, ...],
+    sums: dict[str, int] | None,
+    report: Any,
+) -> np.ndarray:
+    """Member `member` of a stored leaf saved under vmap (an index into its leading
+    axes), read without the rest of the batch. TensorStore reads whole chunks, so the
+    chunks (or device blocks) holding the member are read and, with `sums`, checked
+    against their checksums; the member is cut out of them."""
+    n = len(member)
+    known = sums or {}
+    box = tuple(slice(i, i + 1) for i in member) + tuple(slice(0, d) for d in shape[n:])
+    held = []
+    if known:
+        for key in known:
+            region = _region(key)
+            if all(r.start <= i < r.stop for r, i in zip(region[:n], member, strict=True)):
+                held.append((key, region))
+        if held:  # the chunks or blocks holding the member: a box of the grid
+            box = tuple(
+                slice(min(r[d].start for _, r in held), max(r[d].stop for _, r in held))
+                for d in range(len(shape))
+            )
+    data = _open_leaf(step_dir, name)[box].read().result()
+    for key, region in held:
+        local = tuple(
+            slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
+        )
+        if checksum(data[local]) != known[key]:
+            raise report(key)
+    return data[tuple(i - b.start for i, b in zip(member, box, strict=False))]
+
+
 def read_leaf(step_dir: str, name: tuple[str, ...]) -> np.ndarray:
     """One stored leaf, read whole into host memory with TensorStore (no Orbax)."""
+    return _open_leaf(step_dir, name).read().result()
+
+
+def _open_leaf(step_dir: str, name: tuple[str, ...]) -> Any:
     state = os.path.join(step_dir, STATE_ITEM)
-    store = ts.open(
+    return ts.open(
         {
             "driver": "zarr",
             "kvstore": {
@@ -91,4 +131,3 @@ def read_leaf(step_dir: str, name: tuple[str, ...]) -> np.ndarray:
         read=True,
         context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}),
     ).result()
-    return store.read().result()
