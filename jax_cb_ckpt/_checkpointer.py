@@ -191,7 +191,9 @@ class Checkpointer:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
             raise ConfigError(
-                f"Checkpointer(directory={path!r}): cannot create the directory: {e}."
+                f"Checkpointer(directory={path!r}): cannot create the directory: {e}. "
+                "Fix: check the path (a parent that is a file, permissions, a read-only "
+                "mount), or pass a directory this process can create."
             ) from e
         self._directory = path
         self._queue_size = queue_size
@@ -623,6 +625,13 @@ class Checkpointer:
                         )
 
     def __enter__(self) -> Checkpointer:
+        if self._closed:
+            raise CheckpointerClosedError(
+                f"with ckpt: this Checkpointer on {self.directory!r} is closed (a `with` "
+                "block closes it at its end; so does close()). Fix: create a new "
+                "Checkpointer for the new block (it continues after the latest step on "
+                "disk)."
+            )
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -688,6 +697,7 @@ class Checkpointer:
             final = ckpt.run(update, init_state, num_steps=1000)
             ```
         """
+        self._check_usable("run")
         return _run.run(
             self,
             self._stop,

@@ -17,6 +17,7 @@ refused, never written through (or blocked on).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +26,7 @@ import stat
 import threading
 import time
 
-from ._errors import DirectoryLockedError
+from ._errors import ConfigError, DirectoryLockedError
 from ._format import LOCK_NAME
 
 _HELD: dict[str, DirectoryLock] = {}  # path -> the lock a Checkpointer of ours holds
@@ -68,6 +69,13 @@ class DirectoryLock:
         try:
             fd = os.open(self.path, flags, 0o644)
         except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise ConfigError(
+                    f"Checkpointer({directory!r}): the directory is not writable: cannot "
+                    f"create the lock file {self.path!r} ({e}). Fix: make it writable "
+                    "(permissions, owner, a read-only mount), or pass a directory this "
+                    "process can write."
+                ) from e
             raise DirectoryLockedError(
                 f"Checkpointer({directory!r}): cannot open the lock file {self.path!r}: "
                 f"{e}. Fix: make the directory writable, and remove {LOCK_NAME} if it is "

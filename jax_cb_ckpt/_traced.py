@@ -90,11 +90,15 @@ def check_step(step: Any, where: str) -> int | None:
     if ok and jnp.shape(step) != ():
         ok = False
     if not ok:
+        if isinstance(step, float):
+            cast = f"pass int(step) for a Python float (int({step!r}))"
+        else:
+            cast = "cast with step.astype(jnp.int32) if it is a float array"
         raise InvalidStateError(
             f"{where}: step must be an integer scalar (a Python int or an integer array "
             f"of shape ()), got {_describe(step)}. Fix: pass the loop counter (e.g. the "
-            "scan index or TrainState.step), cast with step.astype(jnp.int32) if it is "
-            "a float, or index out a single element if it is batched."
+            f"scan index or TrainState.step), {cast}, or index out a single element if "
+            "it is batched."
         )
     if isinstance(step, Tracer):
         return None

@@ -272,3 +272,49 @@ def test_cached_jitted_function_of_a_closed_checkpointer_names_the_cause(make_ck
         info.value
     )
     assert "re-create the jitted function" in str(info.value)
+
+
+def test_an_unwritable_directory_is_a_config_error_with_a_fix(small_disk):
+    """Issue 21 5(b): a directory that cannot be written read as "another writer"
+    (DirectoryLockedError); one that cannot be created had no Fix line."""
+    mount = small_disk("1m")
+    os.makedirs(os.path.join(mount, "existing"))
+    subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+    try:
+        with pytest.raises(ConfigError, match=r"the directory is not writable") as info:
+            jax_cb_ckpt.Checkpointer(os.path.join(mount, "existing"))
+        assert not isinstance(info.value, jax_cb_ckpt.DirectoryLockedError)
+        assert "Read-only file system" in str(info.value) and "Fix: make it writable" in str(
+            info.value
+        )
+        with pytest.raises(ConfigError, match=r"cannot create the directory: .*Fix: check"):
+            jax_cb_ckpt.Checkpointer(os.path.join(mount, "new"))
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", mount], check=True)
+
+
+def test_a_closed_checkpointer_says_so_before_running(make_ckpt):
+    """Issue 21 5(a): `with ckpt:` on a closed Checkpointer, and run() on one, failed only
+    inside the program, as a JaxRuntimeError around our text."""
+    ckpt = make_ckpt(every=2)
+    with ckpt:
+        ckpt.save({"x": jnp.ones(2)}, 1)
+    with pytest.raises(jax_cb_ckpt.CheckpointerClosedError, match=r"with ckpt: .* is closed"):
+        with ckpt:
+            pass
+    with pytest.raises(jax_cb_ckpt.CheckpointerClosedError, match=r"run: .* is closed"):
+        ckpt.run(lambda s, i: s + 1.0, jnp.zeros(2), 4)
+    assert ckpt.all_steps() == [1]
+
+
+def test_a_float_step_error_says_how_to_fix_a_python_float(make_ckpt):
+    """Issue 21 5(f): the fix offered for a Python float was `step.astype(jnp.int32)`."""
+    ckpt = make_ckpt()
+    with pytest.raises(
+        InvalidStateError, match=r"pass int\(step\) for a Python float \(int\(3\.0\)\)"
+    ):
+        ckpt.save({"x": jnp.ones(2)}, 3.0)
+    with pytest.raises(
+        InvalidStateError, match=r"step\.astype\(jnp\.int32\) if it is a float array"
+    ):
+        ckpt.save({"x": jnp.ones(2)}, jnp.float32(3.0))
