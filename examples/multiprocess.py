@@ -3,6 +3,10 @@
     python examples/multiprocess.py                  # 2 local processes x 4 CPU devices
     python examples/multiprocess.py --steps 400      # again: resumes from the latest step
 
+Run again, each command resumes (a finished run is shown, not retrained; so is a run
+already past --steps). The default directory is named by the options that change the
+state's shape (`/tmp/jax_cb_ckpt_multiprocess-1024x4096` for --rows and --cols).
+
 Without --process-id the script is a local launcher: it starts --processes copies of
 itself on this machine (CPU devices, gloo collectives on 127.0.0.1) and forwards SIGTERM
 and Ctrl-C to them. On a cluster, start one copy per host yourself:
@@ -31,7 +35,9 @@ import sys
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default="/tmp/jax_cb_ckpt_multiprocess", help="checkpoints")
+    p.add_argument(
+        "--dir", help="checkpoints (default: /tmp/jax_cb_ckpt_multiprocess-<rows>x<cols>)"
+    )
     p.add_argument("--steps", type=int, default=200, help="total training steps")
     p.add_argument("--every", type=int, default=50, help="save every N steps")
     p.add_argument("--rows", type=int, default=1024, help="parameter rows (sharded)")
@@ -43,7 +49,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     worker.add_argument("--process-id", type=int)
     worker.add_argument("--num-processes", type=int)
     worker.add_argument("--coordinator", help="HOST:PORT of process 0")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dir is None:  # one directory per state shape: never resume another shape
+        args.dir = f"/tmp/jax_cb_ckpt_multiprocess-{args.rows}x{args.cols}"
+    return args
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -116,8 +125,14 @@ def train(args: argparse.Namespace) -> int:
     me = jax.process_index()
     ckpt = jax_cb_ckpt.Checkpointer(args.dir, every=args.every)
     resumed = ckpt.latest_step()
+    steps = args.steps
+    if resumed is not None and resumed > steps:
+        # A longer run is there already (--steps 400, then the default 200): show it
+        # rather than fail; run() restores its latest step and has nothing left to do.
+        say(f"process {me}: {args.dir} holds a run at step {resumed}, past --steps {steps}")
+        steps = resumed
     try:
-        state = ckpt.run(step, state, num_steps=args.steps)
+        state = ckpt.run(step, state, num_steps=steps)
     except jax_cb_ckpt.Preempted as e:
         say(f"process {me}: stopped at step {e.step}, saved; run again to resume")
         ckpt.close()
@@ -128,7 +143,7 @@ def train(args: argparse.Namespace) -> int:
         for shard in sorted(leaf.addressable_shards, key=lambda s: s.device.id):
             digest.update(np.asarray(shard.data).tobytes())
     say(
-        f"process {me}: steps {resumed or 0}..{args.steps}, loss {float(state['loss']):.6g}, "
+        f"process {me}: steps {resumed or 0}..{steps}, loss {float(state['loss']):.6g}, "
         f"saved steps {ckpt.all_steps()}, digest of my blocks {digest.hexdigest()[:16]}"
     )
     return 0

@@ -3,6 +3,11 @@
     python examples/ppo_cartpole.py                  # train; rerun to resume
     python examples/ppo_cartpole.py --seeds 4        # vmapped over 4 seeds
     python examples/ppo_cartpole.py --kill-demo      # SIGKILL part-way, resume, compare
+    python examples/ppo_cartpole.py --progress       # with a progress bar (tqdm)
+
+Each configuration has its own default directory, named by every option that changes the
+saved state's shape (`runs/ppo_cartpole-seeds1-t500000`, `...-seeds4-t500000`), so the
+commands above run in any order, and a rerun resumes; `--dir` chooses another.
 
 Everything a run needs to continue is in the saved state: the flax TrainState (parameters,
 Adam moments and the step count that drives the learning-rate schedule), the environment
@@ -208,12 +213,22 @@ def initial_state(config: Config, seeds: int, init=None):
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[init(s) for s in range(seeds)])
 
 
-def train(config: Config, directory: str, *, seeds: int = 1, every: int = 50):
-    """Train (or resume) to the end; returns the final state. Blocks until saved."""
+def train(
+    config: Config, directory: str, *, seeds: int = 1, every: int = 50, progress: bool = False
+):
+    """Train (or resume) to the end; returns the final state. Blocks until saved.
+    `progress`: show a progress bar (tqdm) with updates/s and the last saved update."""
     init, update = make(config)
     state = initial_state(config, seeds, init)
     with jax_cb_ckpt.Checkpointer(directory, every=every, max_to_keep=3) as ckpt:
-        return ckpt.run(update, state, config.num_updates, batched=seeds > 1)
+        return ckpt.run(update, state, config.num_updates, batched=seeds > 1, progress=progress)
+
+
+def default_directory(config: Config, seeds: int) -> str:
+    """One directory per configuration: named by every option that changes the saved
+    state's shape (the seed axis, and `returns`' length through the total timesteps),
+    so a run never resumes from a checkpoint of another shape."""
+    return f"runs/ppo_cartpole-seeds{seeds}-t{config.total_timesteps}"
 
 
 def final_return(state, last: int = 20) -> np.ndarray:
@@ -244,11 +259,17 @@ def kill_demo(config: Config, args) -> int:
     )
     print("[2] resuming from the latest checkpoint")
     start = time.perf_counter()
-    resumed = train(config, directory, seeds=args.seeds, every=args.every)
+    resumed = train(config, directory, seeds=args.seeds, every=args.every, progress=args.progress)
     print(f"    finished in {time.perf_counter() - start:.1f} s")
     print("[3] the same training without interruption")
     start = time.perf_counter()
-    reference = train(config, os.path.join(root, "reference"), seeds=args.seeds, every=args.every)
+    reference = train(
+        config,
+        os.path.join(root, "reference"),
+        seeds=args.seeds,
+        every=args.every,
+        progress=args.progress,
+    )
     print(f"    finished in {time.perf_counter() - start:.1f} s")
     same = jax_cb_ckpt.same_bits(resumed, reference)
     print(
@@ -261,15 +282,22 @@ def kill_demo(config: Config, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--dir", default="runs/ppo_cartpole", help="checkpoint directory")
+    parser.add_argument(
+        "--dir",
+        help="checkpoint directory (default: runs/ppo_cartpole-seeds<S>-t<T>, one per "
+        "configuration)",
+    )
     parser.add_argument("--total-timesteps", type=int, default=Config.total_timesteps)
     parser.add_argument("--seeds", type=int, default=1, help=">1: vmapped over seeds")
     parser.add_argument("--every", type=int, default=50, help="checkpoint every N updates")
     parser.add_argument("--kill-demo", action="store_true")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar (tqdm)")
     args = parser.parse_args(argv)
     config = Config(total_timesteps=args.total_timesteps)
     if args.kill_demo:
         return kill_demo(config, args)
+    if args.dir is None:
+        args.dir = default_directory(config, args.seeds)
     start = time.perf_counter()
     latest = jax_cb_ckpt.latest_step(args.dir)
     if latest == config.num_updates:
@@ -279,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif latest is not None:
         print(f"resuming from update {latest} of {config.num_updates} ({args.dir})")
-    state = train(config, args.dir, seeds=args.seeds, every=args.every)
+    state = train(config, args.dir, seeds=args.seeds, every=args.every, progress=args.progress)
     returns = np.asarray(state["returns"]).reshape(args.seeds, -1)
     window = max(config.num_updates // 10, 1)
     for u in range(0, config.num_updates, window):

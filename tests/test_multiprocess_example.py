@@ -45,6 +45,10 @@ def test_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     straight = run_example(tmp_path / "straight", 120)
     assert digests(resumed) == digests(straight), (resumed, straight)
     assert digests(straight)["0"] != digests(straight)["1"]  # each process's own blocks
+    # The docstring's first command run again after the longer run: shown, not an error.
+    again = run_example(tmp_path / "resumed", 60)
+    assert "holds a run at step 120, past --steps 60" in again, again
+    assert digests(again) == digests(straight), (again, straight)
 
 
 def test_sigterm_to_the_launcher_stops_both_processes_at_one_saved_step(tmp_path):

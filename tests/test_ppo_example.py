@@ -1,4 +1,5 @@
-"""examples/ppo_cartpole.py: learns CartPole, and a SIGKILLed run resumes bit for bit."""
+"""examples/ppo_cartpole.py: learns CartPole, a SIGKILLed run resumes bit for bit, and
+each configuration has its own default directory."""
 
 import os
 import re
@@ -10,12 +11,17 @@ EXAMPLE = os.path.join(ROOT, "examples", "ppo_cartpole.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
-def run_example(*args):
+def run_example(*args, cwd=None, stderr=False):
     result = subprocess.run(
-        [sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=600, env=ENV
+        [sys.executable, EXAMPLE, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return (result.stdout, result.stderr) if stderr else result.stdout
 
 
 def test_default_config_reaches_cartpole_return(tmp_path):
@@ -32,3 +38,19 @@ def test_kill_and_resume_vmapped_over_seeds_is_bit_exact():
     out = run_example("--kill-demo", "--seeds", "2", "--total-timesteps", "25600", "--every", "5")
     assert "killed; checkpoints on disk" in out
     assert "bit for bit: True" in out
+
+
+def test_each_configuration_has_its_own_default_directory(tmp_path):
+    # The docstring's commands one after the other: the vmapped run must not resume from
+    # the single-seed run's checkpoints (another shape; a rerun resuming is tested above).
+    short = ("--total-timesteps", "2048", "--every", "2")  # 4 updates
+    run_example(*short, cwd=tmp_path)
+    out, err = run_example(*short, "--seeds", "2", "--progress", cwd=tmp_path, stderr=True)
+    assert "checkpoints in runs/ppo_cartpole-seeds2-t2048" in out, out
+    assert sorted(os.listdir(tmp_path / "runs")) == [
+        "ppo_cartpole-seeds1-t2048",
+        "ppo_cartpole-seeds2-t2048",
+    ]
+    frames = err.replace("\r", "\n").splitlines()
+    bars = [f for f in frames if f.startswith("jax_cb_ckpt ppo_cartpole-seeds2-t2048")]
+    assert bars and "4/4" in bars[-1], err[-2000:]
