@@ -247,7 +247,7 @@ def _restore_args(
     reads only its slices) where `placed` gives a sharding, a numpy array otherwise."""
     args: dict[str, Any] = {}
     for saved in saved_specs:
-        shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+        shape = saved.stored_shape
         if 0 in shape:
             continue  # not stored
         node = args
@@ -482,7 +482,7 @@ def _member_leaf(
     where: str,
 ) -> Any:
     """One leaf of one member (`saved`: its description without the batch axes)."""
-    stored = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+    stored = saved.stored_shape
     dtype = np.dtype(saved.dtype)
     if 0 in stored or 0 in batch:
         return np.zeros(stored, dtype)
@@ -548,7 +548,7 @@ def _stored_array(
     tree: dict[str, Any], saved: _tree.LeafSpec, where: str, check: Any = None
 ) -> Any:
     """The data of one leaf, checked against its description (and its checksums)."""
-    shape = saved.shape + (_tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ())
+    shape = saved.stored_shape
     dtype = np.dtype(saved.dtype)
     if 0 in shape:  # zero-size leaves are described, not stored (Orbax cannot store them)
         return np.zeros(shape, dtype)
@@ -595,9 +595,7 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         if check is None:
             continue
         for saved in _saved_specs(meta, where):
-            shape = saved.shape + (
-                _tree.key_data_shape(saved.impl) if saved.kind == _tree.KEY else ()
-            )
+            shape = saved.stored_shape
             if 0 in shape:
                 continue  # described, not stored
             try:

@@ -46,6 +46,7 @@ from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
 from ._errors import InvalidStateError
+from ._format import MAX_STEP
 from ._shards import PACKED_AS, Layout, packed
 
 Gather = Literal["stack", "concat", "replicated"]
@@ -71,9 +72,6 @@ def _describe(x: Any) -> str:
     if dtype is not None and shape is not None:
         return f"{dtype}[{','.join(str(d) for d in shape)}]"
     return f"{type(x).__name__} ({x!r})"
-
-
-MAX_STEP = 2**63 - 1
 
 
 def check_step(step: Any, where: str) -> int | None:

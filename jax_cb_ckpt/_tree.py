@@ -54,6 +54,11 @@ class LeafSpec:
     impl: str | None = None  # PRNG implementation of a typed key
     pytype: str | None = None  # Python type of a scalar leaf
 
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the array stored for this leaf: a key's has the key-data axis."""
+        return self.shape + (key_data_shape(self.impl) if self.kind == KEY else ())
+
     def describe(self) -> str:
         """Human-readable value description, e.g. `float32[4,8]` or `key<threefry2x32>[]`."""
         dims = ",".join(str(d) for d in self.shape)
@@ -225,10 +230,11 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
     if callable(leaf):
         fix = (
             "Fix: a model object that holds functions next to its arrays (an "
-            "equinox Module, a Flax NNX module) must be split first: save "
-            "`eqx.filter(model, eqx.is_array)` and rebuild with `eqx.combine`, or save "
-            "the state of `nnx.split(model)` and rebuild with `nnx.merge` "
-            "(docs/frameworks.md)."
+            "equinox Module) must be split first: save `eqx.filter(model, "
+            "eqx.is_array)` and rebuild with `eqx.combine`. A Flax NNX module saves as "
+            "it is with flax >= 0.12; one declared pytree=False (or from an older "
+            "flax) is a single leaf: save `nnx.state(model)` and rebuild with "
+            "`nnx.merge` (docs/frameworks.md)."
         )
     else:
         fix = (
