@@ -66,6 +66,7 @@ _AS_BITS = {"float8_e4m3"}
 _LEGACY = {"float8_e4m3": "float32"}  # stored widened before 2026-11-30
 
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # gs://, s3://, file://, ...
 _OURS = re.compile(
     r"(0|[1-9][0-9]*)\.jax_cb_ckpt-(tmp|deleting)-[0-9a-f]{32}(\.orbax-checkpoint-tmp)?",
     re.ASCII,
@@ -124,6 +125,18 @@ def resolve(directory: object, where: str) -> str:
         )
     if "\0" in path:
         raise ConfigError(f"{where}: directory {path!r} contains a NUL character.")
+    scheme = _URL.match(path)
+    if scheme:
+        # Taken as a local path, "gs://bucket/run" is a folder "gs:" in the working
+        # directory: a run that looks checkpointed until its machine is gone.
+        raise ConfigError(
+            f"{where}: directory {path!r} is a {scheme.group(1)}:// URL; this version "
+            "writes and reads local (POSIX) directories only, and would have taken it "
+            "for a local folder named "
+            f"{scheme.group(1) + ':'!r}. Fix: use a directory on a local or shared file "
+            "system (NFS, a cluster file system, a bucket mounted with FUSE, e.g. "
+            "gcsfuse or mountpoint-s3)."
+        )
     # realpath, not abspath: `link/../x` must name the directory the OS means (abspath
     # would drop `link/..` without following the link).
     return os.path.realpath(path)
