@@ -33,6 +33,7 @@ failure. Keys under `jax_cb_ckpt/open/<directory>/<n>/`: `sees/<i>`, `verdict`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -54,6 +55,11 @@ NONCE_PREFIX = ".jax_cb_ckpt.nonce-"
 # The kinds of a failed check's verdict, as they travel through the key-value store.
 _VERDICT_ERRORS: dict[str, type[CheckpointError]] = {"config": ConfigError, "save": SaveError}
 _openings: dict[str, int] = {}
+# How much longer than asked a call to the coordination service may take before it is
+# given up on (the module doc: only a stopped process 0 holds a call for good).
+_SLACK_S = 5.0
+# How long a peer last seen at work on the step may stay silent (see `_get`).
+_SILENCE_S = 5.0
 _openings_lock = threading.Lock()
 
 
@@ -144,7 +150,9 @@ class Group:
         self.handing: int | None = None
         self._beat_s = min(1.0, timeout_s / 4)
         self._stopped = threading.Event()
-        self._beat(0)
+        self._beats = itertools.count()
+        self._beats_lock = threading.Lock()
+        self._beat()
         threading.Thread(target=self._beating, name="jax_cb_ckpt-heartbeat", daemon=True).start()
 
     def _check_shared(self, directory: str, key: str, nonce: str, trouble: str | None) -> None:
@@ -191,25 +199,30 @@ class Group:
             raise ConfigError(verdict[1])
 
     def _call(self, name: str, *args: Any, bound_s: float | None = None) -> Any:
-        """The client's method `name`, bounded by `bound_s` (default: peer_timeout)."""
-        method = getattr(self._client, name)
-        return _bounded(method, *args, bound_s=self.timeout_s if bound_s is None else bound_s)
+        """The client's method `name`, bounded by `bound_s` (default: peer_timeout, at
+        least `_SLACK_S`). The bound only stops a call to a stopped process 0 from
+        blocking for good: it is generous, since a loaded machine answers slowly and
+        a call given up on early would fail a save that was fine."""
+        bound = max(self.timeout_s, _SLACK_S) if bound_s is None else bound_s
+        return _bounded(getattr(self._client, name), *args, bound_s=bound)
 
     def _alive_key(self, index: int) -> str:
         return f"jax_cb_ckpt/{self.run}/alive/{index}"
 
-    def _beat(self, n: int) -> None:
-        value = f"{n} {self.writing} {self.handing}"
-        self._call("key_value_set", self._alive_key(self.index), value, True)
+    def _beat(self) -> None:
+        """Say this process lives, and what it works on (a new value every time).
+        Unbounded, called directly: a caller may as well wait while process 0 is
+        stopped, and a thread per beat (`_bounded`) let a writer busy with a large
+        state hold the beats back past a short peer_timeout."""
+        with self._beats_lock:
+            n = next(self._beats)
+            value = f"{n} {self.writing} {self.handing}"
+            self._client.key_value_set(self._alive_key(self.index), value, allow_overwrite=True)
 
     def _beating(self) -> None:
-        n = 0
         while not self._stopped.wait(self._beat_s):
-            n += 1
             try:
-                self._beat(n)
-            except TimeoutError:  # process 0 is stopped: beat on once it runs again
-                pass
+                self._beat()
             except Exception:  # the service is gone: the waits report it
                 return
 
@@ -231,6 +244,10 @@ class Group:
         saves in the same order, so the attempt numbers agree."""
         self._attempts[step] = self._attempts.get(step, -1) + 1
         self.writing = step
+        try:  # at once: a peer waiting for this step sees it at work from now on
+            self._beat()
+        except Exception:  # the service is gone: the waits report it
+            pass
 
     def _prefix(self, step: int) -> str:
         return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}"
@@ -297,6 +314,9 @@ class Group:
         self.handing = step
 
     def _get(self, key: str, what: str, peer: tuple[int, int] | None, fix: str) -> str:
+        """The value under `key`, waited for `timeout_s` after the last sign of work on
+        this step from `peer` (its heartbeat, looked at before every give-up: a wait
+        that overran its deadline, on a loaded machine, is not the peer's silence)."""
         deadline = time.monotonic() + self.timeout_s
         heard = None  # the peer's last heartbeat
         while True:
@@ -304,23 +324,30 @@ class Group:
             wait_s = max(0.001, min(left, 2 * self._beat_s if peer is not None else left))
             try:
                 got = self._call(
-                    "blocking_key_value_get", key, int(wait_s * 1000), bound_s=wait_s + 1.0
+                    "blocking_key_value_get", key, int(wait_s * 1000), bound_s=wait_s + _SLACK_S
                 )
                 return str(got)
             except Exception as e:
                 answered = not isinstance(e, TimeoutError) and "DEADLINE_EXCEEDED" not in str(e)
-                if answered or time.monotonic() >= deadline:
+                if answered:
                     raise self._in_vain(what, fix, e) from e
+                last = e
             if peer is not None:
-                index, step = peer
-                try:
-                    alive = self._alive_key(index)
-                    beat = str(self._call("key_value_try_get", alive, bound_s=self._beat_s))
-                except Exception:
-                    beat = None
-                if beat is not None and beat != heard and str(step) in beat.split()[1:]:
-                    deadline = time.monotonic() + self.timeout_s  # at work on it: wait on
+                beat = self._heartbeat(peer[0])
+                if beat is not None and beat != heard and str(peer[1]) in beat.split()[1:]:
+                    # At work on it: wait on. Its heartbeat may pause for a while as it
+                    # writes a large leaf (the writer holds the GIL in copies), so a
+                    # short peer_timeout gives way to `_SILENCE_S` here.
+                    deadline = time.monotonic() + max(self.timeout_s, _SILENCE_S)
                 heard = beat
+            if time.monotonic() >= deadline:
+                raise self._in_vain(what, fix, last) from last
+
+    def _heartbeat(self, index: int) -> str | None:
+        try:
+            return str(self._call("key_value_try_get", self._alive_key(index), bound_s=_SLACK_S))
+        except Exception:
+            return None
 
     def _in_vain(self, what: str, fix: str, e: BaseException) -> SaveError:
         return SaveError(
