@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _format, _processes, _restore, _run, _shards, _traced, _tree
+from . import _format, _processes, _restore, _run, _scan, _shards, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -708,6 +708,55 @@ class Checkpointer:
             sigint=sigint,
             check_every=check_every,
             progress=progress,
+        )
+
+    def scan(
+        self,
+        f: Any,
+        init: Any,
+        xs: Any = None,
+        length: int | None = None,
+        reverse: bool = False,
+        unroll: int | bool = 1,
+        *,
+        every: int | None = None,
+        start: Any = 0,
+        shardings: Any = None,
+    ) -> tuple[Any, Any]:
+        """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, saving the carry every
+        `every` iterations (default: the Checkpointer's `every`), with no conditional
+        in the loop.
+
+        Same results as `lax.scan`, bit for bit, under `jit`, `vmap` and `grad`. The
+        scan is nested: chunks of `every` iterations, a save between two chunks (one
+        unconditional crossing each), the iterations that fill no chunk in a scan of
+        their own. Checkpoint `start + k` holds the carry after `k` iterations (`start`:
+        the step of `init`, an int or a traced int). Use it instead of a `maybe_save`
+        in the body when the saves come every N iterations of one scan: no predicate is
+        evaluated per step (on a GPU, each one is a device-to-host copy the host waits
+        for). What blocks and what runs in the background: as `maybe_save`.
+
+        Example:
+            ```python
+            state, losses = ckpt.scan(train_step, state, batches, every=100)
+            ```
+        """
+        every = self._every if every is None else every
+        if every is None:
+            raise ConfigError(
+                "scan: no every. Fix: pass every=N, or create the Checkpointer with every=N."
+            )
+        return _scan.scan(
+            self,
+            f,
+            init,
+            xs,
+            length,
+            reverse,
+            unroll,
+            every=every,
+            start=start,
+            shardings=shardings,
         )
 
     def should_stop(self, step: Any) -> jax.Array:

@@ -198,8 +198,9 @@ def cross(
     first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
+    always = pred is None and axis_name is None
     pred = jnp.asarray(True) if pred is None else pred
-    save = _batched_save(host, signature, fast)
+    save = _batched_save(host, signature, fast, always=always)
     if axis_name is None:
         save(step, pred, payload)
         return
@@ -388,8 +389,9 @@ def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
 
 
-def _batched_save(host: Any, signature: Any, fast: bool):
-    """`save(step, pred, payload)`: one crossing when any member's `pred` holds.
+def _batched_save(host: Any, signature: Any, fast: bool, *, always: bool = False):
+    """`save(step, pred, payload)`: one crossing when any member's `pred` holds
+    (`always`: the save is unconditional, and crosses with no `cond` around it).
 
     Unbatched, `pred` is a scalar. Each `vmap` applied from outside prepends its axis to
     `pred`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
@@ -415,7 +417,10 @@ def _batched_save(host: Any, signature: Any, fast: bool):
             else:
                 jax.debug.callback(callback, step, pred, *payload)
 
-        jax.lax.cond(jnp.any(pred), crossing, lambda *_: None, step, pred, payload)
+        if always:
+            crossing(step, pred, payload)
+        else:
+            jax.lax.cond(jnp.any(pred), crossing, lambda *_: None, step, pred, payload)
         return ()
 
     @save.def_vmap

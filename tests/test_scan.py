@@ -1,0 +1,133 @@
+"""`ckpt.scan`: a drop-in for `lax.scan` that saves every `every` iterations with no
+conditional in the loop (issue 22 item 1). Exact against `lax.scan` (carry and ys) under
+`jit`, `vmap` and `grad`, forwards and in reverse, with and without a remainder; each
+checkpoint holds the carry after that many iterations; the compiled program has no
+conditional (a `maybe_save` in the body has one: the check can fail)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cb_ckpt
+
+
+def body(carry, x):
+    carry = {"w": carry["w"] * 1.01 + x["a"], "n": carry["n"] + 1}
+    return carry, {"sum": carry["w"].sum(), "twice": 2 * x["a"]}
+
+
+def init():
+    return {"w": jnp.zeros(3), "n": jnp.int32(0)}
+
+
+def xs_of(length):
+    return {"a": jnp.arange(length * 3, dtype=jnp.float32).reshape(length, 3)}
+
+
+def partial_carry(k, length, reverse):
+    """The carry after k iterations of the plain scan."""
+    xs = xs_of(length)
+    order = xs["a"][::-1] if reverse else xs["a"]
+    return jax.lax.scan(body, init(), {"a": order[:k]})[0]
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("length, every", [(10, 4), (12, 4), (3, 4), (7, 1)])
+def test_same_as_lax_scan_and_saves_every_n(make_ckpt, length, every, reverse):
+    ckpt = make_ckpt()
+    plain = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs, reverse=reverse))(init(), xs_of(length))
+    saving = jax.jit(
+        lambda c, xs: ckpt.scan(body, c, xs, reverse=reverse, every=every, start=1000)
+    )(init(), xs_of(length))
+    assert jax_cb_ckpt.same_bits(saving, plain)
+    ckpt.wait()
+    expected = [1000 + k for k in range(every, length + 1, every)]
+    assert ckpt.all_steps() == expected
+    for step in expected:
+        saved = ckpt.restore(init(), step=step)
+        assert jax_cb_ckpt.same_bits(saved, partial_carry(step - 1000, length, reverse)), step
+
+
+def test_length_without_xs_unroll_and_a_traced_start(make_ckpt):
+    ckpt = make_ckpt(every=5)
+
+    def count(c, _):
+        return c + 1.0, None
+
+    run = jax.jit(lambda c, s: ckpt.scan(count, c, None, length=12, unroll=2, start=s))
+    carry, ys = run(jnp.zeros(2), jnp.int32(40))
+    assert ys is None
+    np.testing.assert_array_equal(carry, np.full(2, 12.0))
+    ckpt.wait()
+    assert ckpt.all_steps() == [45, 50]
+    np.testing.assert_array_equal(ckpt.restore(jnp.zeros(2), step=45), np.full(2, 5.0))
+
+
+def test_under_vmap(make_ckpt):
+    ckpt = make_ckpt()
+    inits = jax.vmap(lambda s: {"w": jnp.full(3, s), "n": jnp.int32(0)})(jnp.arange(4.0))
+    xs = xs_of(9)
+
+    def run(scan):
+        return jax.jit(jax.vmap(lambda c: scan(body, c, xs)))(inits)
+
+    plain = run(jax.lax.scan)
+    saving = run(lambda f, c, xs: ckpt.scan(f, c, xs, every=3))
+    assert jax_cb_ckpt.same_bits(saving, plain)
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 6, 9]
+    assert ckpt.metadata(step=9)["batch_shape"] == [4]
+    assert jax_cb_ckpt.same_bits(ckpt.restore(inits, step=9), plain[0])
+
+
+def test_under_grad(make_ckpt):
+    ckpt = make_ckpt()
+    xs = xs_of(8)
+
+    def loss(scale, scan):
+        carry, ys = scan(lambda c, x: body({"w": c["w"] * scale, "n": c["n"]}, x), init(), xs)
+        return carry["w"].sum() + ys["sum"].sum()
+
+    plain = jax.jit(jax.grad(lambda s: loss(s, jax.lax.scan)))(1.0)
+    saving = jax.jit(jax.grad(lambda s: loss(s, lambda f, c, xs: ckpt.scan(f, c, xs, every=4))))(
+        1.0
+    )
+    assert jax_cb_ckpt.same_bits(saving, plain)
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 8]  # the primal carries
+
+
+def test_no_conditional_in_the_compiled_program(make_ckpt):
+    ckpt = make_ckpt(every=4)
+    xs = xs_of(10)
+
+    def conditionals(fn):
+        """The conditional ops of the compiled program (HLO `conditional(`)."""
+        text = jax.jit(fn).lower(init(), xs).compile().as_text()
+        return len(re.findall(r"\bconditional\(", text))
+
+    def in_body(c, xs):
+        def step(carry, x):
+            carry, ys = body(carry, x)
+            ckpt.maybe_save(carry, carry["n"])
+            return carry, ys
+
+        return jax.lax.scan(step, c, xs)
+
+    assert conditionals(in_body) > 0  # what ckpt.scan does without
+    assert conditionals(lambda c, xs: ckpt.scan(body, c, xs)) == 0
+
+
+def test_bad_arguments_say_what_to_pass(make_ckpt):
+    ckpt = make_ckpt()
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"scan: no every"):
+        ckpt.scan(body, init(), xs_of(4))
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"every must be a positive int"):
+        ckpt.scan(body, init(), xs_of(4), every=0)
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"length=5, but xs has leaves"):
+        ckpt.scan(body, init(), xs_of(4), length=5, every=2)
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"pass length="):
+        ckpt.scan(lambda c, x: (c, None), init(), None, every=2)
