@@ -1,7 +1,8 @@
 """`Checkpointer.run`: a scan-shaped run that resumes itself, bit for bit.
 
-The loop is one jitted `lax.while_loop` over the step counter, started at the restored
-step. The start is a traced argument, so a fresh run and every resumed run execute the
+The loop is one jitted program over the step counter, started at the restored step:
+`lax.while_loop`s over chunks of steps, each chunk a scan with no conditional in it
+(`make_loop`). The start is a traced argument, so a fresh run and every resumed run execute the
 same compiled program: a resumed run computes exactly what the uninterrupted one would.
 Checkpoint `k` holds the state after `k` steps.
 """
@@ -9,6 +10,7 @@ Checkpoint `k` holds the state after `k` steps.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -95,24 +97,7 @@ def run(
         shardings = _process_shardings(state)
         read_stop = _agreed(stop_flag.traced, shardings)
 
-    def loop(state, start):
-        def cond(carry):
-            i, _, stop = carry
-            return (i < num_steps) & jnp.logical_not(stop)
-
-        def one_step(carry):
-            i, state, _ = carry
-            state = step_fn(state, i)
-            i = i + 1
-            at_save = (i % every == 0) | (i == num_steps)
-            # The stop request is read (one host crossing) only every `check` steps.
-            stop = jax.lax.cond(i % check == 0, read_stop, lambda i: jnp.asarray(False), i)
-            ckpt.maybe_save(state, i, when=at_save | stop, shardings=shardings)
-            return i, state, stop
-
-        carry = (jnp.asarray(start, jnp.int32), state, jnp.asarray(False))
-        i, state, stop = jax.lax.while_loop(cond, one_step, carry)
-        return state, i, stop
+    loop = make_loop(ckpt, step_fn, num_steps, every, check, read_stop, shardings)
 
     bar = None if bar_type is None else _Progress(bar_type, ckpt, stop_flag, start, num_steps)
     try:
@@ -197,6 +182,55 @@ class _Progress:
     def close(self) -> None:
         self.tick()
         self._bar.close()
+
+
+def make_loop(
+    ckpt: Saver,
+    step_fn: Callable[[Any, Any], Any],
+    num_steps: int,
+    every: int,
+    check: int,
+    read_stop: Callable[[Any], jax.Array],
+    shardings: Any,
+) -> Callable[[Any, Any], tuple[Any, jax.Array, jax.Array]]:
+    """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit."""
+    # Steps run in chunks of `chunk` steps (it divides both `every` and `check`), each a
+    # scan with no conditional inside: the save and the stop read sit between chunks, so
+    # a step costs no predicate (on a GPU, each is a copy the host waits for). Steps
+    # before the first chunk boundary (a resume from a step saved with other settings)
+    # and after the last full chunk run one at a time, deciding after each step.
+    chunk = math.gcd(every, check)
+
+    def loop(state: Any, start: Any) -> tuple[Any, jax.Array, jax.Array]:
+        def after(i, state):
+            """What follows step `i`: read the stop flag every `check` steps, save at
+            every `every` steps, at the end and when stopping."""
+            at_save = (i % every == 0) | (i == num_steps)
+            stop = jax.lax.cond(i % check == 0, read_stop, lambda i: jnp.asarray(False), i)
+            ckpt.maybe_save(state, i, when=at_save | stop, shardings=shardings)
+            return stop
+
+        def one_step(carry):
+            i, state, _ = carry
+            state = step_fn(state, i)
+            return i + 1, state, after(i + 1, state)
+
+        def whole_chunk(carry):
+            i, state, _ = carry
+            state = jax.lax.fori_loop(0, chunk, lambda k, s: step_fn(s, i + k), state)
+            return i + chunk, state, after(i + chunk, state)
+
+        def before(limit):
+            return lambda carry: (carry[0] < limit) & jnp.logical_not(carry[2])
+
+        carry = (jnp.asarray(start, jnp.int32), state, jnp.asarray(False))
+        boundary = jnp.minimum((carry[0] + chunk - 1) // chunk * chunk, num_steps)
+        carry = jax.lax.while_loop(before(boundary), one_step, carry)
+        carry = jax.lax.while_loop(before(num_steps - chunk + 1), whole_chunk, carry)
+        i, state, stop = jax.lax.while_loop(before(num_steps), one_step, carry)
+        return state, i, stop
+
+    return loop
 
 
 def _process_shardings(state: Any) -> Any:

@@ -131,3 +131,73 @@ def test_bad_arguments_say_what_to_pass(make_ckpt):
         ckpt.scan(body, init(), xs_of(4), length=5, every=2)
     with pytest.raises(jax_cb_ckpt.ConfigError, match=r"pass length="):
         ckpt.scan(lambda c, x: (c, None), init(), None, every=2)
+
+
+def innermost_loops(text):
+    """The texts of the `stablehlo.while` ops of a lowered program that hold no other
+    loop. MLIR prints an op's regions indented under it and closes the last one with a
+    `}` at the op's own indentation (after its `} do {` line)."""
+    lines = text.splitlines()
+    loops = []
+    for n, line in enumerate(lines):
+        if "stablehlo.while" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        end = next(
+            k
+            for k in range(n + 1, len(lines))
+            if lines[k].strip() == "}" and len(lines[k]) - len(lines[k].lstrip()) == indent
+        )
+        loop = "\n".join(lines[n : end + 1])
+        if loop.count("stablehlo.while") == 1:
+            loops.append(loop)
+    return loops
+
+
+def decides_nothing(loop):
+    return "stablehlo.case" not in loop and "custom_call" not in loop
+
+
+def test_run_steps_in_chunks_with_no_conditional_inside(make_ckpt):
+    """`ckpt.run`'s loop: the steps run in a scan of gcd(every, check_every) steps with
+    no conditional in it; the stop read and the save come between chunks."""
+    from jax_cb_ckpt import _preempt, _run
+
+    ckpt = make_ckpt(every=20)
+
+    def step_fn(s, i):
+        return jnp.sin(s) + i
+
+    def lowered(make):
+        loop = make(ckpt, step_fn, 100, 20, 10, _preempt.StopFlag().traced, None)
+        return jax.jit(loop).lower(jnp.zeros(3), jnp.int32(0)).as_text()
+
+    # The steps' loop (the only loop without a decision in it) is there...
+    assert any(decides_nothing(loop) for loop in innermost_loops(lowered(_run.make_loop)))
+
+    def per_step(ckpt, step_fn, num_steps, every, check, read_stop, shardings):
+        """The loop before: a decision after every step (what the check must catch)."""
+
+        def loop(state, start):
+            def one(carry):
+                i, s, _ = carry
+                s, i = step_fn(s, i), i + 1
+                stop = jax.lax.cond(i % check == 0, read_stop, lambda i: jnp.asarray(False), i)
+                ckpt.maybe_save(s, i, when=(i % every == 0) | stop)
+                return i, s, stop
+
+            return jax.lax.while_loop(
+                lambda c: c[0] < num_steps, one, (start, state, jnp.asarray(False))
+            )
+
+        return loop
+
+    # ...where a loop with a decision after every step has none.
+    assert not any(decides_nothing(loop) for loop in innermost_loops(lowered(per_step)))
+    # and the run itself: exact against the plain loop, saves where they were
+    final = ckpt.run(step_fn, jnp.zeros(3), 100)
+    plain = jax.jit(lambda s: jax.lax.fori_loop(0, 100, lambda i, s: step_fn(s, i), s))(
+        jnp.zeros(3)
+    )
+    assert jax_cb_ckpt.same_bits(final, plain)
+    assert ckpt.all_steps() == [20, 40, 60, 80, 100]
