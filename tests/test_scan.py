@@ -201,3 +201,24 @@ def test_run_steps_in_chunks_with_no_conditional_inside(make_ckpt):
     )
     assert jax_cb_ckpt.same_bits(final, plain)
     assert ckpt.all_steps() == [20, 40, 60, 80, 100]
+
+
+def test_run_resumed_from_a_step_off_the_chunk_grid(make_ckpt, ckpt_dir):
+    """A run resumed at step 7 with every=4: steps 8 (one at a time), then chunks of 4,
+    then the last 2 steps one at a time; saves land where every=4 puts them."""
+
+    def step_fn(s, i):
+        return jnp.sin(s) + i
+
+    first = make_ckpt(every=3)
+    first.run(step_fn, jnp.zeros(3), 7)  # saves 3, 6, 7
+    first.close()
+    second = make_ckpt(every=4, max_to_keep=None)
+    final = second.run(step_fn, jnp.zeros(3), 22)
+    plain = jax.jit(lambda s: jax.lax.fori_loop(0, 22, lambda i, s: step_fn(s, i), s))(jnp.zeros(3))
+    assert jax_cb_ckpt.same_bits(final, plain)
+    assert second.all_steps() == [3, 6, 7, 8, 12, 16, 20, 22]
+    plain_12 = jax.jit(lambda s: jax.lax.fori_loop(0, 12, lambda i, s: step_fn(s, i), s))(
+        jnp.zeros(3)
+    )
+    assert jax_cb_ckpt.same_bits(second.restore(jnp.zeros(3), step=12), plain_12)
