@@ -487,13 +487,7 @@ def _member_leaf(
     if 0 in stored or 0 in batch:
         return np.zeros(stored, dtype)
     name = _store.param_name(saved.name)
-    leaf_sums = None if sums is None else sums.get(name)
-    if sums is not None and leaf_sums is None:
-        raise RestoreError(
-            f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
-            f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
-            "or pass verify=False to read it unchecked."
-        )
+    leaf_sums = None if sums is None else _leaf_sums(sums, saved, where)
 
     def report(key: str) -> RestoreError:
         return _verify.mismatch(where, name, saved.path, key, step_dir)
@@ -515,6 +509,18 @@ def _member_leaf(
     return value
 
 
+def _leaf_sums(sums: dict[str, Any], saved: _tree.LeafSpec, where: str) -> dict[str, int]:
+    """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
+    leaf_sums = sums.get(_store.param_name(saved.name))
+    if leaf_sums is None:
+        raise RestoreError(
+            f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
+            f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
+            "or pass verify=False to read it unchecked."
+        )
+    return leaf_sums
+
+
 def _checksums(meta: dict[str, Any], step_dir: str, where: str) -> Any:
     """`check(saved, array)`: verifies a leaf's stored data against its checksums."""
     sums = meta.get("checksums")
@@ -525,13 +531,7 @@ def _checksums(meta: dict[str, Any], step_dir: str, where: str) -> Any:
 
     def check(saved: _tree.LeafSpec, array: Any) -> None:
         name = _store.param_name(saved.name)
-        leaf_sums = sums.get(name)
-        if leaf_sums is None:
-            raise RestoreError(
-                f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
-                f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another "
-                "step, or pass verify=False to read it unchecked."
-            )
+        leaf_sums = _leaf_sums(sums, saved, where)
 
         def report(key: str) -> RestoreError:
             return _verify.mismatch(where, name, saved.path, key, step_dir)

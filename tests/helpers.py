@@ -147,3 +147,22 @@ def flip(path, offset):
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+def run_twice(tmp_path, code):
+    """Run a documentation script twice in a fresh process, in `tmp_path` (its
+    tempfile.mkdtemp() directories too), as a reader would run it again; the second
+    run must not trip over the first one's checkpoints. The second run's result."""
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    for run in ("first", "second"):
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        )
+        assert result.returncode == 0, f"{run} run:\n{result.stderr[-3000:]}"
+    return result

@@ -6,14 +6,12 @@ run's checkpoints). The plain-Orbax recipes of docs/usage.md read a checkpoint s
 
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_script
+from helpers import run_script, run_twice
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,20 +43,8 @@ def blocks(path):
 
 @pytest.mark.parametrize("code", blocks(DOC))
 def test_frameworks_doc_block_runs_twice(tmp_path, code):
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    for run in ("first", "second"):
-        result = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            # The scripts' tempfile.mkdtemp() directories go under tmp_path too.
-            env=dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path)),
-        )
-        assert result.returncode == 0, f"{run} run:\n{result.stderr[-3000:]}"
-        assert " ok" in result.stdout, f"{run} run:\n{result.stdout}"
+    result = run_twice(tmp_path, code)
+    assert " ok" in result.stdout, result.stdout
 
 
 # The usage.md recipes, between the lines a reader would have: where the checkpoint is,

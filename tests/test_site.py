@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import CHILD_ENV
+from helpers import CHILD_ENV, run_twice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,18 +24,7 @@ def blocks(*names):
 
 @pytest.mark.parametrize("code", blocks("index.md", "cli.md"))
 def test_page_block_runs_twice(tmp_path, code):
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    for run in ("first", "second"):
-        result = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=CHILD_ENV,
-        )
-        assert result.returncode == 0, f"{run} run:\n{result.stderr[-3000:]}"
+    run_twice(tmp_path, code)
 
 
 def test_index_block_prints_what_it_says():
