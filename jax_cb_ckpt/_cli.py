@@ -103,11 +103,11 @@ def _listed(directory: str, step: int) -> dict[str, Any] | None:
 
 def _unfinished(directory: str, name: str) -> dict[str, Any] | None:
     """A step being written (or left by a killed writer): a temporary directory."""
-    step, _, rest = name.partition(".")
-    if not rest.startswith("jax_cb_ckpt-tmp-") or not _format.is_step_name(step):
+    step = _format.unfinished_step(name)
+    if step is None:
         return None
     path = os.path.join(directory, name)
-    return {"step": int(step), "saved_at": None, "bytes": _bytes(path), "complete": False}
+    return {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
 
 
 def _bytes(path: str) -> int:

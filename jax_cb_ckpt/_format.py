@@ -237,7 +237,20 @@ def remove_run_temps(directory: str, run: str) -> None:
     """Delete every temporary directory of the multi-process run `run`: called when a
     step was committed, after which none of its earlier attempts is written to (a
     late process may have re-created the one of an attempt that had failed)."""
-    marker = f".jax_cb_ckpt-tmp-{run[:24]}"
+    _remove_our_temporaries(directory, f".jax_cb_ckpt-tmp-{run[:24]}")
+
+
+def unfinished_step(name: str) -> int | None:
+    """The step of a temporary directory `name` of ours (a step being written, or left
+    by a killed writer), else None."""
+    match = _OURS.fullmatch(name)
+    if match is None or match.group(2) != "tmp" or match.group(3):
+        return None
+    return int(match.group(1))
+
+
+def _remove_our_temporaries(directory: str, marker: str = "") -> None:
+    """Delete our temporary names in `directory` (those holding `marker`)."""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -292,13 +305,7 @@ def remove_aside(path: str) -> None:
 
 def clean_leftovers(directory: str) -> None:
     """Remove what a killed writer of ours left: temporaries and half-done deletions."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if _OURS.fullmatch(name):
-            _remove_ours(os.path.join(directory, name))
+    _remove_our_temporaries(directory)
     legacy = os.path.join(directory, _LEGACY_DELETED)
     if _is_real_dir(legacy):  # a symlink here is never followed, only ignored
         shutil.rmtree(legacy, ignore_errors=True)

@@ -339,7 +339,7 @@ def restore(
     batch = _batch_shape(meta, where)
     if member is not None:
         index = _member_index(member, batch, meta, where)
-        return _restore_member(path, step, seen, meta, like, index, verify)
+        return _restore_member(path, step, seen, meta, like, batch, index, verify)
     if batch:
         _check_batched_like(like_specs, saved_specs, batch, where)
     _tree.check_like(like_specs, saved_specs, where)
@@ -426,6 +426,7 @@ def _restore_member(
     seen: tuple[int, int],
     meta: dict[str, Any],
     like: Any,
+    batch: tuple[int, ...],
     index: tuple[int, ...],
     verify: bool,
 ) -> Any:
@@ -435,7 +436,6 @@ def _restore_member(
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    batch = _batch_shape(meta, where)
     n = len(batch)
     saved_specs = _saved_specs(meta, where)
     batched = {s.name for s in saved_specs if s.shape[:n] == batch}
@@ -499,10 +499,17 @@ def _member_leaf(
         array = _verify.read_leaf(step_dir, saved.name)
         if leaf_sums is not None:
             _verify.check_host(array, leaf_sums, report)
-    value = _format.from_storage(array, dtype) if array.shape == stored else None
+    return _as_described(array, saved, stored, where)
+
+
+def _as_described(array: Any, saved: _tree.LeafSpec, shape: tuple[int, ...], where: str) -> Any:
+    """A leaf's stored data as the dtype it was saved with, once its shape (`shape`:
+    the stored one, or one member's) is the described one; else an error."""
+    dtype = np.dtype(saved.dtype)
+    value = _format.from_storage(array, dtype) if array.shape == shape else None
     if value is None:
         raise RestoreError(
-            f"{where}: leaf {saved.path} is described as {dtype.name}{list(stored)} but "
+            f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
             f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
             "or corrupted. Fix: restore another step."
         )
@@ -562,14 +569,7 @@ def _stored_array(
         array = np.asarray(array)
     if check is not None and array.shape == shape:
         check(saved, array)
-    value = _format.from_storage(array, dtype) if array.shape == shape else None
-    if value is None:
-        raise RestoreError(
-            f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
-            f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
-            "or corrupted. Fix: restore another step."
-        )
-    return value
+    return _as_described(array, saved, shape, where)
 
 
 def _short(steps: list[int]) -> str:
