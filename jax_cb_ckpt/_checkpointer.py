@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _format, _processes, _restore, _run, _scan, _shards, _traced, _tree
+from . import _format, _processes, _remote, _restore, _run, _scan, _shards, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._exchange import Exchange, OnExisting, is_failed_write
 from ._handoff import CLOSED_AT_EXIT, HostSide, OnError, OnFull, Signature, probe_callback_arrays
-from ._lock import DirectoryLock
+from ._lock import open_lock
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
 from ._traced import Crossing, Gather
@@ -130,7 +130,8 @@ class Checkpointer:
         peer_timeout: float = 60.0,
     ) -> None:
         path = _format.resolve(directory, "Checkpointer(directory=...)")
-        if os.path.exists(path) and not os.path.isdir(path):
+        remote = _remote.is_url(path)
+        if not remote and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): that path is an existing file, not "
                 "a directory. Fix: pass a directory path (it is created if missing)."
@@ -188,7 +189,8 @@ class Checkpointer:
             )
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
-            os.makedirs(path, exist_ok=True)
+            if not remote:  # a prefix in a bucket needs no making
+                os.makedirs(path, exist_ok=True)
         except OSError as e:
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): cannot create the directory: {e}. "
@@ -204,7 +206,7 @@ class Checkpointer:
         self._closed = False
         self._stats = StatsRecorder()
         # refuses a second live writer of this directory (one per process of a run)
-        lock = DirectoryLock(path, _lock_name())
+        lock = open_lock(path, _lock_name())
         self._group = None
         try:
             list_steps = functools.partial(_format.list_steps, path)

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from . import _format
+from . import _format, _remote
 from ._errors import CheckpointError, RestoreError
 from ._restore import metadata, verify
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         directory = _format.resolve(args.directory, f"jax-cb-ckpt {args.command}")
-        if not os.path.isdir(directory):
+        if not _remote.is_url(directory) and not os.path.isdir(directory):
             raise FileNotFoundError(f"{args.directory!r} is not a directory")
         return args.run(directory, args)
     except (CheckpointError, OSError) as e:
@@ -74,7 +74,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _ls(directory: str, args: argparse.Namespace) -> int:
     rows = [_listed(directory, step) for step in _format.list_steps(directory)]
-    rows += [_unfinished(directory, name) for name in sorted(os.listdir(directory))]
+    rows += [
+        {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
+        for step, path in _format.unfinished_steps(directory)
+    ]
     rows = sorted((r for r in rows if r is not None), key=lambda r: (r["step"], r["complete"]))
     if args.json:
         _print_json({"directory": directory, "steps": rows})
@@ -95,22 +98,16 @@ def _listed(directory: str, step: int) -> dict[str, Any] | None:
     try:
         saved_at = metadata(directory, step=step).get("saved_at") or _mtime(path)
     except (CheckpointError, OSError):
-        if not os.path.isdir(path):  # removed by retention meanwhile
+        if not _format.exists(path):  # removed by retention meanwhile
             return None
         saved_at = _mtime(path)
     return {"step": step, "saved_at": saved_at, "bytes": _bytes(path), "complete": True}
 
 
-def _unfinished(directory: str, name: str) -> dict[str, Any] | None:
-    """A step being written (or left by a killed writer): a temporary directory."""
-    step = _format.unfinished_step(name)
-    if step is None:
+def _bytes(path: str) -> int | None:
+    """Bytes on disk under `path`; None in object storage (listing gives no sizes)."""
+    if _remote.is_url(path):
         return None
-    path = os.path.join(directory, name)
-    return {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
-
-
-def _bytes(path: str) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
@@ -122,6 +119,8 @@ def _bytes(path: str) -> int:
 
 
 def _mtime(path: str) -> str | None:
+    if _remote.is_url(path):
+        return None
     try:
         seconds = os.stat(path).st_mtime
     except OSError:
@@ -242,7 +241,9 @@ def _print_json(value: dict[str, Any]) -> None:
     print()
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
     if nbytes < 1024:
         return f"{nbytes} B"
     size = float(nbytes)

@@ -22,6 +22,13 @@ Leftovers of either kind (a killed run) are removed when a Checkpointer opens th
 directory. Every deletion checks with `lstat` that it removes a real directory, never
 a symlink, and `shutil.rmtree` does not follow links inside it: nothing outside the
 checkpoint directory is ever touched.
+
+In object storage (`gs://`, `s3://`: `_remote.py`) there is no rename: a step's objects
+are written under `<step>/` directly, `<step>/.jax_cb_ckpt` first and Orbax's commit
+marker `<step>/commit_success.txt` last, and only a step holding both (and the item
+files) is listed. A step with our first object but no commit marker is a killed write
+of ours, deleted at the next opening; deleting a step removes its commit marker first
+(unlisted at once), our marker last. Objects without our marker are never deleted.
 """
 
 from __future__ import annotations
@@ -39,16 +46,32 @@ from typing import Any
 
 import numpy as np
 
+from . import _remote
 from ._errors import ConfigError
 
 FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
 STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
 META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
+ITEMS = (STATE_ITEM, META_ITEM)
 META_FILE = "metadata"  # the file Orbax's JsonCheckpointHandler writes in META_ITEM
 ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"  # written by Orbax when a save is finalized
 STATE_METADATA = "_METADATA"  # Orbax's description of the state item's tree
 PROCESS_PREFIX = "ocdbt.process_"  # the state item's database of process i > 0
 LOCK_NAME = ".jax_cb_ckpt.lock"  # held (flock) by the one live writer of a directory
+# Object storage (no rename): a step's objects are written under its final name, this
+# one first (the step is ours from then on) and Orbax's commit marker last (the step is
+# listed from then on).
+OURS_NAME = ".jax_cb_ckpt"
+COMMIT_NAME = "commit_success.txt"
+_COMPLETE = frozenset(
+    {
+        OURS_NAME,
+        COMMIT_NAME,
+        ORBAX_STEP_FILE,
+        f"{META_ITEM}/{META_FILE}",
+        f"{STATE_ITEM}/{STATE_METADATA}",
+    }
+)
 
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
 
@@ -67,6 +90,8 @@ _LEGACY = {"float8_e4m3": "float32"}  # stored widened before 2026-11-30
 
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # gs://, s3://, file://, ...
+# A storage URL with a slash missing (s3:/x, gs:bucket), not a local name like "exp:1".
+_URL_SLIP = re.compile(r"(gs|gcs|s3|s3a|hdfs|file|az|abfs|https?):/?(?!/)", re.IGNORECASE)
 _OURS = re.compile(
     r"(0|[1-9][0-9]*)\.jax_cb_ckpt-(tmp|deleting)-[0-9a-f]{32}(\.orbax-checkpoint-tmp)?",
     re.ASCII,
@@ -125,17 +150,17 @@ def resolve(directory: object, where: str) -> str:
         )
     if "\0" in path:
         raise ConfigError(f"{where}: directory {path!r} contains a NUL character.")
-    scheme = _URL.match(path)
-    if scheme:
-        # Taken as a local path, "gs://bucket/run" is a folder "gs:" in the working
+    if _URL.match(path):
+        return _remote.canonical(path, where)
+    slip = _URL_SLIP.match(path)
+    if slip:
+        # Taken as a local path, "s3:/bucket/run" is a folder "s3:" in the working
         # directory: a run that looks checkpointed until its machine is gone.
         raise ConfigError(
-            f"{where}: directory {path!r} is a {scheme.group(1)}:// URL; this version "
-            "writes and reads local (POSIX) directories only, and would have taken it "
-            "for a local folder named "
-            f"{scheme.group(1) + ':'!r}. Fix: use a directory on a local or shared file "
-            "system (NFS, a cluster file system, a bucket mounted with FUSE, e.g. "
-            "gcsfuse or mountpoint-s3)."
+            f"{where}: directory {path!r} looks like a {slip.group(1)}:// URL with a "
+            f"slash missing, and would be taken for a local folder named "
+            f"{slip.group(1) + ':'!r}. Fix: write {slip.group(1)}://bucket/path, or "
+            "./" + f"{path} if a local folder of that name is really meant."
         )
     # realpath, not abspath: `link/../x` must name the directory the OS means (abspath
     # would drop `link/..` without following the link).
@@ -165,7 +190,9 @@ def is_checkpoint(path: str) -> bool:
     """`path` is a complete checkpoint of ours: a real directory (no symlinks on the way)
     holding the file Orbax writes when it finalizes a save, our `state` item, and our
     `meta` item carrying our format tag (a plain Orbax checkpoint with items of the same
-    names is not ours)."""
+    names is not ours). In object storage: every object `_COMPLETE` names is there."""
+    if _remote.is_url(path):
+        return _COMPLETE <= set(_remote.list_keys(path))
     meta = os.path.join(path, META_ITEM, META_FILE)
     if not (
         _is_real_dir(path)
@@ -185,7 +212,9 @@ def is_checkpoint(path: str) -> bool:
 
 def symlinks_inside(path: str) -> list[str]:
     """Symlinks anywhere under `path` (a checkpoint of ours has none: reading one could
-    read outside the directory)."""
+    read outside the directory). Object storage has none."""
+    if _remote.is_url(path):
+        return []
     found = []
     for root, dirs, files in os.walk(path):
         found += [
@@ -196,6 +225,8 @@ def symlinks_inside(path: str) -> list[str]:
 
 def list_steps(path: str) -> list[int]:
     """Steps with a complete checkpoint in `path`, ascending (see the module doc)."""
+    if _remote.is_url(path):
+        return sorted(int(n) for n, keys in _objects_by_step(path).items() if _COMPLETE <= keys)
     try:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -212,6 +243,12 @@ def list_steps(path: str) -> list[int]:
 def foreign_steps(path: str) -> list[int]:
     """Step-like names in `path` that are not checkpoints of ours (for error messages:
     a plain Orbax checkpoint, an empty or half-copied directory)."""
+    if _remote.is_url(path):
+        try:
+            by_step = _objects_by_step(path)
+        except ConfigError:
+            return []
+        return sorted(int(n) for n, keys in by_step.items() if not _COMPLETE <= keys)
     try:
         names = os.listdir(path)
     except OSError:
@@ -221,6 +258,53 @@ def foreign_steps(path: str) -> list[int]:
         for name in names
         if is_step_name(name) and not is_checkpoint(os.path.join(path, name))
     )
+
+
+def _objects_by_step(url: str) -> dict[str, set[str]]:
+    """Object storage: {step name: the keys under it} for every step-named prefix."""
+    try:
+        keys = _remote.list_keys(url)
+    except _remote.StorageError as e:
+        raise ConfigError(f"cannot list the checkpoint directory {url!r}: {e}") from e
+    by_step: dict[str, set[str]] = {}
+    for key in keys:
+        name, _, rest = key.partition("/")
+        if rest and is_step_name(name):
+            by_step.setdefault(name, set()).add(rest)
+    return by_step
+
+
+def exists(path: str) -> bool:
+    """Something is at `path` (a file, directory or link; in object storage, any
+    object under the prefix)."""
+    if _remote.is_url(path):
+        return bool(_remote.list_keys(path))
+    return os.path.lexists(path)
+
+
+def begin_step(temp: str) -> None:
+    """Make the place a step is written to: its temporary directory and item folders;
+    in object storage our marker object, written before any other object of the step."""
+    if _remote.is_url(temp):
+        _remote.write(f"{temp}/{OURS_NAME}", FORMAT.encode())
+        return
+    os.makedirs(os.path.join(temp, STATE_ITEM))
+    os.makedirs(os.path.join(temp, META_ITEM))
+
+
+def commit_step(directory: str, temp: str, final: str) -> None:
+    """A complete step becomes listed: its files fsynced, renamed into place (atomic),
+    the directory fsynced; in object storage, its commit marker written (last)."""
+    if _remote.is_url(final):
+        # Orbax on GCS reads a directory only with its marker: plain Orbax restores
+        # `<step>/state` as it does on a local disk (docs/storage.md).
+        marker = b"Checkpoint commit was successful."
+        _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
+        _remote.write(f"{final}/{COMMIT_NAME}", marker)
+        return
+    fsync_tree(temp)
+    os.rename(temp, final)
+    fsync_dir(directory)
 
 
 def temp_name(step: int) -> str:
@@ -236,17 +320,29 @@ def run_temp_name(step: int, run: str, attempt: int) -> str:
 def remove_run_temps(directory: str, run: str) -> None:
     """Delete every temporary directory of the multi-process run `run`: called when a
     step was committed, after which none of its earlier attempts is written to (a
-    late process may have re-created the one of an attempt that had failed)."""
+    late process may have re-created the one of an attempt that had failed). Object
+    storage has no temporary names."""
+    if _remote.is_url(directory):
+        return
     _remove_our_temporaries(directory, f".jax_cb_ckpt-tmp-{run[:24]}")
 
 
-def unfinished_step(name: str) -> int | None:
-    """The step of a temporary directory `name` of ours (a step being written, or left
-    by a killed writer), else None."""
-    match = _OURS.fullmatch(name)
-    if match is None or match.group(2) != "tmp" or match.group(3):
-        return None
-    return int(match.group(1))
+def unfinished_steps(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every step of ours being written in `directory`, or left by a
+    killed writer: our temporary directories; in object storage, steps with our
+    marker and no commit marker."""
+    if _remote.is_url(directory):
+        return [
+            (int(name), f"{directory}/{name}")
+            for name, keys in sorted(_objects_by_step(directory).items())
+            if OURS_NAME in keys and COMMIT_NAME not in keys
+        ]
+    found = []
+    for name in sorted(os.listdir(directory)):
+        match = _OURS.fullmatch(name)
+        if match is not None and match.group(2) == "tmp" and not match.group(3):
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return found
 
 
 def _remove_our_temporaries(directory: str, marker: str = "") -> None:
@@ -267,7 +363,18 @@ def _remove_ours(path: str) -> None:
 
 
 def remove_temp(directory: str, name: str) -> None:
-    """Delete one attempt's temporary directory and Orbax's inside-out temporary of it."""
+    """Delete one attempt's temporary directory and Orbax's inside-out temporary of it.
+    In object storage (written under its final name): the step's objects, unless it
+    was committed."""
+    if _remote.is_url(directory):
+        url = f"{directory}/{name}"
+        try:
+            keys = set(_remote.list_keys(url))
+            if OURS_NAME in keys and COMMIT_NAME not in keys:
+                _remove_remote_step(url)
+        except _remote.StorageError:
+            pass  # storage gone: the next opening removes what is left (unlisted)
+        return
     _remove_ours(os.path.join(directory, name))
     _remove_ours(os.path.join(directory, name + ".orbax-checkpoint-tmp"))
 
@@ -280,7 +387,8 @@ def remove_step(directory: str, step: int) -> bool:
     aside = set_aside(directory, step)
     if aside is None:
         return False
-    fsync_dir(directory)
+    if not _remote.is_url(directory):
+        fsync_dir(directory)
     remove_aside(aside)
     return True
 
@@ -294,17 +402,36 @@ def set_aside(directory: str, step: int) -> str | None:
     source = os.path.join(directory, str(step))
     if not is_checkpoint(source):
         return None
+    if _remote.is_url(source):  # unlisted as its commit marker goes
+        _remote.delete(f"{source}/{COMMIT_NAME}")
+        return source
     aside = os.path.join(directory, f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
     os.rename(source, aside)
     return aside
 
 
 def remove_aside(path: str) -> None:
+    if _remote.is_url(path):
+        _remove_remote_step(path)
+        return
     _remove_ours(path)
 
 
+def _remove_remote_step(url: str) -> None:
+    """Delete an unlisted step of ours from object storage: our marker last, so that a
+    deletion cut short is still recognised as ours (and finished by the next opening)."""
+    _remote.delete_prefix(url, keep=OURS_NAME)
+    _remote.delete(f"{url}/{OURS_NAME}")
+
+
 def clean_leftovers(directory: str) -> None:
-    """Remove what a killed writer of ours left: temporaries and half-done deletions."""
+    """Remove what a killed writer of ours left: temporaries and half-done deletions
+    (in object storage: steps of ours without a commit marker)."""
+    if _remote.is_url(directory):
+        for name, keys in _objects_by_step(directory).items():
+            if OURS_NAME in keys and COMMIT_NAME not in keys:
+                _remove_remote_step(f"{directory}/{name}")
+        return
     _remove_our_temporaries(directory)
     legacy = os.path.join(directory, _LEGACY_DELETED)
     if _is_real_dir(legacy):  # a symlink here is never followed, only ignored
@@ -313,8 +440,28 @@ def clean_leftovers(directory: str) -> None:
 
 def write_meta(path: str, meta: dict[str, Any]) -> None:
     """The `meta` item: the JSON file Orbax's JsonCheckpointHandler reads."""
-    with open(os.path.join(path, META_ITEM, META_FILE), "w") as f:
-        f.write(json.dumps(meta))
+    write_text(os.path.join(path, META_ITEM, META_FILE), json.dumps(meta))
+
+
+def write_text(path: str, text: str) -> None:
+    """A small file of a step (not fsynced here: `commit_step` syncs the step), or an
+    object in object storage."""
+    if _remote.is_url(path):
+        _remote.write(path, text.encode())
+        return
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read_text(path: str) -> str:
+    """A small file of a step (or an object); `FileNotFoundError` when absent."""
+    if _remote.is_url(path):
+        data, _ = _remote.read(path)
+        if data is None:
+            raise FileNotFoundError(f"{path} does not exist")
+        return data.decode()
+    with open(path, "rb") as f:
+        return f.read().decode()
 
 
 def write_step_file(path: str) -> None:
@@ -337,12 +484,12 @@ def write_step_file(path: str) -> None:
         "commit_timestamp_nsecs": now,
         "custom_metadata": {},
     }
-    with open(os.path.join(path, ORBAX_STEP_FILE), "w") as f:
-        json.dump(content, f)
+    write_text(os.path.join(path, ORBAX_STEP_FILE), json.dumps(content))
 
 
 def fsync_dir(path: str) -> None:
-    _fsync(path, directory=True)
+    if not _remote.is_url(path):  # an object is durable once written
+        _fsync(path, directory=True)
 
 
 def _fsync(path: str, directory: bool) -> None:
@@ -360,6 +507,8 @@ _FSYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="jax_c
 
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under `path` (nothing was synced while writing)."""
+    if _remote.is_url(path):
+        return
     todo = []
     for root, _dirs, files in os.walk(path):
         todo += [(os.path.join(root, n), False) for n in files]
@@ -369,7 +518,13 @@ def fsync_tree(path: str) -> None:
         future.result()
 
 
-def identity(path: str) -> tuple[int, int]:
-    """(device, inode) of `path`: tells a directory from one re-created under its name."""
+def identity(path: str) -> tuple[Any, ...]:
+    """(device, inode) of `path`: tells a directory from one re-created under its name.
+    A step in object storage: the generation of its commit marker."""
+    if _remote.is_url(path):
+        data, generation = _remote.read(f"{path}/{COMMIT_NAME}")
+        if data is None:
+            raise FileNotFoundError(f"{path} is not a complete step")
+        return ("object", generation)
     st = os.stat(path)
     return st.st_dev, st.st_ino

@@ -20,14 +20,20 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import stat
 import threading
 import time
+import uuid
+from typing import Any
 
+from . import _remote
 from ._errors import ConfigError, DirectoryLockedError
 from ._format import LOCK_NAME
+
+logger = logging.getLogger("jax_cb_ckpt")
 
 _HELD: dict[str, DirectoryLock] = {}  # path -> the lock a Checkpointer of ours holds
 _HELD_LOCK = threading.Lock()
@@ -153,3 +159,189 @@ def _read_holder(fd: int) -> str:
         return f"pid {data['pid']} on host {data['host']} since {data['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"
+
+
+def open_lock(directory: str, name: str = LOCK_NAME) -> DirectoryLock:
+    """The lock of a local directory (`flock`) or of an object-storage prefix."""
+    if _remote.is_url(directory):
+        return ObjectLock(directory, name)
+    return DirectoryLock(directory, name)
+
+
+class ObjectLock(DirectoryLock):
+    """One live writer per object-storage prefix, without flock.
+
+    The lock is the object `<prefix>/.jax_cb_ckpt.lock` holding JSON: who (a random
+    token, pid, host), since when, and a heartbeat. It is created with an if-absent
+    precondition (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`), so of two writers
+    racing to create it one wins; the holder rewrites it every `BEAT_S` seconds under an
+    if-generation-matches precondition, and empties it when it closes. Every write is
+    read back (an emulator may ignore preconditions), and the writer checks the lock is
+    still its own before each step it commits.
+
+    A lock that is held when a Checkpointer opens the prefix is judged by this rule
+    (docs/storage.md): its holder is dead when it names this host and a process id that
+    no longer runs; otherwise it is watched for up to `STALE_S` seconds. A heartbeat in
+    that time means a live writer: `DirectoryLockedError`. None means the holder died
+    (a killed VM cannot clean up): the lock is taken over, with a WARNING naming the
+    previous holder, never silently.
+    """
+
+    BEAT_S = 5.0
+    STALE_S = 30.0
+
+    def _acquire(self) -> None:
+        self._token = uuid.uuid4().hex
+        self._beating = threading.Event()
+        self._lost = False
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        host = socket.gethostname()
+        self.description = f"pid {os.getpid()} on host {host} since {since}"
+        self._record = {"token": self._token, "pid": os.getpid(), "host": host, "since": since}
+        for _ in range(3):  # a racing writer won the create: look again
+            data, generation = self._read()
+            holder = _holder(data)
+            taken_from = None
+            if holder is not None:
+                generation = self._wait_for(holder, generation)
+                taken_from = holder
+            written = self._write(generation)
+            if written is not None:
+                self._generation = written
+                break
+            if generation == _remote.ABSENT and self._read()[1] == _remote.ABSENT:
+                # Refused to create an object that is still absent: S3 answers a
+                # conditional write into a missing bucket so.
+                scheme, bucket, _ = _remote.split(self.directory)
+                raise self._unreachable(
+                    _remote.StorageError(
+                        f"the bucket {scheme}://{bucket} does not exist or is not writable "
+                        "with these credentials"
+                    )
+                )
+        else:
+            raise DirectoryLockedError(
+                f"Checkpointer({self.directory!r}): other writers keep taking the lock "
+                f"object {self.path}. Fix: stop the other runs on that location."
+            )
+        if _holder(self._read()[0]) != self._record:
+            raise DirectoryLockedError(
+                f"Checkpointer({self.directory!r}): another writer created the lock "
+                f"object {self.path} at the same time and holds it. Fix: stop the other "
+                "run, or point this run at another location."
+            )
+        if taken_from is not None:
+            logger.warning(
+                "jax_cb_ckpt: took over the lock of %s from %s: it showed no heartbeat "
+                "for %.0f s (or its process is gone from this host), so its writer is "
+                "taken to be dead (docs/storage.md, 'One writer').",
+                self.directory,
+                _describe(taken_from),
+                self.STALE_S,
+            )
+        threading.Thread(target=self._beat, name="jax_cb_ckpt-lock", daemon=True).start()
+
+    def _read(self) -> tuple[bytes | None, bytes]:
+        try:
+            return _remote.read(self.path)
+        except _remote.StorageError as e:
+            raise self._unreachable(e) from e
+
+    def _write(self, generation: bytes) -> bytes | None:
+        record = dict(self._record, beat=time.time())
+        try:
+            return _remote.write(self.path, json.dumps(record).encode(), if_equal=generation)
+        except _remote.StorageError as e:
+            raise self._unreachable(e) from e
+
+    def _unreachable(self, e: Exception) -> ConfigError:
+        return ConfigError(
+            f"Checkpointer({self.directory!r}): cannot use the location: {e}. Fix: check "
+            "the bucket name, that it exists, the credentials and endpoint in the "
+            "environment (docs/storage.md)."
+        )
+
+    def _wait_for(self, holder: dict[str, Any], generation: bytes) -> bytes:
+        """The generation to take the lock over from, once its holder is judged dead; a
+        `DirectoryLockedError` when it shows a heartbeat."""
+        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+            return generation
+        deadline = time.monotonic() + self.STALE_S
+        while time.monotonic() < deadline:
+            time.sleep(min(0.5, self.BEAT_S / 4))
+            data, now = self._read()
+            if now == generation:
+                continue
+            if _holder(data) is None:  # released meanwhile
+                return now
+            raise DirectoryLockedError(
+                f"Checkpointer({self.directory!r}): another live writer holds this "
+                f"location ({_describe(_holder(data) or holder)}); two writers would race "
+                "on steps and retention. Fix: stop the other run, or point this run at "
+                "another location."
+            )
+        return generation
+
+    def _beat(self) -> None:
+        while not self._beating.wait(self.BEAT_S):
+            try:
+                written = _remote.write(
+                    self.path,
+                    json.dumps(dict(self._record, beat=time.time())).encode(),
+                    if_equal=self._generation,
+                )
+            except _remote.StorageError:
+                continue  # the next beat tries again; a commit checks still_ours()
+            if written is None:
+                self._lost = True
+                return
+            self._generation = written
+
+    def still_ours(self) -> bool:
+        """Our record is in the lock object (a `StorageError` when it cannot be read:
+        the step fails at once rather than after each of its operations' retries)."""
+        if self._lost:
+            return False
+        data, _ = _remote.read(self.path)
+        return _holder(data) == self._record
+
+    def release(self) -> None:
+        with _HELD_LOCK:
+            if self._beating.is_set():
+                return
+            self._beating.set()
+            if _HELD.get(self.directory) is self:
+                del _HELD[self.directory]
+        if not self._lost:
+            try:  # emptied, not deleted: a writer waiting on it sees the release
+                _remote.write(self.path, b"", if_equal=self._generation)
+            except _remote.StorageError:
+                pass  # the next opener finds no heartbeat and takes it over
+        self._released.set()
+
+
+def _holder(data: bytes | None) -> dict[str, Any] | None:
+    """The record of a held lock object; None when absent or released (empty)."""
+    if not data:
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return {"token": "?", "pid": "?", "host": "?", "since": "unreadable lock object"}
+    return {k: record.get(k) for k in ("token", "pid", "host", "since")}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    return f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')}"
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unknown: watch its heartbeat
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

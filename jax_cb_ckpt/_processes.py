@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from . import _format
+from . import _format, _remote
 from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
@@ -405,6 +405,15 @@ def _write_nonce(directory: str, run: str) -> tuple[str, str | None]:
     process holds the directory's lock, so no other run is opening it."""
     nonce = uuid.uuid4().hex
     file = os.path.join(directory, NONCE_PREFIX + run)
+    if _remote.is_url(directory):
+        try:
+            for name in _remote.list_keys(directory):
+                if name.startswith(NONCE_PREFIX):
+                    _remote.delete(f"{directory}/{name}")
+            _remote.write(file, nonce.encode())
+        except _remote.StorageError as e:
+            return nonce, f"cannot write the check object {file} ({e})"
+        return nonce, None
     try:
         for name in os.listdir(directory):
             if name.startswith(NONCE_PREFIX):
@@ -426,6 +435,14 @@ def _write_nonce(directory: str, run: str) -> tuple[str, str | None]:
 def _read_nonce(file: str, nonce: str) -> str:
     """What this process finds in process 0's check file: OK, or how it differs. A name
     never looked up before: no cache of a network file system can answer for it."""
+    if _remote.is_url(file):
+        try:
+            found = _remote.read(file)[0]
+        except _remote.StorageError as e:
+            return f"cannot read {os.path.basename(file)!r} there ({e})"
+        if found is None:
+            return f"finds no object {os.path.basename(file)!r} there"
+        return OK if found == nonce.encode() else f"finds other content ({found[:40]!r})"
     try:
         with open(file, "rb") as f:
             found = f.read(100)
@@ -441,7 +458,9 @@ def _read_nonce(file: str, nonce: str) -> str:
 def _remove_nonce(file: str) -> None:
     """Remove a check file: a regular file of ours only (lstat: never a link)."""
     try:
-        if stat.S_ISREG(os.lstat(file).st_mode):
+        if _remote.is_url(file):
+            _remote.delete(file)
+        elif stat.S_ISREG(os.lstat(file).st_mode):
             os.unlink(file)
     except OSError:  # gone already; the next opening removes a leftover
         pass
@@ -464,4 +483,4 @@ def current(directory: str, timeout_s: float, list_steps: Any) -> Group | None:
     """The run's Group when JAX runs several processes, else None."""
     if jax.process_count() == 1:
         return None
-    return Group(os.path.abspath(directory), timeout_s, list_steps)
+    return Group(directory, timeout_s, list_steps)  # resolved by _format.resolve

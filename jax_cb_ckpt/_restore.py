@@ -16,6 +16,7 @@ reading and checked after: a step that is gone, or is another directory now, is 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import _format, _store, _tree, _verify
+from . import _format, _remote, _store, _tree, _verify
 from ._errors import ConfigError, NoCheckpointError, RestoreError, StructureMismatchError
 from ._format import META_ITEM, STATE_ITEM
 
@@ -200,9 +201,13 @@ def _read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[
             "the files they point to if you trust them."
         )
     try:
-        meta = _read_item(
-            ocp.JsonCheckpointHandler(), path, step, META_ITEM, ocp.args.JsonRestore()
-        )
+        if _remote.is_url(path):
+            meta_file = os.path.join(path, str(step), META_ITEM, _format.META_FILE)
+            meta = json.loads(_format.read_text(meta_file))
+        else:
+            meta = _read_item(
+                ocp.JsonCheckpointHandler(), path, step, META_ITEM, ocp.args.JsonRestore()
+            )
     except Exception as e:
         if not _still_there(path, step, seen):
             raise _removed(path, step, where) from e
@@ -296,6 +301,45 @@ def _read_state(
     return tree
 
 
+def _read_state_directly(
+    path: str,
+    step: int,
+    where: str,
+    seen: Any,
+    saved_specs: tuple[_tree.LeafSpec, ...],
+    placed: dict[tuple[str, ...], Any],
+) -> dict[str, Any]:
+    """The arrays of a step in object storage, read with TensorStore (Orbax cannot read
+    s3://): the nested dict Orbax's handler returns. A leaf `placed` gives a sharding
+    becomes a `jax.Array` whose devices each read only their slices."""
+    step_dir = os.path.join(path, str(step))
+    tree: dict[str, Any] = {}
+    try:
+        for saved in saved_specs:
+            shape = saved.stored_shape
+            if 0 in shape:
+                continue  # not stored
+            store = _verify.open_leaf(step_dir, saved.name)
+            sharding = placed.get(saved.name)
+            if sharding is not None:
+                array = jax.make_array_from_callback(
+                    shape, sharding, lambda index, s=store: s[index].read().result()
+                )
+            else:
+                array = store.read().result()
+            node = tree
+            for part in saved.name[:-1]:
+                node = node.setdefault(part, {})
+            node[saved.name[-1]] = array
+    except Exception as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
+        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
+    if not _still_there(path, step, seen):
+        raise _removed(path, step, where)
+    return tree
+
+
 def restore(
     directory: str | os.PathLike[str],
     like: Any,
@@ -349,7 +393,10 @@ def restore(
         sharding = _placement(leaf, spec, by_name[spec.name])
         if sharding is not None:
             placed[spec.name] = sharding
-    tree = _read_state(path, step, where, seen, _restore_args(saved_specs, placed))
+    if _remote.is_url(path):
+        tree = _read_state_directly(path, step, where, seen, saved_specs, placed)
+    else:
+        tree = _read_state(path, step, where, seen, _restore_args(saved_specs, placed))
     checks = _checksums(meta, os.path.join(path, str(step)), where) if verify else None
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._format import PROCESS_PREFIX, STATE_METADATA
+from . import _remote
+from ._format import PROCESS_PREFIX, STATE_METADATA, write_text
 
 CHUNK_BYTES = 16 << 20  # larger leaves are split, so chunks are copied in parallel
 SMALL_BYTES = 64 << 10  # smaller leaves: raw chunk bytes, never compressed
@@ -85,15 +86,22 @@ def checksum(array: np.ndarray) -> int:
     return zlib.crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
 
 
-def _file(path: str) -> dict[str, Any]:
+def base_spec(path: str) -> dict[str, Any]:
+    """The key-value store under directory `path`: local files, or a prefix in a
+    bucket (`_remote.py`)."""
+    if _remote.is_url(path):
+        return _remote.kvstore_spec(path)
     return {"driver": "file", "path": path.rstrip("/") + "/"}
 
 
 def ocdbt_spec(path: str) -> dict[str, Any]:
     """An OCDBT database in directory `path`. Files are written non-atomically: data
     files are named by a random hash and referenced only once complete, and the whole
-    step is a temporary directory, renamed into place once fsynced."""
-    plain = dict(_file(path), file_io_locking={"mode": "non_atomic"})
+    step is a temporary directory, renamed into place once fsynced (in object storage:
+    listed once its commit marker is written)."""
+    plain = base_spec(path)
+    if plain["driver"] == "file":
+        plain["file_io_locking"] = {"mode": "non_atomic"}
     return {
         "driver": "ocdbt",
         "base": plain,
@@ -304,5 +312,4 @@ def state_metadata(paths: tuple[tuple[str, ...], ...]) -> str:
 
 
 def write_state_metadata(state_dir: str, paths: list[tuple[str, ...]]) -> None:
-    with open(os.path.join(state_dir, STATE_METADATA), "w") as f:
-        f.write(state_metadata(tuple(paths)))
+    write_text(os.path.join(state_dir, STATE_METADATA), state_metadata(tuple(paths)))

@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from ._errors import RestoreError
 from ._format import STATE_ITEM
-from ._store import checksum, param_name, region_key
+from ._store import base_spec, checksum, param_name, region_key
 
 
 def _region(key: str) -> tuple[slice, ...]:
@@ -101,7 +101,7 @@ def read_member(
                 slice(min(r[d].start for _, r in held), max(r[d].stop for _, r in held))
                 for d in range(len(shape))
             )
-    data = _open_leaf(step_dir, name)[box].read().result()
+    data = open_leaf(step_dir, name)[box].read().result()
     for key, region in held:
         local = tuple(
             slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
@@ -113,17 +113,17 @@ def read_member(
 
 def read_leaf(step_dir: str, name: tuple[str, ...]) -> np.ndarray:
     """One stored leaf, read whole into host memory with TensorStore (no Orbax)."""
-    return _open_leaf(step_dir, name).read().result()
+    return open_leaf(step_dir, name).read().result()
 
 
-def _open_leaf(step_dir: str, name: tuple[str, ...]) -> Any:
+def open_leaf(step_dir: str, name: tuple[str, ...]) -> Any:
     state = os.path.join(step_dir, STATE_ITEM)
     return ts.open(
         {
             "driver": "zarr",
             "kvstore": {
                 "driver": "ocdbt",
-                "base": {"driver": "file", "path": state + "/"},
+                "base": base_spec(state),
                 "path": f"{param_name(name)}/",
             },
             "open": True,

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _format, _store
+from . import _format, _remote, _store
 from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
@@ -86,7 +86,8 @@ class Writer:
         self._lock = lock
         self._max_to_keep = max_to_keep
         self._stats = stats
-        self._identity = _format.identity(directory)
+        self._remote = _remote.is_url(directory)  # object storage: no temporary names
+        self._identity = None if self._remote else _format.identity(directory)
         self._group: Group | Solo = group or Solo()
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
@@ -166,20 +167,20 @@ class Writer:
         self._check_directory()
         for old in item.replace:  # on_existing='replace': the other run's steps
             _format.remove_step(self.directory, old)
-        if os.path.lexists(final):
+        if _format.exists(final):
             raise FileExistsError(_in_the_way(final))
 
     def _commit(self, temp: str, final: str) -> None:
-        """A complete step: fsynced, then renamed into place (atomic)."""
-        _format.fsync_tree(temp)
-        if os.path.lexists(final):  # appeared while writing: keep what is there
+        """A complete step: fsynced, then renamed into place (atomic); in object
+        storage, its commit marker written."""
+        if temp != final and os.path.lexists(final):  # appeared while writing: keep it
             raise FileExistsError(_in_the_way(final))
-        os.rename(temp, final)
-        _format.fsync_dir(self.directory)
+        _format.commit_step(self.directory, temp, final)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
-        kept = " Earlier checkpoints in it are untouched." if os.path.isdir(self.directory) else ""
+        there = self._remote or os.path.isdir(self.directory)
+        kept = " Earlier checkpoints in it are untouched." if there else ""
         outcome = "ended with an unknown outcome" if isinstance(e, VerdictUnknown) else "failed"
         error = SaveError(
             f"saving step {step} to {self.directory!r} {outcome}: {type(e).__name__}: "
@@ -201,8 +202,8 @@ class Writer:
     def _write_step(self, item: SaveItem, group: Group | Solo) -> SaveError | None:
         step = item.step
         group.begin(step)
-        temp = os.path.join(self.directory, group.temp_name(step))
         final = os.path.join(self.directory, str(step))
+        temp = final if self._remote else os.path.join(self.directory, group.temp_name(step))
         start = time.perf_counter()
         verdict_due = False  # the primary owes the others a verdict on this step
         checksum_s = 0.0
@@ -210,8 +211,7 @@ class Writer:
             if group.primary:
                 try:
                     self._make_room(item, final)
-                    os.makedirs(os.path.join(temp, _format.STATE_ITEM))
-                    os.makedirs(os.path.join(temp, _format.META_ITEM))
+                    _format.begin_step(temp)
                 except BaseException as e:
                     group.tell(step, "ready", _reason(e))
                     raise
@@ -226,7 +226,7 @@ class Writer:
             try:
                 if item.ready is not None:  # copies from a GPU still in flight
                     item.ready()
-                if not group.primary:
+                if not group.primary and not self._remote:
                     _enter_attempt(temp, group)
                 sums, checksum_s = self._write_arrays(temp, item, group)
                 if not group.primary:
@@ -264,7 +264,8 @@ class Writer:
                 if verdict != OK:
                     raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
-            if group.primary:
+            if group.primary and not isinstance(e, _remote.StorageError):
+                # (storage out of reach: the next opening removes what is left)
                 _format.remove_temp(self.directory, os.path.basename(temp))
                 if verdict_due:
                     group.tell(step, "commit", _reason(e))
@@ -308,7 +309,16 @@ class Writer:
     def _check_directory(self) -> None:
         """The directory we opened is still there, and is still the same directory: one
         removed (Orbax would silently re-create it) or replaced by another is an error,
-        and nothing is written into the replacement."""
+        and nothing is written into the replacement. In object storage: our lock
+        object is still ours."""
+        if self._remote:
+            if not self._lock.still_ours():
+                raise FileNotFoundError(
+                    f"the lock object of {self.directory!r} is no longer ours (removed, "
+                    "or taken over by another writer that found it stale); nothing more "
+                    "is written. Fix: make sure one run writes to a location at a time"
+                )
+            return
         if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
             raise NotADirectoryError(f"{self.directory!r} is no longer a directory")
         if not os.path.isdir(self.directory):
