@@ -63,3 +63,49 @@ def small_disk():
     for path in mounts:
         subprocess.run(["umount", "-l", path], check=False)
         os.rmdir(path)
+
+
+# -- object storage: real local servers (tests/storage_servers.py) ------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from storage_servers import S3Server
+
+    server = S3Server()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    from storage_servers import GCSServer
+
+    server = GCSServer(str(tmp_path_factory.mktemp("gcs")))
+    yield server
+    server.close()
+
+
+class Remote:
+    """A fresh prefix in a bucket of a local server, its environment set for the test."""
+
+    def __init__(self, scheme, server, bucket, prefix):
+        self.scheme = scheme
+        self.server = server
+        self.bucket = bucket
+        self.url = f"{scheme}://{bucket}/{prefix}"
+        self.env = server.env()
+
+
+@pytest.fixture(params=["gs", "s3"])
+def remote(request, monkeypatch):
+    """`remote.url`: gs://... or s3://... on a local server (one test per scheme)."""
+    from storage_servers import unique
+
+    server = request.getfixturevalue("gcs_server" if request.param == "gs" else "s3_server")
+    bucket = "bucket-" + unique("t")[2:]
+    server.make_bucket(bucket)
+    made = Remote(request.param, server, bucket, unique())
+    for name, value in made.env.items():
+        monkeypatch.setenv(name, value)
+    return made

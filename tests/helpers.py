@@ -76,15 +76,16 @@ def assert_same_state(a, b):
 # -- child processes -------------------------------------------------------------------
 
 
-def start_process(args, *, ready=None):
+def start_process(args, *, ready=None, env=None):
     """A child process (`args` for Popen) in a session of its own, so `kill_group` can
-    kill it and anything it started. With `ready`, waits for that first stdout line."""
+    kill it and anything it started. With `ready`, waits for that first stdout line.
+    `env`: variables added to its environment."""
     child = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=CHILD_ENV,
+        env=dict(CHILD_ENV, **(env or {})),
         start_new_session=True,
     )
     if ready is not None:
@@ -95,11 +96,11 @@ def start_process(args, *, ready=None):
     return child
 
 
-def start_script(tmp_path, text, *args, ready=None):
+def start_script(tmp_path, text, *args, ready=None, env=None):
     """`start_process` of a Python script written from `text`."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(text))
-    return start_process([sys.executable, str(script), *map(str, args)], ready=ready)
+    return start_process([sys.executable, str(script), *map(str, args)], ready=ready, env=env)
 
 
 def run_script(tmp_path, text, *args, timeout=240):

@@ -464,6 +464,22 @@ def main():
             return 0
         return 1
 
+    if MODE == "remote":  # DIRECTORY is a gs:// or s3:// URL (test_storage.py)
+        from jax_cb_ckpt import _remote
+
+        with jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT) as ckpt:
+            final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))
+            ckpt.wait()
+            findings["steps"] = ckpt.all_steps()
+            keys = _remote.list_keys(DIRECTORY + "/4/state")
+            findings["shard_dirs"] = sorted(
+                {k.split("/")[0] for k in keys if k.startswith("ocdbt.")}
+            )
+            restored = ckpt.restore(place(host_initial(), shardings), step=4)
+            findings["exact"] = local_bytes(restored) == local_bytes(final)
+        print(json.dumps(findings), flush=True)
+        return 0
+
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT)
     start = time.perf_counter()
     final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))

@@ -47,11 +47,15 @@ class Group:
     """The processes of one run, each in a session of its own, output in files (a full
     pipe must not stall one process while the other waits for it)."""
 
-    def __init__(self, tmp_path, mode, directory, nproc=2, devices=4, victim=1, prefix=None):
-        """`prefix`: {process id: argv to run that process's command under}."""
+    def __init__(
+        self, tmp_path, mode, directory, nproc=2, devices=4, victim=1, prefix=None, env=None
+    ):
+        """`prefix`: {process id: argv to run that process's command under}; `env`:
+        variables added to the processes' environment."""
         port = free_port()
         env = dict(
             CHILD_ENV,
+            **(env or {}),
             WORKER_DEVICES=str(devices),
             WORKER_PEER_TIMEOUT=str(PEER_TIMEOUT),
             WORKER_VICTIM=str(victim),

