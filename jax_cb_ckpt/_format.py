@@ -412,7 +412,10 @@ def set_aside(directory: str, step: int) -> str | None:
 
 def remove_aside(path: str) -> None:
     if _remote.is_url(path):
-        _remove_remote_step(path)
+        try:
+            _remove_remote_step(path)
+        except _remote.StorageError:
+            pass  # unlisted already; the next opening removes the rest
         return
     _remove_ours(path)
 

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from . import _format, _remote, _store
-from ._errors import SaveError, SaveFailedWarning, UnflushedSaveWarning
+from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
 from ._processes import OK, Group, Solo, VerdictUnknown
@@ -90,6 +90,7 @@ class Writer:
         self._identity = None if self._remote else _format.identity(directory)
         self._group: Group | Solo = group or Solo()
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
+        self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
             _format.clean_leftovers(directory)
         self._store = _store.StoreWriter(compression=compression)
@@ -264,9 +265,11 @@ class Writer:
                 if verdict != OK:
                     raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
-            if group.primary and not isinstance(e, _remote.StorageError):
-                # (storage out of reach: the next opening removes what is left)
-                _format.remove_temp(self.directory, os.path.basename(temp))
+            if group.primary:
+                if self._remote:  # after the failure is reported (storage may be away)
+                    self._unfinished.append(os.path.basename(temp))
+                else:
+                    _format.remove_temp(self.directory, os.path.basename(temp))
                 if verdict_due:
                     group.tell(step, "commit", _reason(e))
             return self._failed(step, e)
@@ -339,17 +342,25 @@ class Writer:
         once the save is reported (a few ms per step the waiter need not wait for)."""
         if self._max_to_keep is None:
             return
-        steps = _format.list_steps(self.directory)
-        for old in steps[: max(0, len(steps) - self._max_to_keep)]:
-            aside = _format.set_aside(self.directory, old)
-            if aside is not None:
-                self._aside.append(aside)
+        try:
+            steps = _format.list_steps(self.directory)
+            for old in steps[: max(0, len(steps) - self._max_to_keep)]:
+                aside = _format.set_aside(self.directory, old)
+                if aside is not None:
+                    self._aside.append(aside)
+        except (_remote.StorageError, ConfigError) as e:
+            if not self._remote:
+                raise
+            # The step is committed; the next save's retention unlists these steps.
+            logger.warning("jax_cb_ckpt: retention in %s put off: %s", self.directory, e)
 
     def _sweep(self) -> None:
         """Delete the steps retention set aside: after the save is reported, so the
         waiter does not wait for the few ms of unlinking a step's files."""
         while self._aside:
             _format.remove_aside(self._aside.pop())
+        while self._unfinished:  # best effort: else the next opening removes it
+            _format.remove_temp(self.directory, self._unfinished.pop())
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):
