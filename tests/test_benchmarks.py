@@ -74,3 +74,14 @@ def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
     assert "loops" not in report
     markdown = (out / "results.md").read_text()
     assert markdown in printed and "x write+fsync" in markdown and "per device" in markdown
+
+
+def test_storage_benchmark_saves_to_both_servers_and_reports_ceilings(tmp_path):
+    out = tmp_path / "storage"
+    args = ("--mib", "1", "--reps", "1", "--dir", str(tmp_path), "--out", str(out))
+    printed = _run("benchmarks.storage", *args, timeout=300).stdout
+    report = json.loads((out / "results.json").read_text())
+    assert [r["storage"] for r in report["rows"]] == ["local", "gs", "s3"]
+    for r in report["rows"]:
+        assert r["save_s"] > 0 and r["ceiling_s"] > 0 and r["device_wait_s"] > 0
+    assert (out / "results.md").read_text() in printed
