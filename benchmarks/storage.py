@@ -29,10 +29,8 @@ import tempfile
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
 
 import jax_cb_ckpt
 from jax_cb_ckpt import _remote

@@ -1,0 +1,145 @@
+"""Unit tests of `_exchange.Exchange`, the state machine the callback side, the writer
+thread and the user share (no JAX program, no disk: milliseconds each)."""
+
+import threading
+import time
+
+import pytest
+
+from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError
+from jax_cb_ckpt._exchange import Exchange, Plan, is_failed_write
+
+
+def exchange(old=(), on_existing="raise", queue_size=2):
+    return Exchange("/d", queue_size=queue_size, on_existing=on_existing, old_steps=list(old))
+
+
+class Item:
+    def __init__(self, step, replace=()):
+        self.step, self.replace = step, replace
+
+
+def test_a_step_is_claimed_once_then_a_repeat_is_a_noted_duplicate():
+    ex = exchange()
+    assert ex.claim(5) == ()
+    assert ex.claim(5) == "duplicate"
+    [(category, message)] = ex.take_notes()
+    assert category is DuplicateStepWarning and "step 5" in message
+    assert ex.take_notes() == []
+
+
+def test_copies_from_one_crossing_are_replicas_and_mark_ends_the_run():
+    ex, owner = exchange(), object()
+    assert ex.claim(3, owner) == ()
+    assert ex.claim(3, owner) == "replica"  # another device's copy: silent
+    assert ex.mark(3, owner) is True
+    assert ex.take_notes() == []
+    # The same crossing in a later program run hands step 3 again: dropped, noted.
+    assert ex.claim(3, owner) == "replica"
+    assert ex.mark(3, owner) is False
+    assert [c for c, _ in ex.take_notes()] == [DuplicateStepWarning]
+
+
+def test_a_step_at_or_below_another_runs_step_is_refused_or_replaces():
+    with pytest.raises(StepExistsError, match="step 4 to '/d'.*step\\(s\\) 4, 8 >= 4"):
+        exchange(old=[2, 4, 8]).claim(4)
+    ex = exchange(old=[2, 4, 8], on_existing="replace")
+    assert ex.claim(4) == (4, 8)  # the other run's steps from 4 on
+    assert ex.claim(9) == ()  # beyond every old step
+    assert ex.claim(1) == (2,)  # the one old step left above 1
+
+
+def test_an_unclaimed_step_may_come_again_and_its_replaced_steps_count_again():
+    ex = exchange(old=[4, 8], on_existing="replace")
+    assert ex.claim(6) == (8,)
+    ex.unclaim(6, (8,))
+    assert ex.claim(6) == (8,)  # 8 is the other run's again, and 6 is free again
+
+
+def test_a_skipped_save_drops_its_copies_until_marked_then_may_be_saved_again():
+    ex, owner = exchange(), object()
+    assert ex.claim(7, owner) == ()
+    ex.skipped(7, (), owner)
+    assert ex.claim(7, owner) == "replica"  # another device's copy of the skipped save
+    assert ex.mark(7, owner) is True
+    assert ex.claim(7, owner) == ()  # a later run saves it
+
+
+def test_slots_bound_the_saves_in_flight_and_finished_frees_them():
+    ex = exchange(queue_size=2)
+    for step in (1, 2):
+        assert ex.claim(step) == ()
+        assert ex.take_slot(block=False)
+        assert ex.submit(Item(step)) == step
+    assert ex.claim(3) == ()
+    assert not ex.take_slot(block=False)  # full
+    assert ex.next_item().step == 1
+    ex.finished(1, (), None)
+    assert ex.take_slot(block=False)
+    assert ex.pending == 1
+
+
+def test_a_failed_write_keeps_the_first_error_and_the_step_may_come_again():
+    ex = exchange()
+    for step in (1, 2):
+        ex.claim(step)
+        ex.take_slot(block=False)
+        ex.submit(Item(step))
+    first, second = SaveError("one"), SaveError("two")
+    ex.finished(ex.next_item().step, (), first)
+    ex.finished(ex.next_item().step, (), second)
+    assert ex.take_error() is first and ex.take_error() is None
+    assert ex.claim(1) == ()  # never written: may be saved again
+    assert is_failed_write(first) and not is_failed_write(StepExistsError("x"))
+
+
+def test_newest_supersedes_the_oldest_waiting_save():
+    ex = exchange(queue_size=2)
+    items = [Item(1), Item(2)]
+    for item in items:
+        ex.claim(item.step)
+        ex.take_slot(block=False)
+        ex.submit(item)
+    assert ex.supersede() is items[0]
+    assert ex.pending == 1
+    assert ex.claim(1) == ()  # superseded: never written, may come again
+
+
+def test_drain_waits_for_the_writer_and_stop_ends_it_after_the_queue():
+    ex = exchange()
+    ex.claim(1)
+    ex.take_slot(block=False)
+    ex.submit(Item(1))
+    ex.stop_writer()
+    done = []
+
+    def writer():
+        while (item := ex.next_item()) is not None:
+            time.sleep(0.05)
+            ex.finished(item.step, (), None)
+        done.append(True)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    ex.drain()
+    assert ex.pending == 0
+    thread.join(5)
+    assert done == [True]
+
+
+def test_forget_makes_every_step_on_disk_another_runs():
+    ex = exchange()
+    ex.claim(3)
+    ex.forget([3, 6])
+    with pytest.raises(StepExistsError):
+        ex.claim(5)
+    assert ex.claim(7) == ()
+
+
+def test_unclaim_slot_frees_the_step_and_the_slot():
+    ex = exchange(queue_size=1)
+    ex.claim(2)
+    assert ex.take_slot(block=False)
+    ex.unclaim_slot(Plan(2, ()))
+    assert ex.take_slot(block=False)
+    assert ex.claim(2) == ()

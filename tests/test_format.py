@@ -1,0 +1,94 @@
+"""Unit tests of the layout's names (`_format`) and of object-storage URLs (`_remote`):
+no JAX program, no server (milliseconds each)."""
+
+import os
+
+import pytest
+
+from jax_cb_ckpt import ConfigError, _remote
+from jax_cb_ckpt import _format as fmt
+
+
+@pytest.mark.parametrize(
+    "name, ok",
+    [
+        ("0", True),
+        ("5", True),
+        ("1200", True),
+        (str(2**63 - 1), True),
+        (str(2**63), False),
+        ("007", False),
+        ("-1", False),
+        ("1e3", False),
+        ("٣", False),  # a non-ASCII digit
+        ("", False),
+    ],
+)
+def test_step_names_are_canonical_ascii_decimals(name, ok):
+    assert fmt.is_step_name(name) is ok
+
+
+def test_temporary_names_are_ours_and_unique(tmp_path):
+    a, b = fmt.temp_name(12), fmt.temp_name(12)
+    assert a != b and a.startswith("12.jax_cb_ckpt-tmp-")
+    run = fmt.run_temp_name(12, "ab" * 16, 3)
+    assert run == "12.jax_cb_ckpt-tmp-" + "ab" * 12 + "00000003"
+    for name in (a, run, "7.jax_cb_ckpt-deleting-" + "0" * 32, "12", "notes"):
+        (tmp_path / name).mkdir()
+    found = fmt.unfinished_steps(str(tmp_path))
+    assert sorted(found) == sorted([(12, str(tmp_path / a)), (12, str(tmp_path / run))])
+
+
+def test_leftovers_of_ours_are_removed_and_nothing_else(tmp_path):
+    ours = [fmt.temp_name(3), "4.jax_cb_ckpt-deleting-" + "f" * 32]
+    theirs = ["3", "3.jax_cb_ckpt-tmp-short", "notes", "4.jax_cb_ckpt-deleting-" + "F" * 32]
+    for name in ours + theirs:
+        (tmp_path / name).mkdir()
+    fmt.clean_leftovers(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(theirs)
+
+
+@pytest.mark.parametrize(
+    "text, canonical",
+    [
+        ("gs://bucket/run", "gs://bucket/run"),
+        ("GS://bucket/run/", "gs://bucket/run"),
+        ("s3://my.bucket-1//a///b/", "s3://my.bucket-1/a/b"),
+        ("s3://bucket", "s3://bucket"),
+    ],
+)
+def test_urls_are_made_canonical(text, canonical):
+    assert fmt.resolve(text, "f") == canonical
+    assert _remote.is_url(canonical)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("file:///tmp/x", "file:// scheme"),
+        ("gcs://b/x", "Google Cloud Storage is gs://"),
+        ("s3:/b/x", "slash missing"),
+        ("S3:b", "slash missing"),
+        ("gs://ab/x", "not a valid bucket name"),
+        ("gs://Bucket/x", "not a valid bucket name"),
+        ("s3://bkt/./x", "'.' or '..'"),
+    ],
+)
+def test_bad_urls_are_config_errors_naming_the_problem(text, match):
+    with pytest.raises(ConfigError, match=match):
+        fmt.resolve(text, "f")
+
+
+def test_local_names_that_look_a_little_like_urls_stay_local(tmp_path):
+    assert fmt.resolve("exp:1", "f") == os.path.realpath("exp:1")
+    assert fmt.resolve("./s3:/x", "f") == os.path.realpath("s3:/x")
+
+
+def test_url_parts_and_key_ranges():
+    assert _remote.split("s3://b/run/5/state") == ("s3", "b", "run/5/state")
+    assert _remote.split("gs://b") == ("gs", "b", "")
+    assert _remote._after("run/") == "run0"  # every key under run/ sorts before it
+    assert _remote._after("") == ""
+    spec = _remote.kvstore_spec("gs://b/run")
+    assert spec["driver"] == "gcs" and spec["path"] == "run/"
+    assert "gcs_request_retries" in spec
