@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"{args.directory!r} is not a directory")
         return args.run(directory, args)
     except (CheckpointError, OSError) as e:
-        print(f"jax-cb-ckpt {args.command}: {e}", file=sys.stderr)
+        prefix = f"jax-cb-ckpt {args.command}: "
+        text = str(e)
+        print(text if text.startswith(prefix) else prefix + text, file=sys.stderr)
         return _UNUSABLE
 
 

@@ -282,14 +282,26 @@ def exists(path: str) -> bool:
     return os.path.lexists(path)
 
 
-def begin_step(temp: str) -> None:
+def begin_step(temp: str, writer: str = "") -> None:
     """Make the place a step is written to: its temporary directory and item folders;
-    in object storage our marker object, written before any other object of the step."""
+    in object storage our marker object, written before any other object of the step
+    (only if absent), naming the `writer` (its lock token: `step_writer`)."""
     if _remote.is_url(temp):
-        _remote.write(f"{temp}/{OURS_NAME}", FORMAT.encode())
+        marker = json.dumps({"format": FORMAT, "writer": writer}).encode()
+        if _remote.write(f"{temp}/{OURS_NAME}", marker, if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{temp} was begun by another writer meanwhile")
         return
     os.makedirs(os.path.join(temp, STATE_ITEM))
     os.makedirs(os.path.join(temp, META_ITEM))
+
+
+def step_writer(url: str) -> str | None:
+    """Object storage: the writer (lock token) that began step `url`, None if none."""
+    data, _ = _remote.read(f"{url}/{OURS_NAME}")
+    try:
+        return json.loads(data or b"{}").get("writer")
+    except (ValueError, AttributeError):
+        return None
 
 
 def commit_step(directory: str, temp: str, final: str) -> None:
@@ -300,7 +312,8 @@ def commit_step(directory: str, temp: str, final: str) -> None:
         # `<step>/state` as it does on a local disk (docs/storage.md).
         marker = b"Checkpoint commit was successful."
         _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
-        _remote.write(f"{final}/{COMMIT_NAME}", marker)
+        if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{final} was committed by another writer meanwhile")
         return
     fsync_tree(temp)
     os.rename(temp, final)
@@ -420,6 +433,17 @@ def remove_aside(path: str) -> None:
     _remove_ours(path)
 
 
+def _late_write_of_ours(url: str, keys: set[str]) -> bool:
+    """A step prefix without our marker or a commit marker, holding our `meta` item: a
+    writer paused past the lock's stale time wrote it after its step was removed."""
+    if f"{META_ITEM}/{META_FILE}" not in keys:
+        return False
+    try:
+        return json.loads(read_text(f"{url}/{META_ITEM}/{META_FILE}")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _remove_remote_step(url: str) -> None:
     """Delete an unlisted step of ours from object storage: our marker last, so that a
     deletion cut short is still recognised as ours (and finished by the next opening)."""
@@ -432,8 +456,11 @@ def clean_leftovers(directory: str) -> None:
     (in object storage: steps of ours without a commit marker)."""
     if _remote.is_url(directory):
         for name, keys in _objects_by_step(directory).items():
-            if OURS_NAME in keys and COMMIT_NAME not in keys:
-                _remove_remote_step(f"{directory}/{name}")
+            if COMMIT_NAME in keys:
+                continue
+            url = f"{directory}/{name}"
+            if OURS_NAME in keys or _late_write_of_ours(url, keys):
+                _remove_remote_step(url)
         return
     _remove_our_temporaries(directory)
     legacy = os.path.join(directory, _LEGACY_DELETED)
@@ -448,9 +475,11 @@ def write_meta(path: str, meta: dict[str, Any]) -> None:
 
 def write_text(path: str, text: str) -> None:
     """A small file of a step (not fsynced here: `commit_step` syncs the step), or an
-    object in object storage."""
+    object in object storage, created only if absent: a writer that lost the location
+    while paused never overwrites the new holder's step."""
     if _remote.is_url(path):
-        _remote.write(path, text.encode())
+        if _remote.write(path, text.encode(), if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{path} was written by another writer meanwhile")
         return
     with open(path, "w") as f:
         f.write(text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,8 @@ _HELD_LOCK = threading.Lock()
 
 class DirectoryLock:
     """Held from construction until `release()` (idempotent)."""
+
+    token = ""  # object storage: this writer's identity in the lock and its steps
 
     def __init__(self, directory: str, name: str = LOCK_NAME) -> None:
         self.directory = directory
@@ -191,13 +194,20 @@ class ObjectLock(DirectoryLock):
     STALE_S = 30.0
 
     def _acquire(self) -> None:
-        self._token = uuid.uuid4().hex
+        self.token = uuid.uuid4().hex
         self._beating = threading.Event()
         self._lost = False
+        self._io = threading.Lock()  # one write of the lock object at a time
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         host = socket.gethostname()
         self.description = f"pid {os.getpid()} on host {host} since {since}"
-        self._record = {"token": self._token, "pid": os.getpid(), "host": host, "since": since}
+        self._record = {
+            "token": self.token,
+            "pid": os.getpid(),
+            "host": host,
+            "since": since,
+            "pid_space": _pid_space(),
+        }
         for _ in range(3):  # a racing writer won the create: look again
             data, generation = self._read()
             holder = _holder(data)
@@ -264,8 +274,8 @@ class ObjectLock(DirectoryLock):
     def _wait_for(self, holder: dict[str, Any], generation: bytes) -> bytes:
         """The generation to take the lock over from, once its holder is judged dead; a
         `DirectoryLockedError` when it shows a heartbeat."""
-        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
-            return generation
+        if holder.get("pid_space") == _pid_space() and not _alive(holder.get("pid")):
+            return generation  # a process id of this very machine and pid namespace
         deadline = time.monotonic() + self.STALE_S
         while time.monotonic() < deadline:
             time.sleep(min(0.5, self.BEAT_S / 4))
@@ -284,18 +294,21 @@ class ObjectLock(DirectoryLock):
 
     def _beat(self) -> None:
         while not self._beating.wait(self.BEAT_S):
-            try:
-                written = _remote.write(
-                    self.path,
-                    json.dumps(dict(self._record, beat=time.time())).encode(),
-                    if_equal=self._generation,
-                )
-            except _remote.StorageError:
-                continue  # the next beat tries again; a commit checks still_ours()
-            if written is None:
-                self._lost = True
-                return
-            self._generation = written
+            with self._io:  # not while release() empties it
+                if self._beating.is_set():
+                    return
+                try:
+                    written = _remote.write(
+                        self.path,
+                        json.dumps(dict(self._record, beat=time.time())).encode(),
+                        if_equal=self._generation,
+                    )
+                except _remote.StorageError:
+                    continue  # the next beat tries again; each step checks still_ours()
+                if written is None:
+                    self._lost = True
+                    return
+                self._generation = written
 
     def still_ours(self) -> bool:
         """Our record is in the lock object (a `StorageError` when it cannot be read:
@@ -312,12 +325,17 @@ class ObjectLock(DirectoryLock):
             self._beating.set()
             if _HELD.get(self.directory) is self:
                 del _HELD[self.directory]
-        if not self._lost:
-            try:  # emptied, not deleted: a writer waiting on it sees the release
-                _remote.write(self.path, b"", if_equal=self._generation)
-            except _remote.StorageError:
-                pass  # the next opener finds no heartbeat and takes it over
+        with self._io:  # after a heartbeat in flight: its generation is the one to match
+            if not self._lost:
+                try:  # emptied, not deleted: a writer waiting on it sees the release
+                    _remote.write(self.path, b"", if_equal=self._generation, timeout=_RELEASE_S)
+                except (_remote.StorageError, TimeoutError):
+                    pass  # the next opener finds no heartbeat and takes it over
         self._released.set()
+
+
+_RELEASE_S = 5.0  # close() does not wait longer to empty the lock (storage may be away)
+_RECORD = ("token", "pid", "host", "since", "pid_space")
 
 
 def _holder(data: bytes | None) -> dict[str, Any] | None:
@@ -327,8 +345,23 @@ def _holder(data: bytes | None) -> dict[str, Any] | None:
     try:
         record = json.loads(data)
     except ValueError:
+        record = None
+    if not isinstance(record, dict):  # not ours to read: judged by its heartbeat
         return {"token": "?", "pid": "?", "host": "?", "since": "unreadable lock object"}
-    return {k: record.get(k) for k in ("token", "pid", "host", "since")}
+    return {k: record.get(k) for k in _RECORD}
+
+
+@functools.cache
+def _pid_space() -> str:
+    """This machine and pid namespace: the boot id and the namespace's inode. Two
+    processes with equal values can see each other's process ids; a hostname alone
+    cannot say that (containers share one, and so can two machines)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"unknown-{uuid.uuid4().hex}"  # never equal to another process's
 
 
 def _describe(holder: dict[str, Any]) -> str:

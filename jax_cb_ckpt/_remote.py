@@ -141,21 +141,18 @@ def kvstore_spec(url: str) -> dict[str, Any]:
 
 def _emulator_environment() -> None:
     """Google's clients find a GCS emulator through `STORAGE_EMULATOR_HOST`; TensorStore
-    reads `TENSORSTORE_GCS_HTTP_URL`: set it from the standard one, unless the user set
-    it. An emulator checks no credentials: a fixed token spares TensorStore a search
-    for application-default credentials (an error line on stderr when there are none)."""
-    global _set_by_us
+    reads `TENSORSTORE_GCS_HTTP_URL` (when a store opens): set from the standard one,
+    which decides whenever it is set (a value inherited from a parent process that
+    used another emulator must not win). An emulator checks no credentials: a fixed
+    token spares TensorStore a search for application-default credentials (an error
+    line on stderr when there are none)."""
     host = os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return
     if "://" not in host:
         host = "http://" + host
-    if os.environ.get("TENSORSTORE_GCS_HTTP_URL") in (None, _set_by_us):
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = _set_by_us = host
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = host
     os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-
-
-_set_by_us: str | None = None  # TENSORSTORE_GCS_HTTP_URL as set from the standard one
 
 
 _STORES: dict[str, Any] = {}
@@ -193,8 +190,22 @@ def _failed(what: str, url: str, e: Exception) -> StorageError:
     return StorageError(f"{what} {url} failed: {text}")
 
 
+def out_of_reach(e: BaseException) -> bool:
+    """`e` says the storage could not be reached (after the retries): a cleanup that
+    needs it would only wait again."""
+    text = str(e)
+    return isinstance(e, StorageError) or any(
+        mark in text for mark in ("CURL error", "retry attempts failed", "DEADLINE_EXCEEDED")
+    )
+
+
 def _is_missing_bucket(text: str) -> bool:
-    return "NoSuchBucket" in text or ("bucket" in text.lower() and "not found" in text.lower())
+    return (
+        "NoSuchBucket" in text
+        or ("bucket" in text.lower() and "not found" in text.lower())
+        # tensorstore < 0.1.86 reads S3's NoSuchBucket answer to a listing as this
+        or "missing <ListBucketResult>" in text
+    )
 
 
 def read(url: str) -> tuple[bytes | None, bytes]:
@@ -209,13 +220,19 @@ def read(url: str) -> tuple[bytes | None, bytes]:
     return bytes(result.value), bytes(result.stamp.generation)
 
 
-def write(url: str, data: bytes, *, if_equal: bytes | None = None) -> bytes | None:
+def write(
+    url: str, data: bytes, *, if_equal: bytes | None = None, timeout: float | None = None
+) -> bytes | None:
     """Write one object; with `if_equal`, only if its generation is that one (`ABSENT`:
     only if it does not exist). Returns the new generation, None when the precondition
-    did not hold (nothing written)."""
+    did not hold (nothing written). `timeout`: `TimeoutError` after that many seconds
+    (the request goes on in the background)."""
     store, key = _bucket_store(url)
+    future = store.write(key, data, if_equal=if_equal)
     try:
-        stamp = store.write(key, data, if_equal=if_equal).result()
+        stamp = future.result(timeout=timeout)
+    except TimeoutError:
+        raise
     except Exception as e:
         raise _failed("writing", url, e) from e
     generation = bytes(stamp.generation)

@@ -222,18 +222,6 @@ def packed(dtype: Any) -> bool:
     return name in PACKED_AS or name.startswith("float4")
 
 
-ALIGNMENT = 64  # staging starts on a cache line (also what XLA needs to alias host memory)
-
-
-def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised array whose data starts on an ALIGNMENT-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(
         (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True)

@@ -14,7 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from ._shards import empty_aligned
+ALIGNMENT = 64  # staging starts on a cache line (also what XLA needs to alias host memory)
+
+
+def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on an ALIGNMENT-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
 
 # (shape, dtype) per buffer. The dtype itself, not its `.str`: every float8 type's str
 # is "<f1", and a buffer of one must never be reused for another (copyto would cast).

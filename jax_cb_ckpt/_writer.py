@@ -176,6 +176,7 @@ class Writer:
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
             raise FileExistsError(_in_the_way(final))
+        self._fence(final)
         _format.commit_step(self.directory, temp, final)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
@@ -212,7 +213,7 @@ class Writer:
             if group.primary:
                 try:
                     self._make_room(item, final)
-                    _format.begin_step(temp)
+                    _format.begin_step(temp, self._lock.token)
                 except BaseException as e:
                     group.tell(step, "ready", _reason(e))
                     raise
@@ -251,6 +252,7 @@ class Writer:
                 if problems:
                     raise SaveError("; ".join(problems))
                 state = os.path.join(temp, _format.STATE_ITEM)
+                self._fence(final)  # (object storage: still ours, before its files)
                 self._store.merge(state, group.count)
                 _store.write_state_metadata(state, _paths(item.tree))
                 _format.write_meta(temp, dict(item.meta, checksums=sums))
@@ -266,8 +268,9 @@ class Writer:
                     raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
             if group.primary:
-                if self._remote:  # after the failure is reported (storage may be away)
-                    self._unfinished.append(os.path.basename(temp))
+                if self._remote:  # after the failure is reported, if storage is there
+                    if not _remote.out_of_reach(e):  # (else: the next opening does it)
+                        self._unfinished.append(os.path.basename(temp))
                 else:
                     _format.remove_temp(self.directory, os.path.basename(temp))
                 if verdict_due:
@@ -308,6 +311,20 @@ class Writer:
                 flat[path] = leaf
         state = os.path.join(temp, _format.STATE_ITEM)
         return self._store.write(state, flat, index=group.index, zarrays=group.primary)
+
+    def _fence(self, final: str) -> None:
+        """Object storage, before a step's files and its commit: this writer still
+        holds the lock, and the step is still the one it began. A writer paused for
+        longer than the lock's stale time (a stopped VM) may have been taken over
+        meanwhile; it must not write into the new holder's steps."""
+        if not self._remote:
+            return
+        self._check_directory()
+        if _format.step_writer(final) != self._lock.token:
+            raise FileExistsError(
+                f"step {final} is no longer the one this writer began (another writer "
+                "removed or rewrote it after taking the location's lock over)"
+            )
 
     def _check_directory(self) -> None:
         """The directory we opened is still there, and is still the same directory: one

@@ -108,4 +108,7 @@ def remote(request, monkeypatch):
     made = Remote(request.param, server, bucket, unique())
     for name, value in made.env.items():
         monkeypatch.setenv(name, value)
+    # Set by the library from STORAGE_EMULATOR_HOST: gone again after the test.
+    for name in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        monkeypatch.delenv(name, raising=False)
     return made

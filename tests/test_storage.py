@@ -6,6 +6,7 @@ the flock (docs/storage.md)."""
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -264,6 +265,92 @@ def test_a_silent_lock_from_another_host_is_taken_over_after_the_stale_time(
         pass
     assert time.monotonic() - start >= 2.0
     assert "took over the lock" in caplog.text and "gone-vm" in caplog.text
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+@pytest.mark.parametrize(
+    "content",
+    [
+        # this host's name and a dead pid, but another pid namespace (a container)
+        {"token": "t", "pid": 2**22 + 7, "host": None, "since": "x", "pid_space": "other"},
+        5,  # JSON that is not a record
+        [1, 2],
+    ],
+)
+def test_a_lock_that_cannot_be_judged_at_once_is_watched_not_taken(
+    remote, monkeypatch, caplog, content
+):
+    """Only a holder in this machine's own pid namespace can be seen dead at once; any
+    other lock (one from a container sharing the hostname, unreadable content) is
+    taken over only after STALE_S without a heartbeat."""
+    import socket
+
+    from jax_cb_ckpt import _lock
+
+    if isinstance(content, dict):
+        content["host"] = socket.gethostname()
+    put(f"{remote.url}/.jax_cb_ckpt.lock", json.dumps(content).encode())
+    monkeypatch.setattr(_lock.ObjectLock, "STALE_S", 2.0)
+    caplog.set_level(logging.WARNING, logger="jax_cb_ckpt")
+    start = time.monotonic()
+    with jax_cb_ckpt.Checkpointer(remote.url):
+        pass
+    assert time.monotonic() - start >= 2.0
+    assert "took over the lock" in caplog.text
+
+
+PAUSED_WRITER = """
+import os, signal, sys
+import jax.numpy as jnp
+import jax_cb_ckpt
+from jax_cb_ckpt import _format
+
+write_meta = _format.write_meta
+
+
+def pause_in_step_2(path, meta):  # a VM stopped just before the step's files
+    if path.endswith("/2"):
+        print("pausing", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return write_meta(path, meta)
+
+
+_format.write_meta = pause_in_step_2
+try:
+    with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
+        ckpt.save({"w": jnp.full(1000, 1.0)}, 1)
+        ckpt.wait()
+        ckpt.save({"w": jnp.full(1000, 111.0)}, 2)
+    print("committed", flush=True)
+except jax_cb_ckpt.SaveError as e:
+    print("failed:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_a_writer_paused_past_the_stale_time_never_writes_into_the_new_holders_step(
+    remote, tmp_path, monkeypatch
+):
+    """Writer A stops (SIGSTOP, a paused VM) in the middle of step 2; B finds no
+    heartbeat, takes the location over, removes A's partial step and saves its own
+    step 2. A resumes: its save fails, and B's step 2 restores exactly."""
+    from jax_cb_ckpt import _lock
+
+    child = start_script(tmp_path, PAUSED_WRITER, remote.url, ready="pausing", env=remote.env)
+    try:
+        monkeypatch.setattr(_lock.ObjectLock, "STALE_S", 2.0)
+        with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+            assert ckpt.all_steps() == [1]
+            ckpt.save({"w": jnp.full(1000, 222.0)}, 2)
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate(timeout=120)
+    finally:
+        kill_group(child)
+    assert "failed:" in out and "step 2" in out, out
+    assert jax_cb_ckpt.all_steps(remote.url) == [1, 2]
+    restored = jax_cb_ckpt.restore(remote.url, {"w": jnp.zeros(1000)}, step=2)
+    assert float(restored["w"][0]) == 222.0
+    assert jax_cb_ckpt.verify(remote.url) == [1, 2]
 
 
 def test_only_one_of_two_writers_racing_to_create_the_lock_wins(s3_server, monkeypatch):
