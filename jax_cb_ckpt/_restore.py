@@ -255,16 +255,14 @@ def _restore_args(
         shape = saved.stored_shape
         if 0 in shape:
             continue  # not stored
-        node = args
-        for part in saved.name[:-1]:
-            node = node.setdefault(part, {})
         sharding = placed.get(saved.name)
         if sharding is not None:
-            node[saved.name[-1]] = ocp.ArrayRestoreArgs(
+            arg = ocp.ArrayRestoreArgs(
                 sharding=sharding, global_shape=shape, dtype=np.dtype(saved.dtype)
             )
         else:
-            node[saved.name[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+            arg = ocp.RestoreArgs(restore_type=np.ndarray)
+        _tree.put(args, saved.name, arg)
     if not args:
         args[_tree.EMPTY_NAME] = ocp.RestoreArgs(restore_type=np.ndarray)
     return args
@@ -327,10 +325,7 @@ def _read_state_directly(
                 )
             else:
                 array = store.read().result()
-            node = tree
-            for part in saved.name[:-1]:
-                node = node.setdefault(part, {})
-            node[saved.name[-1]] = array
+            _tree.put(tree, saved.name, array)
     except Exception as e:
         if not _still_there(path, step, seen):
             raise _removed(path, step, where) from e

@@ -369,13 +369,19 @@ def nest(specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]) -> dict[str,
             continue
         if isinstance(array, (np.ndarray, np.generic)):  # per-device leaves: the writer
             array = _format.storable(array)
-        node = out
-        for part in spec.name[:-1]:
-            node = node.setdefault(part, {})
-        node[spec.name[-1]] = array
+        put(out, spec.name, array)
     if not out:
         out[EMPTY_NAME] = np.zeros((), np.int8)
     return out
+
+
+def put(tree: dict[str, Any], name: tuple[str, ...], value: Any) -> None:
+    """`tree[name[0]][name[1]]... = value`, making the dicts on the way (the nesting
+    Orbax gives a leaf named `name`; `unnest` reads it back)."""
+    node = tree
+    for part in name[:-1]:
+        node = node.setdefault(part, {})
+    node[name[-1]] = value
 
 
 def unnest(tree: dict[str, Any], spec: LeafSpec) -> Any:
