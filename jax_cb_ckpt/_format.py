@@ -34,6 +34,7 @@ of ours, deleted at the next opening; deleting a step removes its commit marker 
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import functools
 import json
 import os
@@ -466,6 +467,43 @@ def clean_leftovers(directory: str) -> None:
     legacy = os.path.join(directory, _LEGACY_DELETED)
     if _is_real_dir(legacy):  # a symlink here is never followed, only ignored
         shutil.rmtree(legacy, ignore_errors=True)
+
+
+def step_meta(
+    step: int,
+    leaves: list[dict[str, Any]],
+    versions: dict[str, str],
+    *,
+    shardings: dict[str, Any],
+    batch_shape: tuple[int, ...],
+    members: list[Any],
+) -> dict[str, Any]:
+    """The `meta` item of a step (written by the host side, completed with `checksums`
+    by the writer; read by restore, `metadata()` and the CLI), the schema in one place:
+
+    - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
+      `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
+    - `step`, `saved_at` (UTC, ISO 8601, ms);
+    - `leaves`: one `LeafSpec.to_json()` per leaf, in the state's order;
+    - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
+      "spec": [[mesh axes] per dimension]}};
+    - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
+      members asked for the save;
+    - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_verify.py`).
+    """
+    meta: dict[str, Any] = dict(
+        versions,
+        format=FORMAT,
+        step=step,
+        saved_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+        leaves=leaves,
+    )
+    if shardings:
+        meta["shardings"] = shardings
+    if batch_shape:
+        meta["batch_shape"] = list(batch_shape)
+        meta["members"] = members
+    return meta
 
 
 def write_meta(path: str, meta: dict[str, Any]) -> None:

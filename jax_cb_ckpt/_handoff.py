@@ -23,7 +23,6 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import importlib.metadata
 import time
@@ -34,7 +33,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _cuda, _shards, _tree
+from . import _cuda, _format, _shards, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -43,7 +42,6 @@ from ._errors import (
     UnflushedSaveWarning,
 )
 from ._exchange import Exchange, Plan, is_failed_write
-from ._format import FORMAT
 from ._staging import StagingPool
 from ._stats import StatsRecorder
 from ._version import version
@@ -537,18 +535,14 @@ class HostSide:
             hosts = signature.assemble(crossed, members.shape)
             specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
-            meta: dict[str, Any] = dict(
+            meta = _format.step_meta(
+                step,
+                [s.to_json() for s in specs],
                 _versions(),
-                step=step,
-                saved_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
-                leaves=[s.to_json() for s in specs],
+                shardings=_described_shardings(specs, hosts),
+                batch_shape=members.shape,
+                members=members.tolist(),
             )
-            shardings = _described_shardings(specs, hosts)
-            if shardings:
-                meta["shardings"] = shardings
-            if members.shape:
-                meta["batch_shape"] = list(members.shape)
-                meta["members"] = members.tolist()
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
             self._exchange.unclaim_slot(plan)
@@ -575,7 +569,6 @@ def _versions() -> dict[str, str]:
             return "unknown"
 
     return {
-        "format": FORMAT,
         "library_version": version(),
         "jax_version": jax.__version__,
         "jaxlib_version": getattr(jaxlib, "__version__", installed("jaxlib")),
