@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import functools
 import json
 import os
 import re
@@ -44,8 +43,6 @@ import stat
 import time
 import uuid
 from typing import Any
-
-import numpy as np
 
 from . import _remote
 from ._errors import ConfigError
@@ -76,19 +73,6 @@ _COMPLETE = frozenset(
 
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
 
-# Dtypes JAX and numpy handle that Orbax's TensorStore cannot store (measured with
-# tensorstore 0.1.x): stored widened, which is exact, and cast back on restore; or, for
-# a type with NaN payloads a widening would not keep, stored as its bits.
-_STORED_AS = {
-    "uint2": "uint8",
-    "uint4": "uint8",
-    "float6_e2m3fn": "float32",  # (finite only: no NaN, so widening is exact)
-    "float6_e3m2fn": "float32",
-    "float8_e4m3": "uint8",  # bits: float32 kept NaN but not its payload
-}
-_AS_BITS = {"float8_e4m3"}
-_LEGACY = {"float8_e4m3": "float32"}  # stored widened before 2026-11-30
-
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # gs://, s3://, file://, ...
 # A storage URL with a slash missing (s3:/x, gs:bucket), not a local name like "exp:1".
@@ -99,37 +83,6 @@ _OURS = re.compile(
 )
 # Written by versions <= 0.1.0: retention renamed steps into this folder.
 _LEGACY_DELETED = "_jax_cb_ckpt_deleted"
-
-
-@functools.lru_cache(maxsize=256)
-def storage_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype an array of `dtype` is stored as (itself, or an exact widening).
-    Cached: numpy computes a dtype's name anew each time (~8 us)."""
-    return np.dtype(_STORED_AS.get(dtype.name, dtype))
-
-
-def storable(array: np.ndarray) -> np.ndarray:
-    stored = storage_dtype(array.dtype)
-    if stored == array.dtype:
-        return array
-    if array.dtype.name in _AS_BITS:
-        array = np.asarray(array)
-        return (array if array.flags.c_contiguous else array.copy()).view(stored)
-    return array.astype(stored)
-
-
-def from_storage(array: Any, dtype: np.dtype) -> Any:
-    """The stored data of a leaf of `dtype` as `dtype` (undoes `storable`), or None
-    when its stored dtype is not one `dtype` is stored as."""
-    if array.dtype == dtype:
-        return array
-    if array.dtype == storage_dtype(dtype):
-        if dtype.name in _AS_BITS:
-            return np.asarray(array).view(dtype)
-        return array.astype(dtype)
-    if array.dtype.name == _LEGACY.get(dtype.name):
-        return array.astype(dtype)
-    return None
 
 
 def resolve(directory: object, where: str) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import _format, _remote, _store, _tree, _verify
+from . import _dtypes, _format, _remote, _store, _tree, _verify
 from ._errors import ConfigError, NoCheckpointError, RestoreError, StructureMismatchError
 from ._format import META_ITEM, STATE_ITEM
 
@@ -277,7 +277,7 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
     if saved.kind != _tree.ARRAY or spec.kind != _tree.ARRAY or saved.dtype != spec.dtype:
         return None
     dtype = np.dtype(saved.dtype)
-    if _format.storage_dtype(dtype) != dtype or 0 in saved.shape:
+    if _dtypes.storage_dtype(dtype) != dtype or 0 in saved.shape:
         return None
     return sharding
 
@@ -548,7 +548,7 @@ def _as_described(array: Any, saved: _tree.LeafSpec, shape: tuple[int, ...], whe
     """A leaf's stored data as the dtype it was saved with, once its shape (`shape`:
     the stored one, or one member's) is the described one; else an error."""
     dtype = np.dtype(saved.dtype)
-    value = _format.from_storage(array, dtype) if array.shape == shape else None
+    value = _dtypes.from_storage(array, dtype) if array.shape == shape else None
     if value is None:
         raise RestoreError(
             f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "

@@ -211,17 +211,6 @@ def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[Any, int
     return out
 
 
-# Dtypes XLA packs several to a byte (numpy views them one per byte), and the exact
-# byte-per-element dtype each is widened to where that matters (float4 types: float32).
-PACKED_AS = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
-
-
-def packed(dtype: Any) -> bool:
-    """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
-    name = np.dtype(dtype).name
-    return name in PACKED_AS or name.startswith("float4")
-
-
 def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(
         (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True)

@@ -45,9 +45,10 @@ import numpy as np
 from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
+from ._dtypes import PACKED_AS, packed
 from ._errors import InvalidStateError
 from ._format import MAX_STEP
-from ._shards import PACKED_AS, Layout, packed
+from ._shards import Layout
 
 Gather = Literal["stack", "concat", "replicated"]
 Crossing = Literal["auto", "buffer", "callback"]

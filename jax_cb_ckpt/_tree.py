@@ -20,7 +20,8 @@ import numpy as np
 from jax._src.lax import lax as _jax_lax  # private: see _weakly_typed
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _format
+from . import _dtypes
+from ._dtypes import ML_DTYPES
 from ._errors import InvalidStateError, StructureMismatchError
 
 
@@ -154,15 +155,11 @@ def _is_key(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-# ml_dtypes types numpy reports as kind 'V'; JAX and Orbax handle them as numbers.
-_ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "uint4")
-
-
 @functools.lru_cache(maxsize=256)
 def _numeric(dtype: np.dtype) -> str | None:
     """The name of a dtype a checkpoint stores, else None (cached: numpy computes a
     dtype's name anew each time)."""
-    if dtype.kind in "biufc" or dtype.name.startswith(_ML_DTYPES):
+    if dtype.kind in "biufc" or dtype.name.startswith(ML_DTYPES):
         return dtype.name
     return None
 
@@ -174,7 +171,7 @@ def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
         np_dtype = np.dtype(dtype)
     except TypeError:
         np_dtype = None
-    ok = np_dtype is not None and (np_dtype.kind in "biufc" or np_dtype.name.startswith(_ML_DTYPES))
+    ok = np_dtype is not None and (np_dtype.kind in "biufc" or np_dtype.name.startswith(ML_DTYPES))
     if not ok or np_dtype is None:
         raise InvalidStateError(
             f"{where}: leaf {path} has dtype {dtype} ({type(leaf).__name__}), which "
@@ -368,7 +365,7 @@ def nest(specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]) -> dict[str,
         if array.size == 0:
             continue
         if isinstance(array, (np.ndarray, np.generic)):  # per-device leaves: the writer
-            array = _format.storable(array)
+            array = _dtypes.storable(array)
         put(out, spec.name, array)
     if not out:
         out[EMPTY_NAME] = np.zeros((), np.int8)
@@ -449,7 +446,7 @@ def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
 
 def _number_kind(dtype: str) -> str:
     kind = np.dtype(dtype).kind
-    if dtype.startswith(_ML_DTYPES):
+    if dtype.startswith(ML_DTYPES):
         return "i" if "int" in dtype else "f"
     return "i" if kind == "u" else kind
 

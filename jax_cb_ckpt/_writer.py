@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _format, _remote, _store
+from . import _dtypes, _format, _remote, _store
 from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange
 from ._lock import DirectoryLock
@@ -299,8 +299,8 @@ class Writer:
         flat = {}
         for path, leaf in _flatten(item.tree):
             if isinstance(leaf, ShardedArray):
-                blocks = {k: _format.storable(b) for k, b in leaf.written_here().items()}
-                stored = _format.storage_dtype(leaf.dtype)
+                blocks = {k: _dtypes.storable(b) for k, b in leaf.written_here().items()}
+                stored = _dtypes.storage_dtype(leaf.dtype)
                 if group.count == 1 and leaf.nbytes <= _store.SMALL_BYTES:
                     # A small leaf this process holds whole: one chunk (a memcpy costs
                     # less than a key per block).
