@@ -29,6 +29,7 @@ import bisect
 import collections
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any, Literal
 
 from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
@@ -43,6 +44,21 @@ class Plan:
 
     step: int
     replace: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class SaveItem:
+    """One state handed off by the callback, waiting to be written."""
+
+    step: int
+    tree: dict[str, Any]  # nested dict of host numpy arrays (or per-device blocks)
+    meta: dict[str, Any]  # JSON-able description (leaf specs, step, version)
+    nbytes: int
+    blocking_s: float
+    handoff_s: float
+    release: Callable[[], None]  # give the host buffers back (staging pool)
+    replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
+    ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
 
 
 def is_failed_write(error: CheckpointError) -> bool:

@@ -41,11 +41,10 @@ from ._errors import (
     SkippedSaveWarning,
     UnflushedSaveWarning,
 )
-from ._exchange import Exchange, Plan, is_failed_write
+from ._exchange import Exchange, Plan, SaveItem, is_failed_write
 from ._staging import StagingPool
 from ._stats import StatsRecorder
 from ._version import version
-from ._writer import SaveItem
 
 CLOSED_AT_EXIT = "was closed at interpreter exit"
 OnFull = Literal["block", "skip", "newest"]

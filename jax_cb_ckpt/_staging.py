@@ -28,7 +28,7 @@ def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 # (shape, dtype) per buffer. The dtype itself, not its `.str`: every float8 type's str
 # is "<f1", and a buffer of one must never be reused for another (copyto would cast).
-Layout = tuple[tuple[tuple[int, ...], np.dtype], ...]
+BufferLayout = tuple[tuple[tuple[int, ...], np.dtype], ...]
 
 
 class StagingPool:
@@ -48,11 +48,11 @@ class StagingPool:
         self._layouts = layouts
         self._allocate = allocate
         self._lock = threading.Lock()
-        self._free: collections.OrderedDict[Layout, list[list[np.ndarray]]] = (
+        self._free: collections.OrderedDict[BufferLayout, list[list[np.ndarray]]] = (
             collections.OrderedDict()
         )
 
-    def take(self, layout: Layout) -> tuple[list[np.ndarray], Callable[[], None]]:
+    def take(self, layout: BufferLayout) -> tuple[list[np.ndarray], Callable[[], None]]:
         """A set of buffers of `layout` (reused or new) and the call that gives it back."""
         with self._lock:
             free = self._free.get(layout)
@@ -69,7 +69,7 @@ class StagingPool:
             np.copyto(buf, host)
         return buffers, release
 
-    def _give_back(self, layout: Layout, buffers: list[np.ndarray]) -> None:
+    def _give_back(self, layout: BufferLayout, buffers: list[np.ndarray]) -> None:
         with self._lock:
             free = self._free.setdefault(layout, [])
             self._free.move_to_end(layout)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -179,8 +179,41 @@ def axis_size(axis_name: Any) -> int:
     return int(np.prod([jax.lax.axis_size(name) for name in names]))
 
 
+class Host(Protocol):
+    """What the crossing calls on the host side (`_handoff.HostSide`), from inside JAX's
+    callbacks: each call takes the data it is given before it returns."""
+
+    def __call__(self, signature: Any, step: Any, pred: Any, *arrays: Any) -> None: ...
+
+    def deposit(
+        self,
+        signature: Any,
+        narrow: dict[int, Any],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        pred: Any,
+        *buffers: Any,
+    ) -> None: ...
+
+    def deposit_shard(
+        self,
+        signature: Any,
+        layout: Any,
+        narrow: dict[int, Any],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        pred: Any,
+        coords: Any,
+        *blocks: Any,
+    ) -> None: ...
+
+    def mark(self, signature: Any, step: Any, pred: Any, token: Any) -> None: ...
+
+
 def cross(
-    host: Any,
+    host: Host,
     signature: Any,
     step: jax.Array,
     payload: list[Any],
@@ -286,7 +319,7 @@ def _per_device_in_map(host, signature, step, pred, payload, names, gather, fast
 
 
 def cross_sharded(
-    host: Any,
+    host: Host,
     signature: Any,
     layout: Any,
     mesh: Any,
@@ -390,7 +423,7 @@ def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
 
 
-def _batched_save(host: Any, signature: Any, fast: bool, *, always: bool = False):
+def _batched_save(host: Host, signature: Any, fast: bool, *, always: bool = False):
     """`save(step, pred, payload)`: one crossing when any member's `pred` holds
     (`always`: the save is unconditional, and crosses with no `cond` around it).
 

@@ -20,7 +20,6 @@ so. With one process every "says so" is a no-op.
 from __future__ import annotations
 
 import concurrent.futures.thread
-import dataclasses
 import json
 import logging
 import os
@@ -35,28 +34,13 @@ import numpy as np
 
 from . import _dtypes, _format, _remote, _store
 from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
-from ._exchange import Exchange
+from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
 from ._processes import OK, Group, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
 logger = logging.getLogger("jax_cb_ckpt")
-
-
-@dataclasses.dataclass
-class SaveItem:
-    """One state handed off by the callback, waiting to be written."""
-
-    step: int
-    tree: dict[str, Any]  # nested dict of host numpy arrays (or per-device blocks)
-    meta: dict[str, Any]  # JSON-able description (leaf specs, step, version)
-    nbytes: int
-    blocking_s: float
-    handoff_s: float
-    release: Callable[[], None]  # give the host buffers back (staging pool)
-    replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
-    ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
 
 
 class Writer:
