@@ -23,8 +23,8 @@ from ._errors import (
     SaveError,
     SaveFailedWarning,
 )
-from ._exchange import Exchange, OnExisting, is_failed_write
-from ._handoff import CLOSED_AT_EXIT, HostSide, OnError, OnFull, Signature, probe_callback_arrays
+from ._exchange import Closed, Exchange, OnExisting, is_failed_write
+from ._handoff import HostSide, OnError, OnFull, Signature, probe_callback_arrays
 from ._lock import open_lock
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
@@ -234,7 +234,7 @@ class Checkpointer:
                 compression=bool(compression),
                 stats=self._stats,
                 # Not a bound method: the writer must not keep this object alive.
-                on_exit=functools.partial(_mark_closed, self._host, CLOSED_AT_EXIT),
+                on_exit=functools.partial(self._exchange.close, Closed.AT_EXIT),
                 group=self._group,
             )
         except BaseException as e:
@@ -246,7 +246,7 @@ class Checkpointer:
             raise SaveError(f"could not open {path!r} for checkpoints: {e}") from e
         # Unclosed and garbage collected (a local of `main()`, `del ckpt`): the writer
         # still writes every save handed over, then stops; interpreter exit flushes it.
-        self._finalizer = weakref.finalize(self, _collected, self._host, self._writer)
+        self._finalizer = weakref.finalize(self, _collected, self._exchange, self._writer)
         self._finalizer.atexit = False
 
     # -- configuration (read-only: fixed when the writer starts) ---------------------
@@ -604,7 +604,7 @@ class Checkpointer:
             raise
         finally:
             self._closed = True
-            self._host.closed_reason = "was closed"
+            self._exchange.close(Closed.BY_USER)
             self._finalizer.detach()
             # Nobody asks a stopped writer, so at its end it reports an error still
             # pending as a warning (for garbage collection and interpreter exit). After
@@ -831,13 +831,9 @@ def _lock_name() -> str:
     return _format.LOCK_NAME if index == 0 else f"{_format.LOCK_NAME}.process_{index}"
 
 
-def _mark_closed(host: HostSide, reason: str) -> None:
-    host.closed_reason = reason
-
-
-def _collected(host: HostSide, writer: Writer) -> None:
+def _collected(exchange: Exchange, writer: Writer) -> None:
     """The Checkpointer was garbage collected without `close()` (weakref finalizer)."""
-    _mark_closed(host, "was garbage collected without close()")
+    exchange.close(Closed.COLLECTED)
     writer.finish()  # writes what was handed over, then ends the thread
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import enum
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -35,6 +36,16 @@ from typing import Any, Literal
 from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
 
 OnExisting = Literal["raise", "replace"]
+
+
+class Closed(enum.Enum):
+    """Why a Checkpointer takes no more saves (the text ends "the Checkpointer ...")."""
+
+    BY_USER = "was closed"
+    AT_EXIT = "was closed at interpreter exit"
+    COLLECTED = "was garbage collected without close()"
+
+
 _STOP = object()  # in the queue: the writer ends once it gets there
 
 
@@ -82,6 +93,7 @@ class Exchange:
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
+        self.closed: Closed | None = None  # set: saves handed over from then on fail
 
     # -- callback side --------------------------------------------------------------
 
@@ -244,6 +256,11 @@ class Exchange:
             self._cond.notify_all()
 
     # -- user thread ----------------------------------------------------------------
+
+    def close(self, why: Closed) -> None:
+        """No more saves are taken; `why` is what a late save is told (the latest)."""
+        with self._cond:
+            self.closed = why
 
     @property
     def pending(self) -> int:

@@ -41,12 +41,11 @@ from ._errors import (
     SkippedSaveWarning,
     UnflushedSaveWarning,
 )
-from ._exchange import Exchange, Plan, SaveItem, is_failed_write
+from ._exchange import Closed, Exchange, Plan, SaveItem, is_failed_write
 from ._staging import StagingPool
 from ._stats import StatsRecorder
 from ._version import version
 
-CLOSED_AT_EXIT = "was closed at interpreter exit"
 OnFull = Literal["block", "skip", "newest"]
 OnError = Literal["raise", "continue"]
 
@@ -146,7 +145,6 @@ class HostSide:
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
         self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _shards.Assemblies()
-        self.closed_reason: str | None = None  # set when the Checkpointer is closed
         # Told the step of each per-device hand-off as it begins (multi-process runs:
         # the others wait for a process that is handing a save over).
         self.on_step: Callable[[int], None] | None = None
@@ -433,8 +431,9 @@ class HostSide:
             raise error
 
     def _check_open(self) -> None:
-        if self.closed_reason is not None:
-            if self.closed_reason == CLOSED_AT_EXIT:
+        closed = self._exchange.closed
+        if closed is not None:
+            if closed is Closed.AT_EXIT:
                 # Raised in a thread nobody may be listening to (a pool worker still
                 # training after interpreter exit began): say it where it is seen.
                 warnings.warn(
@@ -446,7 +445,7 @@ class HostSide:
                 )
             raise CheckpointerClosedError(
                 f"a save reached the Checkpointer on {self.directory!r}, which "
-                f"{self.closed_reason}. Fix: keep the Checkpointer open (e.g. `with "
+                f"{closed.value}. Fix: keep the Checkpointer open (e.g. `with "
                 "ckpt:`) until the jitted function that saves has finished; a jitted "
                 "function traced with an earlier Checkpointer keeps using that one, so "
                 "re-create the jitted function (or pass the new Checkpointer in) after "
