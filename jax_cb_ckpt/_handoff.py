@@ -187,9 +187,7 @@ class HostSide:
             self._deposit_from_gpu(signature, narrow, ctx, step, pred, buffers)
             return
         np.asarray(out)[...] = 0
-        arrays = [np.asarray(b) for b in buffers]
-        for index, dtype in narrow.items():
-            arrays[index] = arrays[index].astype(dtype)
+        arrays = _narrowed([np.asarray(b) for b in buffers], narrow)
         take = functools.partial(self._pool.copy_in, arrays)
         self._in_callback(signature, step, pred, take, owner=signature)
 
@@ -213,10 +211,7 @@ class HostSide:
             if not narrow:
                 return list(hosts), release, ready
             ready()  # packed dtypes are narrowed here, so wait for their copies now
-            arrays = list(hosts)
-            for index, dtype in narrow.items():
-                arrays[index] = arrays[index].astype(dtype)
-            return arrays, release, None
+            return _narrowed(list(hosts), narrow), release, None
 
         self._in_callback(signature, step, pred, take, owner=signature)
 
@@ -273,9 +268,7 @@ class HostSide:
         if self.on_step is not None:
             self.on_step(step)
         position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
-        arrays = [np.asarray(b) for b in blocks]
-        for index, dtype in narrow.items():
-            arrays[index] = arrays[index].astype(dtype)
+        arrays = _narrowed([np.asarray(b) for b in blocks], narrow)
         shapes = [layout.global_shape(i, a.shape) for i, a in enumerate(arrays)]
         if self._shard_pool is None:
             self._shard_pool = StagingPool(keep=self._queue_size * layout.devices, layouts=64)
@@ -553,6 +546,14 @@ class HostSide:
             step, tree, meta, nbytes, blocking_s, end - taken, release, plan.replace, ready
         )
         self._stats.in_flight(self._exchange.submit(item))
+
+
+def _narrowed(arrays: list[Any], narrow: dict[int, Any]) -> list[Any]:
+    """`arrays` with the leaves that crossed widened (packed sub-byte types, see
+    _traced._widened) cast back to their dtype {index: dtype} (exact)."""
+    for index, dtype in narrow.items():
+        arrays[index] = arrays[index].astype(dtype)
+    return arrays
 
 
 @functools.cache
