@@ -28,7 +28,7 @@ import importlib.metadata
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -157,12 +157,12 @@ class HostSide:
         """The `debug.callback` crossing's target (the fallback path; see _traced.py):
         `arrays` are the leaves that crossed through JAX, as JAX's own copies."""
 
-        def take() -> tuple[list[np.ndarray], Callable[[], None]]:
+        def take() -> Taken:
             if _OWNED:
                 # np.asarray waits until JAX's copy of the argument is complete (it may
                 # still be in flight), so what we keep is a finished, owned snapshot.
-                return [np.asarray(a) for a in arrays], _noop
-            return self._pool.copy_in(arrays)
+                return Taken([np.asarray(a) for a in arrays], _noop)
+            return Taken(*self._pool.copy_in(arrays))
 
         self._in_callback(signature, step, pred, take, owner=None)
 
@@ -188,8 +188,7 @@ class HostSide:
             return
         np.asarray(out)[...] = 0
         arrays = _narrowed([np.asarray(b) for b in buffers], narrow)
-        take = functools.partial(self._pool.copy_in, arrays)
-        self._in_callback(signature, step, pred, take, owner=signature)
+        self._in_callback(signature, step, pred, self._staged(arrays), owner=signature)
 
     def _deposit_from_gpu(
         self,
@@ -206,12 +205,12 @@ class HostSide:
         step, pred = _cuda.read_now([step, pred], ctx.stream)
         pinned = self._pinned_pool()
 
-        def take() -> tuple[list[Any], Callable[[], None], Callable[[], None] | None]:
+        def take() -> Taken:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
             if not narrow:
-                return list(hosts), release, ready
+                return Taken(list(hosts), release, ready)
             ready()  # packed dtypes are narrowed here, so wait for their copies now
-            return _narrowed(list(hosts), narrow), release, None
+            return Taken(_narrowed(list(hosts), narrow), release)
 
         self._in_callback(signature, step, pred, take, owner=signature)
 
@@ -341,12 +340,12 @@ class HostSide:
             self._settle(assembly)
             return
 
-        def take() -> tuple[list[Any], Callable[[], None]]:
+        def take() -> Taken:
             crossed = [
                 _shards.ShardedArray(shapes[i], arrays[i].dtype, layout, i, assembly.blocks[i])
                 for i in range(len(arrays))
             ]
-            return crossed, assembly.release
+            return Taken(crossed, assembly.release)
 
         self._submit(signature, step, members, take, assembly.plan, blocking_s=assembly.blocking_s)
 
@@ -391,7 +390,7 @@ class HostSide:
         signature: Signature,
         step: Any,
         pred: Any,
-        take: Callable[[], tuple[Any, ...]],
+        take: Callable[[], Taken],
         owner: object,
     ) -> None:
         start = time.perf_counter()
@@ -410,10 +409,19 @@ class HostSide:
         caller that mutates its numpy arrays afterwards does not change the save."""
         start = time.perf_counter()
         self._check_open()
-        take = functools.partial(self._pool.copy_in, hosts)
         self._hand_over(
-            signature, step, np.asarray(True), start, take, in_callback=False, owner=None
+            signature,
+            step,
+            np.asarray(True),
+            start,
+            self._staged(hosts),
+            in_callback=False,
+            owner=None,
         )
+
+    def _staged(self, arrays: Sequence[Any]) -> Callable[[], Taken]:
+        """A `take` that copies `arrays` into staging buffers."""
+        return lambda: Taken(*self._pool.copy_in(arrays))
 
     def _refuse_if_failed(self) -> None:
         """Raise (in a callback: fail the running computation, so no hours of training
@@ -451,7 +459,7 @@ class HostSide:
         step: int,
         members: np.ndarray,
         start: float,
-        take: Callable[[], tuple[Any, ...]],
+        take: Callable[[], Taken],
         *,
         in_callback: bool,
         owner: object,
@@ -510,7 +518,7 @@ class HostSide:
         signature: Signature,
         step: int,
         members: np.ndarray,
-        take: Callable[[], tuple[Any, ...]],
+        take: Callable[[], Taken],
         plan: Plan,
         *,
         start: float | None = None,
@@ -520,9 +528,7 @@ class HostSide:
         from `start` until now."""
         taken = time.perf_counter()
         try:
-            # (crossed arrays, release) or, from a GPU, (..., ready: wait for the copies)
-            crossed, release, *rest = take()
-            ready = rest[0] if rest else None
+            crossed, release, ready = take()
             hosts = signature.assemble(crossed, members.shape)
             specs = signature.stored(hosts)
             tree = _tree.nest(specs, hosts)
@@ -546,6 +552,16 @@ class HostSide:
             step, tree, meta, nbytes, blocking_s, end - taken, release, plan.replace, ready
         )
         self._stats.in_flight(self._exchange.submit(item))
+
+
+class Taken(NamedTuple):
+    """What a crossing's `take` gives the hand-off: the leaves in host memory the
+    library may keep, how to give that memory back once written, and (copies from a
+    GPU still in flight) how to wait until they hold the data."""
+
+    arrays: list[Any]
+    release: Callable[[], None]
+    ready: Callable[[], None] | None = None
 
 
 def _narrowed(arrays: list[Any], narrow: dict[int, Any]) -> list[Any]:
