@@ -24,30 +24,15 @@ from ._errors import (
     SaveFailedWarning,
 )
 from ._exchange import Closed, Exchange, OnExisting, is_failed_write
-from ._handoff import HostSide, OnError, OnFull, Signature, probe_callback_arrays
+from ._handoff import HostSide, Signature, probe_callback_arrays
 from ._lock import open_lock
+from ._options import OnError, OnFull, Options
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
 from ._traced import Crossing, Gather
 from ._writer import Writer, emit_notes
 
-_ON_FULL = typing.get_args(OnFull)
-_ON_ERROR = typing.get_args(OnError)
-_ON_EXISTING = typing.get_args(OnExisting)
 _GATHER = typing.get_args(Gather)
-_CROSSING = typing.get_args(Crossing)
-
-
-def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        allowed = "a positive int" + (" or None" if optional else "")
-        raise ConfigError(
-            f"Checkpointer({name}=...): {name} must be {allowed} ({meaning}), got "
-            f"{value!r} of type {type(value).__name__}."
-        )
-    return value
 
 
 class Checkpointer:
@@ -129,67 +114,23 @@ class Checkpointer:
         crossing: Crossing = "auto",
         peer_timeout: float = 60.0,
     ) -> None:
-        path = _format.resolve(directory, "Checkpointer(directory=...)")
-        remote = _remote.is_url(path)
-        if not remote and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(
-                f"Checkpointer(directory={path!r}): that path is an existing file, not "
-                "a directory. Fix: pass a directory path (it is created if missing)."
-            )
-        self._every = _positive_int(every, "every", "save when step % every == 0", optional=True)
-        self._max_to_keep = _positive_int(
-            max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
+        options = Options.checked(
+            directory,
+            every=every,
+            max_to_keep=max_to_keep,
+            queue_size=queue_size,
+            on_full=on_full,
+            compression=compression,
+            on_error=on_error,
+            on_existing=on_existing,
+            crossing=crossing,
+            peer_timeout=peer_timeout,
         )
-        size = _positive_int(queue_size, "queue_size", "saves in flight at most", optional=False)
-        assert size is not None
-        queue_size = size
-        if on_full not in _ON_FULL:
-            raise ConfigError(
-                f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
-                "'block' makes the device wait when the queue is full (nothing lost), "
-                "'skip' drops that save and counts it, 'newest' drops the oldest save "
-                "still waiting instead (the device never waits for the disk)."
-            )
-        if on_error not in _ON_ERROR:
-            raise ConfigError(
-                f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
-                "'raise' stops the run at a failed write, 'continue' trains on and counts it."
-            )
-        if on_existing not in _ON_EXISTING:
-            raise ConfigError(
-                f"Checkpointer(on_existing={on_existing!r}): on_existing must be one of "
-                f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
-                "run's steps in the directory, 'replace' deletes that run's steps from "
-                "the saved step on and writes the new one."
-            )
-        if crossing not in _CROSSING:
-            raise ConfigError(
-                f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
-                "'auto' (the copy-once 'buffer' crossing on CPU and CUDA GPUs, 'callback' "
-                "elsewhere), "
-                "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
-            )
-        self._crossing: Crossing = crossing
-        if (
-            isinstance(peer_timeout, bool)
-            or not isinstance(peer_timeout, int | float)
-            or not peer_timeout > 0
-        ):
-            raise ConfigError(
-                f"Checkpointer(peer_timeout={peer_timeout!r}): peer_timeout must be a "
-                "positive number of seconds (how long a process of a multi-process run "
-                "waits for the others at each save)."
-            )
-        if on_full != "block" and jax.process_count() > 1:
-            raise ConfigError(
-                f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
-                "queue fills at its own pace, so the processes would drop different "
-                "steps and no checkpoint would be complete. Fix: use on_full='block' "
-                "(the default) and a larger queue_size."
-            )
+        path = options.directory
+        self._options = options
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
-            if not remote:  # a prefix in a bucket needs no making
+            if not _remote.is_url(path):  # a prefix in a bucket needs no making
                 os.makedirs(path, exist_ok=True)
         except OSError as e:
             raise ConfigError(
@@ -197,11 +138,6 @@ class Checkpointer:
                 "Fix: check the path (a parent that is a file, permissions, a read-only "
                 "mount), or pass a directory this process can create."
             ) from e
-        self._directory = path
-        self._queue_size = queue_size
-        self._on_full: OnFull = on_full
-        self._on_error: OnError = on_error
-        self._on_existing: OnExisting = on_existing
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
@@ -210,28 +146,18 @@ class Checkpointer:
         self._group = None
         try:
             list_steps = functools.partial(_format.list_steps, path)
-            self._group = _processes.current(path, float(peer_timeout), list_steps)
+            self._group = _processes.current(path, options.peer_timeout, list_steps)
             old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
-            # "newest": queue_size saves wait, and one more may be being written.
-            slots = queue_size + (on_full == "newest")
             self._exchange = Exchange(
-                path, queue_size=slots, on_existing=on_existing, old_steps=old_steps
+                path, queue_size=options.slots, on_existing=options.on_existing, old_steps=old_steps
             )
-            self._host = HostSide(
-                self._exchange,
-                self._stats,
-                on_full=on_full,
-                queue_size=queue_size,
-                on_error=on_error,
-            )
+            self._host = HostSide(self._exchange, self._stats, options)
             if self._group is not None:
                 self._host.on_step = self._group.hand_over
             self._writer = Writer(
-                path,
                 self._exchange,
                 lock,
-                max_to_keep=self._max_to_keep,
-                compression=bool(compression),
+                options,
                 stats=self._stats,
                 # Not a bound method: the writer must not keep this object alive.
                 on_exit=functools.partial(self._exchange.close, Closed.AT_EXIT),
@@ -253,36 +179,36 @@ class Checkpointer:
 
     @property
     def directory(self) -> str:
-        """The checkpoint directory, absolute."""
-        return self._directory
+        """The checkpoint directory, absolute (or its gs:// / s3:// URL)."""
+        return self._options.directory
 
     @property
     def every(self) -> int | None:
-        return self._every
+        return self._options.every
 
     @property
     def max_to_keep(self) -> int | None:
-        return self._max_to_keep
+        return self._options.max_to_keep
 
     @property
     def queue_size(self) -> int:
-        return self._queue_size
+        return self._options.queue_size
 
     @property
     def on_full(self) -> OnFull:
-        return self._on_full
+        return self._options.on_full
 
     @property
     def on_error(self) -> OnError:
-        return self._on_error
+        return self._options.on_error
 
     @property
     def on_existing(self) -> OnExisting:
-        return self._on_existing
+        return self._options.on_existing
 
     @property
     def crossing(self) -> Crossing:
-        return self._crossing
+        return self._options.crossing
 
     def __copy__(self) -> Checkpointer:
         return self  # one writer and one lock per directory: a copy is the same object
@@ -294,7 +220,7 @@ class Checkpointer:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise ConfigError(
-            f"a Checkpointer (on {self._directory!r}) cannot be pickled: it owns a writer "
+            f"a Checkpointer (on {self._options.directory!r}) cannot be pickled: it owns a writer "
             "thread and the directory's lock. Fix: pickle its directory and settings, and "
             "create a Checkpointer from them where they are unpickled."
         )
@@ -302,8 +228,8 @@ class Checkpointer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"Checkpointer({self.directory!r}, every={self._every}, "
-            f"max_to_keep={self._max_to_keep}, queue_size={self.queue_size}, "
+            f"Checkpointer({self.directory!r}, every={self._options.every}, "
+            f"max_to_keep={self._options.max_to_keep}, queue_size={self.queue_size}, "
             f"on_full={self.on_full!r}; {state})"
         )
 
@@ -369,15 +295,15 @@ class Checkpointer:
         self._check_usable(where)
         known = _traced.check_step(step, where)
         if when is None:
-            if self._every is None:
+            if self._options.every is None:
                 raise ConfigError(
                     "maybe_save: no predicate. Fix: pass when=<bool scalar>, or create "
                     "the Checkpointer with every=N to save when step % N == 0."
                 )
             if known is not None:  # decided in Python: no cond in the program
-                pred = None if known % self._every == 0 else False
+                pred = None if known % self._options.every == 0 else False
             else:
-                pred = _traced.traced_step(step, known, where) % self._every == 0
+                pred = _traced.traced_step(step, known, where) % self._options.every == 0
         else:
             pred = _traced.check_when(when, where)
             if isinstance(when, bool):
@@ -482,8 +408,8 @@ class Checkpointer:
         )
         signature = Signature(specs, ndims, tuple(constants))
         traced_step = _traced.traced_step(step, known, where)
-        fast = self._crossing == "buffer" or (
-            self._crossing == "auto" and _traced.buffer_by_default()
+        fast = self._options.crossing == "buffer" or (
+            self._options.crossing == "auto" and _traced.buffer_by_default()
         )
         chosen = None
         if axis_name is None and payload:
@@ -743,7 +669,7 @@ class Checkpointer:
             state, losses = ckpt.scan(train_step, state, batches, every=100)
             ```
         """
-        every = self._every if every is None else every
+        every = self._options.every if every is None else every
         if every is None:
             raise ConfigError(
                 "scan: no every. Fix: pass every=N, or create the Checkpointer with every=N."

@@ -28,7 +28,7 @@ import importlib.metadata
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -42,12 +42,10 @@ from ._errors import (
     UnflushedSaveWarning,
 )
 from ._exchange import Closed, Exchange, Plan, SaveItem, is_failed_write
+from ._options import OnError, OnFull, Options
 from ._staging import StagingPool
 from ._stats import StatsRecorder
 from ._version import version
-
-OnFull = Literal["block", "skip", "newest"]
-OnError = Literal["raise", "continue"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -131,17 +129,14 @@ class HostSide:
         self,
         exchange: Exchange,
         stats: StatsRecorder,
-        *,
-        on_full: OnFull,
-        queue_size: int,
-        on_error: OnError,
+        options: Options,
     ):
         self._exchange = exchange
         self._stats = stats
-        self._on_full: OnFull = on_full
-        self._on_error: OnError = on_error
-        self._queue_size = queue_size
-        self._pool = StagingPool(keep=queue_size)
+        self._on_full: OnFull = options.on_full
+        self._on_error: OnError = options.on_error
+        self._queue_size = options.queue_size
+        self._pool = StagingPool(keep=options.queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
         self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _shards.Assemblies()

@@ -36,6 +36,7 @@ from . import _dtypes, _format, _remote, _store
 from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
+from ._options import Options
 from ._processes import OK, Group, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
@@ -54,21 +55,19 @@ class Writer:
 
     def __init__(
         self,
-        directory: str,
         exchange: Exchange,
         lock: DirectoryLock,
+        options: Options,
         *,
-        max_to_keep: int | None,
-        compression: bool,
         stats: StatsRecorder,
         on_exit: Callable[[], None],
         group: Group | None = None,
     ) -> None:
-        self.directory = directory
+        directory = self.directory = options.directory
         self._on_exit = on_exit  # marks the Checkpointer closed
         self._exchange = exchange
         self._lock = lock
-        self._max_to_keep = max_to_keep
+        self._max_to_keep = options.max_to_keep
         self._stats = stats
         self._remote = _remote.is_url(directory)  # object storage: no temporary names
         self._identity = None if self._remote else _format.identity(directory)
@@ -77,7 +76,7 @@ class Writer:
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
             _format.clean_leftovers(directory)
-        self._store = _store.StoreWriter(compression=compression)
+        self._store = _store.StoreWriter(compression=options.compression)
         self._thread = threading.Thread(
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
