@@ -20,7 +20,7 @@ from ._errors import (
     SaveFailedWarning,
 )
 from ._exchange import Closed, Exchange, OnExisting, is_failed_write
-from ._handoff import HostSide, probe_callback_arrays
+from ._host import HostSide, probe_callback_arrays
 from ._lock import open_lock
 from ._options import OnError, OnFull, Options
 from ._preempt import StopFlag

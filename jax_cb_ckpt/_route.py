@@ -26,7 +26,7 @@ from jax.core import Tracer
 
 from . import _shards, _traced, _tree
 from ._errors import ConfigError, InvalidStateError
-from ._handoff import Signature
+from ._host import Signature
 from ._traced import Gather
 
 _GATHER = typing.get_args(Gather)

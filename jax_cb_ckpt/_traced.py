@@ -180,7 +180,7 @@ def axis_size(axis_name: Any) -> int:
 
 
 class Host(Protocol):
-    """What the crossing calls on the host side (`_handoff.HostSide`), from inside JAX's
+    """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
     callbacks: each call takes the data it is given before it returns."""
 
     def __call__(self, signature: Any, step: Any, pred: Any, *arrays: Any) -> None: ...

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cb_ckpt import _handoff
+from jax_cb_ckpt import _host
 
 N_SAVES = 12
 SIZE = 1 << 14
@@ -37,9 +37,9 @@ def expected_x():
 @pytest.mark.parametrize("owned", [True, False], ids=["keep-jax-copies", "staging-copy"])
 def test_snapshots_are_exact(make_ckpt, monkeypatch, owned):
     ckpt = make_ckpt(queue_size=2)  # small queue: staging buffers are reused many times
-    if owned and not _handoff.probe_callback_arrays():
+    if owned and not _host.probe_callback_arrays():
         pytest.skip("this JAX aliases callback arguments; only the staging path applies")
-    monkeypatch.setattr(_handoff, "_OWNED", owned)
+    monkeypatch.setattr(_host, "_OWNED", owned)
     run_saving_scan(ckpt)
     ckpt.wait()
     assert ckpt.all_steps() == list(range(N_SAVES))
@@ -51,7 +51,7 @@ def test_snapshots_are_exact(make_ckpt, monkeypatch, owned):
 
 
 def test_staging_pool_reuses_touched_buffers():
-    pool = _handoff.StagingPool(keep=2)
+    pool = _host.StagingPool(keep=2)
     a = [np.arange(4.0), np.ones((2, 2), np.int32)]
     first, release = pool.copy_in(a)
     assert all(np.array_equal(f, x) for f, x in zip(first, a, strict=True))
