@@ -1,8 +1,9 @@
 """Helpers shared by the tests (fixtures and strict settings live in conftest.py).
 
 - states: `toy_state`, `toy_update`, `toy_reference`, `assert_same_state`;
-- processes: `start_process`, `wait_for_step`, `kill_group`, `run_script`: the one
-  driver for every test that starts, kills or interrupts a real child process.
+- processes: `start_process`, `wait_for_step`, `kill_group`, `run_child`,
+  `run_script`: the one driver for every test that starts, kills or interrupts a real
+  child process.
 """
 
 import os
@@ -103,18 +104,26 @@ def start_script(tmp_path, text, *args, ready=None, env=None):
     return start_process([sys.executable, str(script), *map(str, args)], ready=ready, env=env)
 
 
+def run_child(args, *, timeout=240, cwd=ROOT, env=None):
+    """Run a child process (`args`; `python ...` when args[0] is "python") to its end:
+    its CompletedProcess, output captured as text. `env`: variables added to the
+    children's environment (CHILD_ENV); cwd: the repository root by default."""
+    args = [sys.executable if a == "python" and i == 0 else a for i, a in enumerate(args)]
+    return subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=dict(CHILD_ENV, **(env or {})),
+    )
+
+
 def run_script(tmp_path, text, *args, timeout=240):
     """Run a Python script written from `text` to its end (cwd: the repository root)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(text))
-    return subprocess.run(
-        [sys.executable, str(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=CHILD_ENV,
-    )
+    return run_child(["python", script, *args], timeout=timeout)
 
 
 def kill_group(child):

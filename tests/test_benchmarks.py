@@ -4,21 +4,12 @@ benchmarks themselves)."""
 
 import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import run_child
 
 
 def _run(*args, timeout):
-    result = subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
+    result = run_child(["python", "-m", *args], timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

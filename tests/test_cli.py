@@ -5,7 +5,6 @@ checkpoints; a flipped byte makes `verify` exit 1 naming the leaf and step."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CHILD_ENV, data_files, flip
+from helpers import data_files, flip, run_child
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,9 +23,7 @@ SCRIPT = Path(sys.executable).with_name("jax-cb-ckpt")  # installed by pip with 
 
 def cli(*args, module=False):
     command = [sys.executable, "-m", "jax_cb_ckpt"] if module else [str(SCRIPT)]
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=CHILD_ENV, timeout=120
-    )
+    return run_child([*command, *args], timeout=120)
 
 
 @pytest.fixture(scope="module")

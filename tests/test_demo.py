@@ -2,29 +2,14 @@
 
 import os
 import re
-import subprocess
-import sys
+
+from helpers import run_child
 
 
 def test_demo_kill_restore_resume_matches(tmp_path):
     directory = tmp_path / "ckpt"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jax_cb_ckpt.demo",
-            "--steps",
-            "3000",
-            "--every",
-            "100",
-            "--dir",
-            str(directory),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
+    args = ["python", "-m", "jax_cb_ckpt.demo", "--steps", 3000, "--every", 100]
+    result = run_child([*args, "--dir", directory], timeout=600)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "killed after seeing step" in out, out
@@ -36,13 +21,10 @@ def test_demo_kill_restore_resume_matches(tmp_path):
 
 def test_demo_leaves_no_temporary_directory(tmp_path):
     """Without --dir the demo works in a temp dir of its own, and removes it."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
-    result = subprocess.run(
-        [sys.executable, "-m", "jax_cb_ckpt.demo", "--steps", "600", "--every", "100"],
-        capture_output=True,
-        text=True,
+    result = run_child(
+        ["python", "-m", "jax_cb_ckpt.demo", "--steps", 600, "--every", 100],
         timeout=600,
-        env=env,
+        env={"TMPDIR": str(tmp_path)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "bit for bit: True" in result.stdout

@@ -3,23 +3,14 @@ each configuration has its own default directory."""
 
 import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, run_child
+
 EXAMPLE = os.path.join(ROOT, "examples", "ppo_cartpole.py")
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
 def run_example(*args, cwd=None, stderr=False):
-    result = subprocess.run(
-        [sys.executable, EXAMPLE, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-        cwd=cwd,
-    )
+    result = run_child(["python", EXAMPLE, *args], timeout=600, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return (result.stdout, result.stderr) if stderr else result.stdout
 

@@ -4,11 +4,9 @@ site itself with `mkdocs build --strict`: .ci/run.)"""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from helpers import CHILD_ENV, run_twice
+from helpers import run_child, run_twice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,9 +27,7 @@ def test_page_block_runs_twice(tmp_path, code):
 
 def test_index_block_prints_what_it_says():
     (code,) = [p.values[0] for p in blocks("index.md")]
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=CHILD_ENV
-    )
+    result = run_child(["python", "-c", code], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     steps, value = result.stdout.splitlines()
     assert steps == "[900, 1000]", result.stdout

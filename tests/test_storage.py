@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -20,6 +18,7 @@ import tensorstore as ts
 from helpers import (
     assert_same_state,
     kill_group,
+    run_child,
     start_script,
     toy_reference,
     toy_state,
@@ -545,13 +544,13 @@ import numpy as np, orbax.checkpoint as ocp
 tree = ocp.StandardCheckpointer().restore("{remote.url}/5/state")
 print(tree["w"].sum(), tree["n"]["b"].sum(), type(tree["w"]).__name__)
 """
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["TENSORSTORE_GCS_HTTP_URL"] = remote.env["STORAGE_EMULATOR_HOST"]
-    # gcsfs >= 2025 probes a bucket's type over gRPC first: 60 s per call on an emulator.
-    env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    env = dict(
+        remote.env,
+        TENSORSTORE_GCS_HTTP_URL=remote.env["STORAGE_EMULATOR_HOST"],
+        # gcsfs >= 2025 probes a bucket's type over gRPC first: 60 s per call here.
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
     )
+    result = run_child(["python", "-c", code], env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[:2] == ["499500.0", "6"]
 
@@ -576,14 +575,8 @@ def test_an_s3_step_copied_to_a_folder_is_a_plain_orbax_checkpoint(remote, tmp_p
 def test_the_cli_reads_a_bucket(remote):
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save({"x": jnp.arange(4.0)}, 3)
-    env = dict(os.environ)
     for command in (["ls"], ["show"], ["verify"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "jax_cb_ckpt", *command, remote.url, "--json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
+        args = ["python", "-m", "jax_cb_ckpt", *command, remote.url, "--json"]
+        result = run_child(args, env=remote.env, timeout=120)
         assert result.returncode == 0, result.stderr
         json.loads(result.stdout)
