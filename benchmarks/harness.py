@@ -4,6 +4,8 @@ after the same neighbour), and the result of each is the median of its repetitio
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,3 +34,12 @@ def rotated(items: Sequence[T], rep: int) -> list[T]:
 
 def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def write_results(out: str, report: Any, markdown: str) -> None:
+    """`out`/results.json (the report) and `out`/results.md (its table)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown)

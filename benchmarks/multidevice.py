@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_cb_ckpt  # noqa: E402
 
-from .harness import medians, rotated  # noqa: E402
+from .harness import medians, rotated, write_results  # noqa: E402
 
 N_DEV, STEPS, EVERY = 8, 10, 2
 METHODS = ("bare", "gathered", "per_device")
@@ -158,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         table += f"\n\n{t['target']}: {t['measured_mib']:.2f} MiB (<= {t['limit_mib']}: "
         table += "met)" if t["met"] else "NOT met)"
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"jax": jax.__version__, "results": results, "targets": targets}, f, indent=2)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n")
+    report = {"jax": jax.__version__, "results": results, "targets": targets}
+    write_results(args.out, report, table + "\n")
     print(table)
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -31,7 +30,7 @@ from typing import Any
 import jax
 
 from . import suite
-from .harness import medians, rotated
+from .harness import medians, rotated, write_results
 
 IN_JIT_FLOORS = ("noop_debug_callback", "noop_io_callback")
 ALL = (
@@ -319,11 +318,7 @@ def _write_report(
 
     report = {"machine": machine(), "quick": args.quick, "results": results}
     report["targets"] = evaluate(results)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    markdown = report_lib.markdown(report)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(markdown)
+    write_results(out, report, report_lib.markdown(report))
     return report
 
 

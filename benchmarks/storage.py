@@ -21,7 +21,6 @@ results.json and results.md under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ import numpy as np
 import jax_cb_ckpt
 from jax_cb_ckpt import _remote
 
-from .harness import rotated
+from .harness import rotated, write_results
 from .run import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,12 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gcs.close()
         s3.close()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=1)
     markdown = _markdown(report)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(markdown)
+    write_results(args.out, report, markdown)
     print(markdown)
     return 0
 

@@ -45,7 +45,7 @@ import numpy as np
 import jax_cb_ckpt
 
 from . import suite
-from .harness import medians, rotated
+from .harness import medians, rotated, write_results
 from .run import machine, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -563,11 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             exists = keep_newest_exists(root)
             report["newest"] = measure_newest(steps, reps, root) if exists else None
         report["machine"]["loadavg_after"] = os.getloadavg()
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=2)
     table = markdown(report)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
+    write_results(args.out, report, table)
     print(table)
     return 0
 

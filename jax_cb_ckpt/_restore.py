@@ -285,15 +285,27 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
 def _read_state(
     path: str, step: int, where: str, seen: tuple[int, int], restore_args: dict[str, Any]
 ) -> dict[str, Any]:
+    args = ocp.args.PyTreeRestore(restore_args=restore_args)
+    return _read_arrays(
+        path,
+        step,
+        where,
+        seen,
+        lambda: _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args),
+    )
+
+
+def _read_arrays(path: str, step: int, where: str, seen: Any, read: Any) -> dict[str, Any]:
+    """`read()` the step's arrays; a failure, or a step that went away meanwhile, is
+    our error. (Read without error, but perhaps while the step was renamed away:
+    TensorStore reads a missing file as an absent key, and zarr an absent chunk as its
+    fill value; so the step is checked after the read too.)"""
     try:
-        args = ocp.args.PyTreeRestore(restore_args=restore_args)
-        tree = _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args)
+        tree = read()
     except Exception as e:
         if not _still_there(path, step, seen):
             raise _removed(path, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
-    # Read without error, but perhaps while the step was renamed away: TensorStore reads
-    # a missing file as an absent key, and zarr an absent chunk as its fill value.
     if not _still_there(path, step, seen):
         raise _removed(path, step, where)
     return tree
@@ -311,8 +323,9 @@ def _read_state_directly(
     s3://): the nested dict Orbax's handler returns. A leaf `placed` gives a sharding
     becomes a `jax.Array` whose devices each read only their slices."""
     step_dir = os.path.join(path, str(step))
-    tree: dict[str, Any] = {}
-    try:
+
+    def read() -> dict[str, Any]:
+        tree: dict[str, Any] = {}
         for saved in saved_specs:
             shape = saved.stored_shape
             if 0 in shape:
@@ -326,13 +339,9 @@ def _read_state_directly(
             else:
                 array = store.read().result()
             _tree.put(tree, saved.name, array)
-    except Exception as e:
-        if not _still_there(path, step, seen):
-            raise _removed(path, step, where) from e
-        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
-    if not _still_there(path, step, seen):
-        raise _removed(path, step, where)
-    return tree
+        return tree
+
+    return _read_arrays(path, step, where, seen, read)
 
 
 def restore(
