@@ -5,6 +5,7 @@ benchmarks themselves)."""
 import json
 import os
 
+import pytest
 from helpers import run_child
 
 
@@ -14,6 +15,7 @@ def _run(*args, timeout):
     return result
 
 
+@pytest.mark.slow  # ~3 minutes; the writer and storage smoke tests below stay in the default
 def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "bench"
     _run("benchmarks.run", "--quick", "--reps", "2", "--out", str(out), timeout=900)

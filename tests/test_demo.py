@@ -3,9 +3,11 @@
 import os
 import re
 
+import pytest
 from helpers import run_child
 
 
+@pytest.mark.slow  # the same kill-and-resume as the test below (and CI runs the demo)
 def test_demo_kill_restore_resume_matches(tmp_path):
     directory = tmp_path / "ckpt"
     args = ["python", "-m", "jax_cb_ckpt.demo", "--steps", 3000, "--every", 100]

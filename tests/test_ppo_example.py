@@ -4,6 +4,7 @@ each configuration has its own default directory."""
 import os
 import re
 
+import pytest
 from helpers import ROOT, run_child
 
 EXAMPLE = os.path.join(ROOT, "examples", "ppo_cartpole.py")
@@ -25,6 +26,9 @@ def test_default_config_reaches_cartpole_return(tmp_path):
     assert "resumed at the end" in again and line in again
 
 
+# One kill-and-resume per path in the default suite: run() batched over seeds is
+# test_crash.py's; this one (PPO, ~1 minute) is in -m slow.
+@pytest.mark.slow
 def test_kill_and_resume_vmapped_over_seeds_is_bit_exact():
     out = run_example("--kill-demo", "--seeds", "2", "--total-timesteps", "25600", "--every", "5")
     assert "killed; checkpoints on disk" in out
