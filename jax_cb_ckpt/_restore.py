@@ -124,12 +124,27 @@ def _quiet_stale_wakeups() -> None:
         previous = sys.unraisablehook
 
         def hook(unraisable: Any) -> None:
-            if not _is_stale_wakeup(unraisable):
+            if not (_is_stale_wakeup(unraisable) or _is_orphaned_read(unraisable)):
                 previous(unraisable)
 
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_orphaned_read_failure)
         _quiet = True
+
+
+def _is_orphaned_read(unraisable: Any) -> bool:
+    """The other report a failed Orbax read can leave: one of the same restore's reads,
+    a coroutine of Orbax's that nobody awaits once the first failure was raised, closed
+    when it is garbage collected; its own read failure ("Encountered error while
+    reading array index") then has nowhere to go. Recognised by the coroutine's name
+    and module (Orbax's `_read_array_index_and_device_put`)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return (
+        code is not None
+        and code.co_name == "_read_array_index_and_device_put"
+        and "orbax" in code.co_filename
+        and "Encountered error while reading" in str(unraisable.exc_value)
+    )
 
 
 def _orphaned_read_failure(record: logging.LogRecord) -> bool:
@@ -305,10 +320,29 @@ def _read_arrays(path: str, step: int, where: str, seen: Any, read: Any) -> dict
     except Exception as e:
         if not _still_there(path, step, seen):
             raise _removed(path, step, where) from e
-        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
+        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {_readable(e)}") from e
     if not _still_there(path, step, seen):
         raise _removed(path, step, where)
     return tree
+
+
+_SPEC_DUMP = "See full TensorStore details:"  # Orbax's text, then a repr of the store
+
+
+def _readable(e: BaseException) -> str:
+    """A read failure as a message: Orbax's "Encountered error while reading array
+    index: ... See full TensorStore details: <bound method ... of TensorStore({...})>"
+    loses the dump (a page of a spec's repr, not its content) and gains the TensorStore
+    error it wraps (its first line), which says what was wrong (a truncated file, a
+    missing key)."""
+    text = str(e)
+    if _SPEC_DUMP not in text:
+        return text
+    text = text.split(_SPEC_DUMP)[0].rstrip(" .")
+    cause = e.__cause__
+    if cause is not None:
+        text += f" ({type(cause).__name__}: {str(cause).splitlines()[0][:300]})"
+    return text
 
 
 def _read_state_directly(
