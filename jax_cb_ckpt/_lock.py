@@ -257,10 +257,13 @@ class ObjectLock(DirectoryLock):
         except _remote.StorageError as e:
             raise self._unreachable(e) from e
 
+    def _beat_record(self) -> bytes:
+        """The lock object's content: our record and the time of this beat."""
+        return json.dumps(dict(self._record, beat=time.time())).encode()
+
     def _write(self, generation: bytes) -> bytes | None:
-        record = dict(self._record, beat=time.time())
         try:
-            return _remote.write(self.path, json.dumps(record).encode(), if_equal=generation)
+            return _remote.write(self.path, self._beat_record(), if_equal=generation)
         except _remote.StorageError as e:
             raise self._unreachable(e) from e
 
@@ -299,9 +302,7 @@ class ObjectLock(DirectoryLock):
                     return
                 try:
                     written = _remote.write(
-                        self.path,
-                        json.dumps(dict(self._record, beat=time.time())).encode(),
-                        if_equal=self._generation,
+                        self.path, self._beat_record(), if_equal=self._generation
                     )
                 except _remote.StorageError:
                     continue  # the next beat tries again; each step checks still_ours()
