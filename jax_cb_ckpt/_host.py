@@ -482,9 +482,13 @@ class HostSide:
         if replace == "duplicate":  # noted for the user
             self._stats.duplicate()
             return None
-        # Blocking here blocks the device program: nothing is lost, the device waits
-        # for the writer to free a slot.
-        if exchange.take_slot(block=self._on_full == "block"):
+        if exchange.take_slot(block=False):
+            return Plan(step, replace)
+        if self._on_full == "block":
+            # Blocks the device program: nothing is lost, the device waits for the
+            # writer to free a slot.
+            self._stats.queue_wait()
+            exchange.take_slot(block=True)
             return Plan(step, replace)
         if self._on_full == "newest":
             # The oldest save still waiting gives its slot (and staging) to this one.
@@ -495,6 +499,7 @@ class HostSide:
                 older.release()
                 self._stats.superseded()
             else:
+                self._stats.queue_wait()
                 exchange.take_slot(block=True)
             return Plan(step, replace)
         # on_full="skip". Never written: a later run's save of it is welcome (other

@@ -42,6 +42,9 @@ class Stats:
             worst. JAX's own transfer of the arguments to the callback comes before it.
         write_total_s / write_max_s: time the writer thread spent writing.
         queue_high_water: the most saves in flight (queued or being written) at once.
+        queue_waits: saves for which the device waited for a free place in the queue
+            (`on_full="block"` with the queue full; with `on_full="newest"` only when every
+            save in flight was already being written, never in a plain save loop).
         last_saved_step: the step of the last save that reached disk (None before).
         recent: the last 1024 saves that reached disk, oldest first.
 
@@ -61,6 +64,7 @@ class Stats:
     write_total_s: float = 0.0
     write_max_s: float = 0.0
     queue_high_water: int = 0
+    queue_waits: int = 0
     last_saved_step: int | None = None
     recent: tuple[SaveRecord, ...] = ()
 
@@ -90,7 +94,8 @@ class Stats:
             f"duplicates={self.duplicates} failed={self.failed} bytes={self.bytes}; per "
             f"save: device waited {wait * 1e3:.3f} ms (copy {copy * 1e3:.3f} ms, queue full "
             f"{max(0.0, wait - copy) * 1e3:.3f} ms), written in the background in "
-            f"{self.write_per_save_s * 1e3:.1f} ms; queue_high_water={self.queue_high_water}"
+            f"{self.write_per_save_s * 1e3:.1f} ms; queue_high_water={self.queue_high_water} "
+            f"queue_waits={self.queue_waits}"
         )
 
 
@@ -114,6 +119,7 @@ class _Counts:
     write_total_s: float = 0.0
     write_max_s: float = 0.0
     queue_high_water: int = 0
+    queue_waits: int = 0
     last_saved_step: int | None = None
 
 
@@ -140,6 +146,10 @@ class StatsRecorder:
     def superseded(self) -> None:
         with self._lock:
             self._counts.superseded += 1
+
+    def queue_wait(self) -> None:
+        with self._lock:
+            self._counts.queue_waits += 1
 
     def failed(self) -> None:
         with self._lock:

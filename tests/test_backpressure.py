@@ -32,8 +32,8 @@ def test_block_loses_nothing(make_ckpt):
     assert ckpt.all_steps() == list(range(N_SAVES))
     assert (stats.saves, stats.skipped) == (N_SAVES, 0)
     assert stats.queue_high_water == 1
-    # The device waited for the writer: blocking time includes the back-pressure wait.
-    assert stats.blocking_total_s > sum(r.handoff_s for r in stats.recent)
+    # The device waited for the writer, and each wait was counted.
+    assert 0 < stats.queue_waits < N_SAVES
     for step in (0, 17, N_SAVES - 1):
         restored = ckpt.restore({"x": jnp.zeros(SIZE)}, step=step)
         np.testing.assert_array_equal(restored["x"], np.full(SIZE, step + 1, np.float32))
@@ -49,7 +49,7 @@ def test_skip_drops_counts_and_warns_with_step(make_ckpt):
     assert stats.skipped > 0
     assert stats.saves + stats.skipped == N_SAVES
     assert len(saved) == stats.saves and saved[0] == 0
-    assert stats.queue_high_water == 1
+    assert stats.queue_high_water == 1 and stats.queue_waits == 0
     skipped_steps = sorted(set(range(N_SAVES)) - set(saved))
     messages = [str(w.message) for w in record]
     assert len(messages) == stats.skipped
@@ -84,7 +84,7 @@ def test_newest_never_blocks_keeps_the_last_save_and_counts_the_rest(make_ckpt, 
     assert stats.saves + stats.superseded == N_SAVES and len(saved) == stats.saves
     assert stats.queue_high_water <= queue_size + 1  # queue_size waiting, one written
     # The device never waited for the disk: only for its own copies.
-    assert stats.blocking_max_s < min(r.write_s for r in stats.recent)
+    assert stats.queue_waits == 0
     for step in saved:
         restored = ckpt.restore({"x": jnp.zeros(SIZE)}, step=step)
         np.testing.assert_array_equal(restored["x"], np.full(SIZE, step + 1, np.float32))
