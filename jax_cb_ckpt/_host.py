@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -365,12 +366,17 @@ class HostSide:
         for assembly in self._assemblies.take_failed():
             self._settle(assembly)
 
-    def mark(self, signature: Signature, step: Any, pred: Any, token: Any) -> None:
+    def mark(self, signature: Signature, shapes: Any, packed: Any) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a
         step whose data was dropped because this crossing handed it over in an earlier
-        run is reported here, once, however many devices deposited it."""
-        del token
-        members = np.asarray(pred).astype(bool)
+        run is reported here, once, however many devices deposited it. `packed` is the
+        token, the steps and the mask in one flat array (`_traced._packed`), `shapes` the
+        shapes of the steps and the mask."""
+        step_shape, pred_shape = shapes
+        flat = np.asarray(packed)[1:]  # [0] is the token
+        n = math.prod(step_shape)
+        step = flat[:n].reshape(step_shape)
+        members = flat[n:].reshape(pred_shape).astype(bool)
         if not members.any():
             return
         try:

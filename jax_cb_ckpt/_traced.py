@@ -209,7 +209,7 @@ class Host(Protocol):
         *blocks: Any,
     ) -> None: ...
 
-    def mark(self, signature: Any, step: Any, pred: Any, token: Any) -> None: ...
+    def mark(self, signature: Any, shapes: Any, packed: Any) -> None: ...
 
 
 def cross(
@@ -418,6 +418,16 @@ def _widened(values: Sequence[Any]) -> tuple[dict[int, Any], list[Any]]:
     return narrow, widened
 
 
+def _packed(token: jax.Array, step: jax.Array, pred: jax.Array) -> jax.Array:
+    """The mark's one operand: the token (the dependence that keeps the buffer callback
+    alive), then the steps and the mask, flat, in the step's dtype (see `HostSide.mark`).
+    `debug.callback` puts each operand on a device again before calling (~60-130 us per
+    operand on a CPU): one operand instead of three saves ~0.1 ms per crossing."""
+    dtype = jnp.result_type(step)
+    flat = [token.reshape(1), jnp.ravel(step), jnp.ravel(pred)]
+    return jnp.concatenate([x.astype(dtype) for x in flat])
+
+
 def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
     x = jnp.asarray(x)
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
@@ -447,7 +457,8 @@ def _batched_save(host: Host, signature: Any, fast: bool, *, always: bool = Fals
                 narrow, payload = _widened(payload)
                 deposit = functools.partial(host.deposit, signature, narrow)
                 token = buffer_callback(deposit, token_type)(step, pred, *payload)
-                jax.debug.callback(mark, step, pred, token)
+                shapes = (jnp.shape(step), jnp.shape(pred))
+                jax.debug.callback(functools.partial(mark, shapes), _packed(token, step, pred))
             else:
                 jax.debug.callback(callback, step, pred, *payload)
 
