@@ -11,7 +11,7 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
   each copied once into a reused, already touched staging buffer (`StagingPool`).
   `mark` runs after it, once per program run, to report repeated steps.
 - `deposit_shard` (`shardings=`): one device's blocks and mesh coordinates; the blocks
-  it owns are copied, and the device that completes the step queues it (_shards.py).
+  it owns are copied, and the device that completes the step queues it (_assembly.py).
 - `__call__` (the "callback" fallback): `jax.debug.callback` hands over `jax.Array`s that
   JAX copied from XLA's buffers (`jax.device_put` to the CPU device) into fresh memory
   it owns; `probe_callback_arrays()` checks once per process that they do not alias
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _cuda, _format, _shards, _tree
+from . import _assembly, _cuda, _format, _shards, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -140,7 +140,7 @@ class HostSide:
         self._pool = StagingPool(keep=options.queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
         self._pinned: StagingPool | None = None  # GPU staging, made when needed
-        self._assemblies = _shards.Assemblies()
+        self._assemblies = _assembly.Assemblies()
         # Told the step of each per-device hand-off as it begins (multi-process runs:
         # the others wait for a process that is handing a save over).
         self.on_step: Callable[[int], None] | None = None
@@ -300,7 +300,7 @@ class HostSide:
 
     def _copy_blocks(
         self,
-        assembly: _shards.Assembly,
+        assembly: _assembly.Assembly,
         layout: _shards.Layout,
         position: tuple[int, ...],
         arrays: Sequence[np.ndarray],
@@ -326,7 +326,7 @@ class HostSide:
         signature: Signature,
         step: int,
         members: np.ndarray,
-        assembly: _shards.Assembly,
+        assembly: _assembly.Assembly,
         layout: _shards.Layout,
         arrays: Sequence[np.ndarray],
         shapes: Sequence[tuple[int, ...]],
@@ -345,7 +345,7 @@ class HostSide:
 
         self._submit(signature, step, members, take, assembly.plan, blocking_s=assembly.blocking_s)
 
-    def _settle(self, assembly: _shards.Assembly) -> None:
+    def _settle(self, assembly: _assembly.Assembly) -> None:
         """A per-device save that will not be written: its staging and its slot (and the
         claim of its step) are given back, once."""
         if not self._assemblies.take_settled(assembly):
