@@ -212,6 +212,5 @@ def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[Any, int
 
 
 def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    return tuple(
-        (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True)
-    ) + tuple((0, n) for n in shape[len(index) :])
+    """A block's global index as hashable (start, stop) pairs, one per dimension."""
+    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
