@@ -1,13 +1,16 @@
 """Helpers shared by the tests (fixtures and strict settings live in conftest.py).
 
 - states: `toy_state`, `toy_update`, `toy_reference`, `assert_same_state`;
-- processes: `start_process`, `wait_for_step`, `kill_group`, `run_child`,
-  `run_script`: the one driver for every test that starts, kills or interrupts a real
-  child process.
+- processes: `start_process`, `ProcessGroup`, `wait_for_step`, `kill_group`,
+  `run_child`, `run_script`: the one driver for every test that starts, kills or
+  interrupts a real child process (servers and multi-process runs too); `free_port`,
+  `json_lines`.
 """
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -77,18 +80,29 @@ def assert_same_state(a, b):
 # -- child processes -------------------------------------------------------------------
 
 
-def start_process(args, *, ready=None, env=None):
+def start_process(args, *, ready=None, env=None, logs=None):
     """A child process (`args` for Popen) in a session of its own, so `kill_group` can
     kill it and anything it started. With `ready`, waits for that first stdout line.
-    `env`: variables added to its environment."""
-    child = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(CHILD_ENV, **(env or {})),
-        start_new_session=True,
-    )
+    `env`: variables added to its environment. `logs`: (stdout, stderr) file paths to
+    write its output to instead of pipes (a full pipe nobody reads would stall it)."""
+    if logs is None:
+        child = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(CHILD_ENV, **(env or {})),
+            start_new_session=True,
+        )
+    else:
+        with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:  # the child's now
+            child = subprocess.Popen(
+                args,
+                stdout=stdout,
+                stderr=stderr,
+                env=dict(CHILD_ENV, **(env or {})),
+                start_new_session=True,
+            )
     if ready is not None:
         line = child.stdout.readline().strip() if child.stdout else ""
         if line != ready:
@@ -131,6 +145,70 @@ def kill_group(child):
     if child.poll() is None:
         os.killpg(child.pid, signal.SIGKILL)
     return child.communicate()
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def json_lines(printed):
+    """The JSON lines a child printed (gloo prints lines of its own)."""
+    return [json.loads(x) for x in printed.splitlines() if x.startswith("{")]
+
+
+class ProcessGroup:
+    """Processes that run together (the processes of one multi-process run), each
+    started by `start_process` in a session of its own, output in files under
+    `tmp_path`; every one is killed at the end of `wait`, or by `kill`."""
+
+    def __init__(self, tmp_path, name, commands, env=None):
+        self.logs = [
+            (tmp_path / f"{name}-{i}.out", tmp_path / f"{name}-{i}.err")
+            for i in range(len(commands))
+        ]
+        self.children = []
+        try:
+            for command, logs in zip(commands, self.logs, strict=True):
+                self.children.append(start_process(command, env=env, logs=logs))
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self):
+        for child in self.children:
+            kill_group(child)
+
+    def signal(self, index, signum):
+        os.kill(self.children[index].pid, signum)
+
+    def printed(self, index):
+        return self.logs[index][0].read_text()
+
+    def errors(self, index):
+        return self.logs[index][1].read_text()[-3000:]
+
+    def wait(self, timeout):
+        """Every process's exit code and last JSON line (None without one); a process
+        still running after `timeout` seconds fails the test (a hang)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while any(c.poll() is None for c in self.children):
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"no end in {timeout} s (a hang)\n"
+                        + "\n".join(self.errors(i) for i in range(len(self.children)))
+                    )
+                time.sleep(0.05)
+        finally:
+            self.kill()
+        results = []
+        for i, child in enumerate(self.children):
+            lines = json_lines(self.printed(i))
+            results.append((child.returncode, lines[-1] if lines else None))
+        return results
 
 
 def wait_for_step(directory, step, child, timeout=120):

@@ -15,22 +15,16 @@
 import json
 import os
 import platform
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
 
+from helpers import free_port, kill_group, start_process
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_up(url, child, timeout=30):
@@ -62,9 +56,8 @@ def _wait_until_listening(port, child, timeout=30):
 
 
 def _kill(child):
-    if child is not None and child.poll() is None:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+    if child is not None:
+        kill_group(child)
 
 
 class _Process:
@@ -74,12 +67,7 @@ class _Process:
         self.child = None
 
     def _spawn(self, args):
-        self.child = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.child = start_process(args, logs=(os.devnull, os.devnull))
 
     def kill(self):
         _kill(self.child)

@@ -18,17 +18,15 @@ Before this, the first save hung forever: process 0's writer waited in Orbax's d
 barrier, which process 1 never joined. Every run here has a hard timeout that kills
 both process groups."""
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import CHILD_ENV
+from helpers import ProcessGroup, free_port, json_lines
 
 import jax_cb_ckpt
 
@@ -37,15 +35,8 @@ TIMEOUT = 240  # a 2-process run takes ~15 s here; a hang never ends
 PEER_TIMEOUT = 8  # the kill case's wait for the dead process
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Group:
-    """The processes of one run, each in a session of its own, output in files (a full
-    pipe must not stall one process while the other waits for it)."""
+class Group(ProcessGroup):
+    """The processes of one run of tests/multiprocess_worker.py in `mode`."""
 
     def __init__(
         self, tmp_path, mode, directory, nproc=2, devices=4, victim=1, prefix=None, env=None
@@ -54,68 +45,23 @@ class Group:
         variables added to the processes' environment."""
         port = free_port()
         env = dict(
-            CHILD_ENV,
-            **(env or {}),
+            env or {},
             WORKER_DEVICES=str(devices),
             WORKER_PEER_TIMEOUT=str(PEER_TIMEOUT),
             WORKER_VICTIM=str(victim),
         )
-        self.logs = []
-        self.children = []
-        for pid in range(nproc):
-            out, err = tmp_path / f"{mode}-{pid}.out", tmp_path / f"{mode}-{pid}.err"
-            self.logs.append((out, err))
-            args = [sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port)]
-            args = [*(prefix or {}).get(pid, []), *args]
-            with open(out, "w") as stdout, open(err, "w") as stderr:  # the child's own now
-                self.children.append(
-                    subprocess.Popen(
-                        [*args, str(directory)],
-                        stdout=stdout,
-                        stderr=stderr,
-                        env=env,
-                        start_new_session=True,
-                    )
-                )
-
-    def kill(self):
-        for child in self.children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-
-    def signal(self, pid, signum):
-        os.kill(self.children[pid].pid, signum)
-
-    def printed(self, pid):
-        return self.logs[pid][0].read_text()
-
-    def errors(self, pid):
-        return self.logs[pid][1].read_text()[-3000:]
+        commands = [
+            [
+                *(prefix or {}).get(pid, []),
+                *[sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port)],
+                str(directory),
+            ]
+            for pid in range(nproc)
+        ]
+        super().__init__(tmp_path, mode, commands, env=env)
 
     def wait(self, timeout=TIMEOUT):
-        """Every process's exit code and last JSON line (None without one)."""
-        deadline = time.monotonic() + timeout
-        try:
-            while any(c.poll() is None for c in self.children):
-                if time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"no end in {timeout} s (a hang)\n"
-                        + "\n".join(self.errors(i) for i in range(len(self.children)))
-                    )
-                time.sleep(0.05)
-        finally:
-            self.kill()
-        results = []
-        for i, child in enumerate(self.children):
-            lines = json_lines(self.printed(i))
-            results.append((child.returncode, lines[-1] if lines else None))
-        return results
-
-
-def json_lines(printed):
-    """The JSON lines a worker printed (gloo prints lines of its own)."""
-    return [json.loads(x) for x in printed.splitlines() if x.startswith("{")]
+        return super().wait(timeout)
 
 
 def run_group(tmp_path, mode, directory, **kwargs):

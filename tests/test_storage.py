@@ -203,7 +203,7 @@ def test_listing_and_retention_touch_only_our_steps(remote):
 def test_a_two_process_run_writes_each_processes_shards_and_restores(remote, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed, gloo): each process writes its own
     blocks into the bucket, process 0 merges and commits; both restore exactly."""
-    from test_multiprocess import run_group
+    from test_multiprocess import run_group  # the multi-process worker, in remote mode
 
     results = run_group(tmp_path, "remote", remote.url, env=remote.env)
     for i, (rc, found) in enumerate(results):
