@@ -16,9 +16,9 @@ import os
 import sys
 from typing import Any
 
-from . import _format, _remote
+from . import _format, _remote, _tree
 from ._errors import CheckpointError, RestoreError
-from ._restore import metadata, verify
+from ._restore import metadata, step_meta, verify
 
 _FAILED = 1
 _UNUSABLE = 2
@@ -98,7 +98,7 @@ def _ls(directory: str, args: argparse.Namespace) -> int:
 def _listed(directory: str, step: int) -> dict[str, Any] | None:
     path = os.path.join(directory, str(step))
     try:
-        saved_at = metadata(directory, step=step).get("saved_at") or _mtime(path)
+        saved_at = step_meta(directory, step=step).saved_at or _mtime(path)
     except (CheckpointError, OSError):
         if not _format.exists(path):  # removed by retention meanwhile
             return None
@@ -134,15 +134,14 @@ def _mtime(path: str) -> str | None:
 
 
 def _show(directory: str, args: argparse.Namespace) -> int:
-    meta = metadata(directory, step=args.step)
     if args.json:
-        _print_json({"directory": directory, **meta})
+        _print_json({"directory": directory, **metadata(directory, step=args.step)})
         return 0
-    step = meta["step"]
-    print(f"step {step} of {directory}")
-    print(f"  saved at      {meta.get('saved_at', 'not recorded (older version)')}")
+    meta = step_meta(directory, step=args.step)
+    print(f"step {meta.step} of {directory}")
+    print(f"  saved at      {meta.saved_at or 'not recorded (older version)'}")
     written = ", ".join(
-        f"{name} {meta[key]}"
+        f"{name} {meta.versions[key]}"
         for name, key in (
             ("jax_cb_ckpt", "library_version"),
             ("jax", "jax_version"),
@@ -150,28 +149,23 @@ def _show(directory: str, args: argparse.Namespace) -> int:
             ("orbax-checkpoint", "orbax_version"),
             ("tensorstore", "tensorstore_version"),
         )
-        if key in meta
+        if key in meta.versions
     )
     print(f"  written by    {written}")
-    print(f"  size on disk  {_size(_bytes(os.path.join(directory, str(step))))}")
-    if "batch_shape" in meta:
+    print(f"  size on disk  {_size(_bytes(os.path.join(directory, str(meta.step))))}")
+    if meta.batch_shape:
         print(f"  vmap batch    {_batch(meta)}")
-    checked = "yes" if meta.get("checksums") else "no (written before checksums were kept)"
+    checked = "yes" if meta.checksums else "no (written before checksums were kept)"
     print(f"  checksums     {checked}")
-    shardings = meta.get("shardings", {})
-    leaves = meta.get("leaves", [])
-    print(f"  {len(leaves)} leaves:")
+    print(f"  {len(meta.leaves)} leaves:")
     rows = [
         (
-            leaf["path"],
-            f"key<{leaf['impl']}>" if leaf["kind"] == "key" else leaf["dtype"],
-            "("
-            + ", ".join(map(str, leaf["shape"]))
-            + ("," if len(leaf["shape"]) == 1 else "")
-            + ")",
-            _sharding(shardings[leaf["path"]]) if leaf["path"] in shardings else "",
+            leaf.path,
+            f"key<{leaf.impl}>" if leaf.kind == _tree.KEY else leaf.dtype,
+            str(leaf.shape),
+            _sharding(meta.shardings[leaf.path]) if leaf.path in meta.shardings else "",
         )
-        for leaf in leaves
+        for leaf in meta.leaves
     ]
     widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
     for row in rows:
@@ -180,12 +174,12 @@ def _show(directory: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch(meta: dict[str, Any]) -> str:
+def _batch(meta: _format.StepMeta) -> str:
     """The batch shape of a save made under vmap, and which members it holds."""
     import numpy as np
 
-    shape = tuple(meta["batch_shape"])
-    saved = np.asarray(meta.get("members", True), dtype=bool).reshape(shape or ())
+    shape = meta.batch_shape
+    saved = np.ones(shape, bool) if meta.members is None else meta.members
     held = [tuple(int(i) for i in index) for index in np.argwhere(saved)]
     if len(held) == saved.size:
         which = f"all {saved.size} members saved"
@@ -212,7 +206,7 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
     for step in steps:
         result: dict[str, Any] = {"step": step}
         try:
-            result["checksums"] = bool(metadata(directory, step=step).get("checksums"))
+            result["checksums"] = bool(step_meta(directory, step=step).checksums)
             verify(directory, step=step)
             result["ok"] = True
         except RestoreError as e:

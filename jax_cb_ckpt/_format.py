@@ -34,6 +34,7 @@ of ours, deleted at the next opening; deleting a step removes its commit marker 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
@@ -44,7 +45,9 @@ import time
 import uuid
 from typing import Any
 
-from . import _remote
+import numpy as np
+
+from . import _remote, _tree
 from ._errors import ConfigError
 
 FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
@@ -432,7 +435,8 @@ def step_meta(
     members: list[Any],
 ) -> dict[str, Any]:
     """The `meta` item of a step (written by the host side, completed with `checksums`
-    by the writer; read by restore, `metadata()` and the CLI), the schema in one place:
+    by the writer; read back as a `StepMeta` by restore, `verify` and the CLI, and
+    returned as it is by `metadata()`), the schema in one place:
 
     - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
       `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
@@ -457,6 +461,63 @@ def step_meta(
         meta["batch_shape"] = list(batch_shape)
         meta["members"] = members
     return meta
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeta:
+    """A step's `meta` item as read back (the schema of `step_meta`), checked: restore,
+    verify and the CLI read these fields, never the JSON's keys. What a version before
+    a field existed did not record has its default."""
+
+    step: int
+    leaves: tuple[_tree.LeafSpec, ...]
+    batch_shape: tuple[int, ...] = ()  # () unless saved under vmap
+    members: np.ndarray | None = None  # which members saved (bool, batch_shape); None: all
+    checksums: dict[str, Any] | None = None  # None: written before checksums were kept
+    shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    saved_at: str | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any]) -> StepMeta:
+        """The fields of a `meta` item whose format tag was checked; `ValueError` or
+        `TypeError` naming the first field that is wrong (it was edited or corrupted)."""
+        step = meta.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"'step' is {step!r}, not a step number")
+        leaves = meta.get("leaves")
+        if not isinstance(leaves, list):
+            raise TypeError(f"'leaves' is a {type(leaves).__name__}, not a list")
+        batch = meta.get("batch_shape", [])
+        if not isinstance(batch, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in batch
+        ):
+            raise ValueError(f"'batch_shape' {batch!r} is not a list of non-negative ints")
+        members = None
+        if "members" in meta:
+            members = np.asarray(meta["members"], dtype=bool)
+            if members.shape != tuple(batch):
+                raise ValueError(
+                    f"'members' has shape {members.shape}, not the batch's {tuple(batch)}"
+                )
+        for field in ("checksums", "shardings"):
+            if meta.get(field) is not None and not isinstance(meta[field], dict):
+                raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
+        versions = {k: str(v) for k, v in meta.items() if k.endswith("_version")}
+        return cls(
+            step=step,
+            leaves=tuple(_tree.LeafSpec.from_json(leaf) for leaf in leaves),
+            batch_shape=tuple(batch),
+            members=members,
+            checksums=meta.get("checksums"),
+            shardings=meta.get("shardings") or {},
+            saved_at=meta.get("saved_at"),
+            versions=versions,
+        )
+
+    def saved(self, member: tuple[int, ...]) -> bool:
+        """Whether batch member `member` asked for this save (its predicate held)."""
+        return self.members is None or bool(self.members[member])
 
 
 def write_meta(path: str, meta: dict[str, Any]) -> None:

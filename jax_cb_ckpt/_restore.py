@@ -241,18 +241,27 @@ def _read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[
 
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
+    return _metadata(directory, step)[0]
+
+
+def step_meta(directory: str | os.PathLike[str], *, step: int | None = None) -> _format.StepMeta:
+    """`metadata()` with its fields checked and read (`_format.StepMeta`); a
+    RestoreError naming the field when the item was edited or corrupted."""
+    meta, where = _metadata(directory, step)
+    return _parsed(meta, where)
+
+
+def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict[str, Any], str]:
     path = _format.resolve(directory, "metadata")
     step = _pick_step(path, _check_step_arg(step, "metadata"), "metadata")
     where = f"metadata(step={step}) from {path!r}"
-    return _read_meta(path, step, where, _identify(path, step, where))
+    return _read_meta(path, step, where, _identify(path, step, where)), where
 
 
-def _saved_specs(meta: dict[str, Any], where: str) -> tuple[_tree.LeafSpec, ...]:
+def _parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
+    """The fields of a step's `meta` item, or a RestoreError saying which is wrong."""
     try:
-        leaves = meta["leaves"]
-        if not isinstance(leaves, list):
-            raise TypeError(f"'leaves' is a {type(leaves).__name__}, not a list")
-        return tuple(_tree.LeafSpec.from_json(leaf) for leaf in leaves)
+        return _format.StepMeta.parse(meta)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise RestoreError(
             f"{where}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
@@ -416,12 +425,11 @@ def restore(
         like, where, prefix="like", abstract_ok=True
     )
     seen = _identify(path, step, where)
-    meta = _read_meta(path, step, where, seen)
-    saved_specs = _saved_specs(meta, where)
-    batch = _batch_shape(meta, where)
+    meta = _parsed(_read_meta(path, step, where, seen), where)
+    saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
-        index = _member_index(member, batch, meta, where)
-        return _restore_member(path, step, seen, meta, like, batch, index, verify)
+        index = _member_index(member, meta, where)
+        return _restore_member(path, step, seen, meta, like, index, verify)
     if batch:
         _check_batched_like(like_specs, saved_specs, batch, where)
     _tree.check_like(like_specs, saved_specs, where)
@@ -444,21 +452,13 @@ def restore(
     return treedef.unflatten(leaves)
 
 
-def _batch_shape(meta: dict[str, Any], where: str) -> tuple[int, ...]:
-    batch = meta.get("batch_shape", [])
-    if not isinstance(batch, list) or not all(isinstance(n, int) and n >= 0 for n in batch):
-        raise RestoreError(f"{where}: the checkpoint's batch_shape {batch!r} is invalid.")
-    return tuple(batch)
-
-
-def _member_index(
-    member: Any, batch: tuple[int, ...], meta: dict[str, Any], where: str
-) -> tuple[int, ...]:
+def _member_index(member: Any, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
     """`member` as an index into the batch axes, checked (and saved: a member whose
     `maybe_save` predicate was false at this step holds no state of its own)."""
+    batch = meta.batch_shape
     if not batch:
         raise ConfigError(
-            f"{where}: member={member!r}, but step {meta.get('step')} was not saved under "
+            f"{where}: member={member!r}, but step {meta.step} was not saved under "
             "vmap (it has no batch axes). Fix: restore without member=."
         )
     parts = (member,) if isinstance(member, int) else member
@@ -474,10 +474,9 @@ def _member_index(
             f"{where}: member={member!r} is not a member of the checkpoint's batch of "
             f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
         )
-    saved = np.asarray(meta.get("members", True), dtype=bool)
-    if saved.shape == batch and not saved[index]:
+    if not meta.saved(index):
         raise RestoreError(
-            f"{where}: member {index} did not save at step {meta.get('step')} (its "
+            f"{where}: member {index} did not save at step {meta.step} (its "
             "maybe_save predicate was false), so the step holds no state of its own for "
             "it. Fix: restore another step, or another member."
         )
@@ -509,9 +508,8 @@ def _restore_member(
     path: str,
     step: int,
     seen: tuple[int, int],
-    meta: dict[str, Any],
+    meta: _format.StepMeta,
     like: Any,
-    batch: tuple[int, ...],
     index: tuple[int, ...],
     verify: bool,
 ) -> Any:
@@ -521,11 +519,11 @@ def _restore_member(
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
+    batch = meta.batch_shape
     n = len(batch)
-    saved_specs = _saved_specs(meta, where)
-    batched = {s.name for s in saved_specs if s.shape[:n] == batch}
+    batched = {s.name for s in meta.leaves if s.shape[:n] == batch}
     one = tuple(
-        dataclasses.replace(s, shape=s.shape[n:]) if s.name in batched else s for s in saved_specs
+        dataclasses.replace(s, shape=s.shape[n:]) if s.name in batched else s for s in meta.leaves
     )
     by_name = {spec.name: spec for spec in one}
     for spec in like_specs:
@@ -539,7 +537,7 @@ def _restore_member(
             )
     _tree.check_like(like_specs, one, where)
     step_dir = os.path.join(path, str(step))
-    sums = meta.get("checksums") if verify else None
+    sums = meta.checksums if verify else None
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
@@ -613,13 +611,11 @@ def _leaf_sums(sums: dict[str, Any], saved: _tree.LeafSpec, where: str) -> dict[
     return leaf_sums
 
 
-def _checksums(meta: dict[str, Any], step_dir: str, where: str) -> Any:
+def _checksums(meta: _format.StepMeta, step_dir: str, where: str) -> Any:
     """`check(saved, array)`: verifies a leaf's stored data against its checksums."""
-    sums = meta.get("checksums")
+    sums = meta.checksums
     if sums is None:  # written before checksums were recorded
         return None
-    if not isinstance(sums, dict):
-        raise RestoreError(f"{where}: the checkpoint's checksums are not a dict; it was edited.")
 
     def check(saved: _tree.LeafSpec, array: Any) -> None:
         name = _store.param_name(saved.name)
@@ -675,11 +671,11 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     for one in steps:
         where = f"verify(step={one}) of {path!r}"
         seen = _identify(path, one, where)
-        meta = _read_meta(path, one, where, seen)
+        meta = _parsed(_read_meta(path, one, where, seen), where)
         check = _checksums(meta, os.path.join(path, str(one)), where)
         if check is None:
             continue
-        for saved in _saved_specs(meta, where):
+        for saved in meta.leaves:
             shape = saved.stored_shape
             if 0 in shape:
                 continue  # described, not stored

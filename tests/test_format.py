@@ -92,3 +92,53 @@ def test_url_parts_and_key_ranges():
     spec = _remote.kvstore_spec("gs://b/run")
     assert spec["driver"] == "gcs" and spec["path"] == "run/"
     assert "gcs_request_retries" in spec
+
+
+def _meta(**changes):
+    leaf = {"path": "state['w']", "name": ["w"], "kind": "array", "dtype": "float32"}
+    meta = fmt.step_meta(
+        7,
+        [dict(leaf, shape=[2, 3], impl=None, pytype=None)],
+        {"library_version": "1.0", "jax_version": "0.10.2"},
+        shardings={},
+        batch_shape=(2,),
+        members=[True, False],
+    )
+    return {**meta, "checksums": {"w": {"0": 1}}, **changes}
+
+
+def test_the_step_meta_written_is_read_back_field_by_field():
+    meta = fmt.StepMeta.parse(_meta())
+    assert meta.step == 7 and meta.batch_shape == (2,) and meta.checksums == {"w": {"0": 1}}
+    assert [leaf.name for leaf in meta.leaves] == [("w",)] and meta.leaves[0].shape == (2, 3)
+    assert meta.saved((0,)) and not meta.saved((1,))
+    assert meta.versions == {"library_version": "1.0", "jax_version": "0.10.2"}
+    assert meta.saved_at is not None and meta.saved_at.endswith("+00:00")
+
+
+def test_what_an_older_version_did_not_record_has_its_default():
+    old = {k: v for k, v in _meta().items() if k not in ("batch_shape", "members", "saved_at")}
+    del old["checksums"]
+    meta = fmt.StepMeta.parse(old)
+    assert meta.batch_shape == () and meta.members is None and meta.saved(())
+    assert meta.checksums is None and meta.shardings == {} and meta.saved_at is None
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"step": -1}, "'step' is -1, not a step number"),
+        ({"step": True}, "'step' is True"),
+        ({"leaves": {}}, "'leaves' is a dict, not a list"),
+        ({"batch_shape": [2, "x"]}, "'batch_shape' [2, 'x'] is not a list"),
+        ({"members": [True]}, "'members' has shape (1,), not the batch's (2,)"),
+        ({"checksums": []}, "'checksums' is a list, not an object"),
+        ({"shardings": "P()"}, "'shardings' is a str, not an object"),
+        ({"leaves": [{"name": ["w"]}]}, "'kind'"),
+    ],
+)
+def test_an_edited_step_meta_is_refused_naming_the_field(changes, words):
+    meta = _meta(**changes)
+    with pytest.raises((ValueError, TypeError, KeyError)) as caught:
+        fmt.StepMeta.parse(meta)
+    assert words in str(caught.value)
