@@ -1,6 +1,6 @@
 """Helpers shared by the tests (fixtures and strict settings live in conftest.py).
 
-- states: `toy_state`, `toy_update`, `toy_reference`, `assert_same_state`;
+- states: `toy_state`, `toy_update`, `toy_reference`, `assert_same_state`, `state_at`;
 - processes: `start_process`, `ProcessGroup`, `wait_for_step`, `kill_group`,
   `run_child`, `run_script`: the one driver for every test that starts, kills or
   interrupts a real child process (servers and multi-process runs too); `free_port`,
@@ -35,6 +35,11 @@ def toy_state(n=4):
         "key": jax.random.key(0),
         "half": jnp.zeros((n,), jnp.bfloat16),
     }
+
+
+def state_at(step, n=3):
+    """A small state whose values say which step it belongs to."""
+    return {"w": jnp.full((n,), float(step)), "step": jnp.int32(step)}
 
 
 def toy_update(state, step):

@@ -1,6 +1,7 @@
 """Bad input is caught while tracing with a message that names and fixes it; writer
 failures reach the user's thread with the step, the directory and the cause."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,10 +10,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from helpers import state_at
 
 import jax_cb_ckpt
-from jax_cb_ckpt import ConfigError, InvalidStateError, SaveError
+from jax_cb_ckpt import ConfigError, InvalidStateError, NoCheckpointError, RestoreError, SaveError
 
 
 @pytest.mark.parametrize(
@@ -210,6 +213,35 @@ def test_disk_full_keeps_earlier_checkpoints(make_ckpt, small_disk):
     np.testing.assert_array_equal(jax_cb_ckpt.restore(directory, small, step=1)["x"], small["x"])
 
 
+def test_disk_full_with_on_error_continue_trains_on(small_disk):
+    directory = os.path.join(small_disk("1m"), "ckpt")
+    ckpt = jax_cb_ckpt.Checkpointer(directory, every=1, on_error="continue")
+    small = {"x": jax.numpy.zeros(16)}
+    ckpt.save(small, 1)
+    ckpt.wait()
+
+    @jax.jit
+    def train(x):
+        def body(x, i):
+            x = x + 1.0
+            ckpt.save({"x": x}, i)  # 2 MB each: none fits
+            return x, None
+
+        return jax.lax.scan(body, x, jax.numpy.arange(2, 6))[0]
+
+    out = train(jax.numpy.zeros(1 << 19))
+    with pytest.warns(
+        jax_cb_ckpt.SaveFailedWarning, match=r"4 save\(s\) failed so far and training continued"
+    ):
+        ckpt.wait()
+    np.testing.assert_array_equal(np.asarray(out), np.full(1 << 19, 4.0, np.float32))
+    assert ckpt.stats.failed == 4 and ckpt.stats.saves == 1
+    assert ckpt.all_steps() == [1]  # the earlier checkpoint is intact
+    np.testing.assert_array_equal(ckpt.restore(small)["x"], np.zeros(16, np.float32))
+    assert not [n for n in os.listdir(directory) if "tmp" in n]
+    ckpt.close()
+
+
 def test_read_only_directory_error_keeps_earlier_checkpoints(make_ckpt, small_disk):
     """A file system remounted read-only (chmod means nothing to root; a read-only
     mount stops everyone)."""
@@ -318,3 +350,55 @@ def test_a_float_step_error_says_how_to_fix_a_python_float(make_ckpt):
         InvalidStateError, match=r"step\.astype\(jnp\.int32\) if it is a float array"
     ):
         ckpt.save({"x": jnp.ones(2)}, jnp.float32(3.0))
+
+
+# -- every error is ours, and names the input and the fix ------------------------------
+
+
+def test_plain_orbax_checkpoint_is_explained(tmp_path):
+    directory = tmp_path / "plain"
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(3, args=ocp.args.StandardSave({"w": np.ones(3)}))
+    for call in (
+        lambda: jax_cb_ckpt.restore(directory, {"w": np.ones(3)}),
+        lambda: jax_cb_ckpt.metadata(directory),
+    ):
+        with pytest.raises(NoCheckpointError, match=r"\(\[3\]\): a plain Orbax checkpoint"):
+            call()
+
+
+@pytest.mark.parametrize("step", [5.0, "5", True, np.float32(5)])
+def test_bad_restore_step(make_ckpt, step):
+    ckpt = make_ckpt()
+    ckpt.save(state_at(5), 5)
+    ckpt.wait()
+    with pytest.raises(ConfigError, match=r"restore\(step=.*\): step must be a non-negative int"):
+        ckpt.restore(state_at(0), step=step)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        # Another format tag: not a checkpoint of ours at all (never listed or deleted).
+        (lambda m: m.update(format="other/9"), r"not complete jax_cb_ckpt checkpoints \(\[1\]\)"),
+        (lambda m: m.update(leaves="x"), r"'leaves' is a str"),
+        (lambda m: m["leaves"][0].update(dtype="int64"), r"described as int64\[3\] but its data"),
+        (lambda m: m["leaves"][0].update(shape=[4]), r"differs: the checkpoint has int32\[4\]"),
+        (lambda m: m["leaves"][0].update(dtype="no_such_type"), r"meta' item is invalid"),
+        (lambda m: m["leaves"][0].update(kind="pickle"), r"leaf kind 'pickle'"),
+        (lambda m: m["leaves"][0].update(shape=[-3]), r"non-negative ints"),
+        (lambda m: m["leaves"][1].update(impl="nope"), r"meta' item is invalid"),
+    ],
+)
+def test_hand_edited_metadata_is_a_restore_error(make_ckpt, ckpt_dir, edit, match):
+    ckpt = make_ckpt()
+    ckpt.save({"w": np.ones(3, np.int32), "z_key": jax.random.key(0)}, 1)
+    ckpt.wait()
+    path = ckpt_dir / "1" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    # A numpy int64 `like` matches an edited int64 description: the data must be checked.
+    like_w = np.ones(3, np.int64) if "int64" in match else np.ones(3, np.int32)
+    with pytest.raises(RestoreError, match=match):
+        ckpt.restore({"w": like_w, "z_key": jax.random.key(0)})

@@ -1,5 +1,6 @@
 """Opening, continuing, closing: existing checkpoints are kept, retention applies, an
-existing step is never overwritten (exit paths: tests/test_reliability.py)."""
+existing step is never overwritten (exit paths and dropped saves:
+tests/test_no_silent_loss.py)."""
 
 import copy
 import dataclasses

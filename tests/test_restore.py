@@ -3,6 +3,9 @@ mismatch errors that name the leaf."""
 
 import dataclasses
 import logging
+import re
+import threading
+import time
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -13,9 +16,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state
-from helpers import assert_same_state
+from helpers import assert_same_state, run_script
 
 import jax_cb_ckpt
+from jax_cb_ckpt import NoCheckpointError, RestoreError
 
 
 class Pair(NamedTuple):
@@ -262,3 +266,94 @@ def test_same_bits_compares_exactly():
     assert not jax_cb_ckpt.same_bits({"k": rbg}, {"k": jax.random.key_data(rbg)})
     assert not jax_cb_ckpt.same_bits(a, {**a, "n": np.int32(3)})
     assert not jax_cb_ckpt.same_bits(a, {"w": a["w"]})
+
+
+# -- reading while a writer deletes; a failed read is quiet ----------------------------
+
+
+def test_a_step_removed_by_retention_while_read_says_so(ckpt_dir):
+    """A reader restoring the latest step while a writer (another thread) saves with
+    max_to_keep=1: about one read in twenty lost the race and failed with TensorStore's
+    words ("Not enough data", "NOT_FOUND: ... does not exist"), which read like a
+    corrupt checkpoint. Each is now a NoCheckpointError saying the step was removed,
+    and every read that returns holds exactly the state of its step."""
+    shape = (256, 64)
+    like = {"w": np.zeros(shape, np.float32), "step": np.int32(0)}
+    stop, failed = threading.Event(), []
+
+    def write():
+        try:
+            with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=1) as ckpt:
+                step = 0
+                while not stop.is_set():
+                    step += 1
+                    ckpt.save({"w": np.full(shape, step, np.float32), "step": np.int32(step)}, step)
+                    ckpt.wait()
+        except BaseException as e:
+            failed.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    removed, other = [], []
+    try:
+        deadline = time.monotonic() + 60
+        while jax_cb_ckpt.latest_step(ckpt_dir) is None:
+            assert time.monotonic() < deadline and not failed, failed
+            time.sleep(0.01)
+        for _ in range(600):
+            try:
+                restored = jax_cb_ckpt.restore(ckpt_dir, like)
+            except NoCheckpointError as e:
+                removed.append(str(e))
+            except RestoreError as e:
+                other.append(f"{type(e).__name__}: {e}")
+            else:
+                step = int(restored["step"])
+                assert (np.asarray(restored["w"]) == step).all(), step
+            if len(removed) >= 5:
+                break
+    finally:
+        stop.set()
+        writer.join()
+    assert not failed, failed
+    assert other == [], other[:3]
+    assert removed, "no read lost the race with the writer: the test shows nothing"
+    for message in removed:
+        assert re.search(r"step \d+ was removed while it was being read", message), message
+        assert "Fix: read another step, e.g. the latest" in message, message
+
+
+DAMAGED_SCRIPT = """
+import glob, os, sys, time
+import numpy as np
+import jax_cb_ckpt
+
+directory = sys.argv[1]
+state = {f"leaf{i:02d}": np.full((1000,), i, np.float32) for i in range(20)}
+with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+    ckpt.save(state, 1)
+for path in glob.glob(os.path.join(directory, "1", "state", "d", "*")):
+    with open(path, "r+b") as f:  # every data file cut in half
+        f.truncate(os.path.getsize(path) // 2)
+for _ in range(30):
+    try:
+        jax_cb_ckpt.restore(directory, state)
+    except jax_cb_ckpt.RestoreError as e:
+        error = e
+    else:
+        sys.exit("a damaged checkpoint restored")
+time.sleep(0.5)  # reads still in flight when the restore failed end meanwhile
+print(f"{type(error).__name__}: {error}")
+"""
+
+
+def test_failed_restores_print_nothing(tmp_path):
+    """A restore of a damaged checkpoint raises our RestoreError and prints nothing.
+    Orbax closed its event loop at the first failed read while TensorStore's other
+    reads were in flight; each of those then printed a "RuntimeError: Event loop is
+    closed" traceback (here 60-130 of them for 30 failed restores)."""
+    result = run_script(tmp_path, DAMAGED_SCRIPT, tmp_path / "ckpt")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("RestoreError: restore(step=1) from "), result.stdout
+    assert "Event loop is closed" not in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
