@@ -342,6 +342,33 @@ class KeepNewest(suite.MaybeSave):
 suite.METHODS[KeepNewest.name] = KeepNewest  # so run_config runs it like the others
 
 
+class NoopCrossing(suite.InJit):
+    """The floor of a save that crosses: the same `cond` around the library's kind of
+    crossing (a pure `buffer_callback` with the state's leaves, its token read by a
+    `debug.callback`) whose host side does nothing. What JAX and XLA cost per crossing
+    on this machine, before any work of ours."""
+
+    name = "noop_crossing"
+
+    def save_hook(self, state: Any) -> None:
+        from jax.experimental.buffer_callback import buffer_callback
+
+        leaves = [
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            for x in jax.tree_util.tree_leaves(state)
+        ]
+        token_type = jax.ShapeDtypeStruct((), np.int32)
+
+        def cross(leaves):
+            token = buffer_callback(lambda ctx, out, *buffers: None, token_type)(*leaves)
+            jax.debug.callback(lambda token: None, token)
+
+        jax.lax.cond(state["step"] % self.every == 0, cross, lambda _: None, leaves)
+
+
+suite.METHODS[NoopCrossing.name] = NoopCrossing
+
+
 def keep_newest_exists(root: str) -> bool:
     """Whether this version of the library has `on_full="newest"` (it refuses unknown
     policies with ConfigError before touching the directory)."""
@@ -354,9 +381,11 @@ def keep_newest_exists(root: str) -> bool:
 
 def measure_newest(steps: int, reps: int, root: str) -> dict[str, Any]:
     """Tiny steps in one jitted scan, a save every 10 with `on_full="newest"`, vs bare."""
-    config = dict(workload="tiny", n=steps, every=NEWEST_EVERY, methods=("bare", KeepNewest.name))
+    methods = ("bare", NoopCrossing.name, KeepNewest.name)
+    config = dict(workload="tiny", n=steps, every=NEWEST_EVERY, methods=methods)
     r = run_config(config, reps, root)
     r["newest_x_bare"] = r["methods"][KeepNewest.name]["x_bare_time"]
+    r["floor_x_bare"] = r["methods"][NoopCrossing.name]["x_bare_time"]
     return r
 
 
@@ -488,7 +517,9 @@ def _newest_line(r: dict[str, Any] | None) -> str:
         f"{r['steps']:,} tiny steps in one jitted scan, a save every {r['every']} with "
         f'`on_full="newest"`: {m[KeepNewest.name]["median_s"]:.3f} s against '
         f"{m['bare']['median_s']:.3f} s bare, **{r['newest_x_bare']:.2f}x bare**; the "
-        "last step on disk after `wait()` in every run."
+        "last step on disk after `wait()` in every run. The floor, the same crossings "
+        f"with a host side that does nothing: {m[NoopCrossing.name]['median_s']:.3f} s, "
+        f"{r['floor_x_bare']:.2f}x bare."
     )
 
 

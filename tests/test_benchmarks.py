@@ -43,6 +43,7 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     assert writer["quick"] and writer["cases"] and writer["devices"]
     assert [r["every"] for r in writer["loops"]] == [100, 1000]
     assert writer["newest"]["newest_x_bare"] > 0  # a save every 10 steps, on_full="newest"
+    assert writer["newest"]["floor_x_bare"] > 0  # the same crossings doing nothing
 
 
 def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
