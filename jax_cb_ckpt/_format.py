@@ -155,16 +155,34 @@ def is_checkpoint(path: str) -> bool:
         _is_real_dir(path)
         and _is_real_dir(os.path.join(path, STATE_ITEM))
         and _is_real_dir(os.path.join(path, META_ITEM))
-        and _is_real_file(meta)
         and _is_real_file(os.path.join(path, ORBAX_STEP_FILE))
     ):
         return False
     try:
+        st = os.lstat(meta)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    # The tag of a meta file already read, unless the file changed: a step is listed
+    # again at every save's retention, and its meta (~150 B per leaf) parsed each time.
+    seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    known = _TAGS.get(meta)
+    if known is not None and known[0] == seen:
+        return known[1]
+    try:
         with open(meta, "rb") as f:
-            tag = json.loads(f.read()).get("format")
+            ours = json.loads(f.read()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
-    return tag == FORMAT
+    if len(_TAGS) >= 4096:
+        _TAGS.clear()
+    _TAGS[meta] = (seen, ours)
+    return ours
+
+
+# {meta file: (its lstat identity when read, whether it carries our format tag)}
+_TAGS: dict[str, tuple[tuple[int, ...], bool]] = {}
 
 
 def symlinks_inside(path: str) -> list[str]:

@@ -1,6 +1,7 @@
 """Unit tests of the layout's names (`_format`) and of object-storage URLs (`_remote`):
 no JAX program, no server (milliseconds each)."""
 
+import json
 import os
 
 import pytest
@@ -142,3 +143,23 @@ def test_an_edited_step_meta_is_refused_naming_the_field(changes, words):
     with pytest.raises((ValueError, TypeError, KeyError)) as caught:
         fmt.StepMeta.parse(meta)
     assert words in str(caught.value)
+
+
+def test_a_step_is_listed_by_what_its_meta_says_now_not_when_first_read(tmp_path):
+    """is_checkpoint remembers a meta file's format tag until the file changes: an
+    edit (or a replacement) is seen at the next listing."""
+    step = tmp_path / "3"
+    for item in (fmt.STATE_ITEM, fmt.META_ITEM):
+        (step / item).mkdir(parents=True)
+    (step / fmt.ORBAX_STEP_FILE).write_text("{}")
+    meta = step / fmt.META_ITEM / fmt.META_FILE
+    meta.write_text(json.dumps({"format": fmt.FORMAT}))
+    assert fmt.list_steps(str(tmp_path)) == [3]
+    meta.write_text(json.dumps({"format": "other/9"}))
+    assert fmt.list_steps(str(tmp_path)) == []
+    replacement = tmp_path / "new"
+    replacement.write_text(json.dumps({"format": fmt.FORMAT}))
+    os.replace(replacement, meta)
+    assert fmt.list_steps(str(tmp_path)) == [3]
+    meta.unlink()
+    assert fmt.list_steps(str(tmp_path)) == []
