@@ -242,6 +242,20 @@ def flip(path, offset):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+def flip_stored(step_dir, values):
+    """Flip one bit inside the stored bytes of `values` (a stretch of a saved array,
+    stored uncompressed): found in the step's data files wherever TensorStore put it, so
+    the flipped byte is certainly data that a restore reads. (path, offset)."""
+    pattern = np.ascontiguousarray(values).tobytes()
+    for path in data_files(step_dir):
+        with open(path, "rb") as f:
+            at = f.read().find(pattern)
+        if at >= 0:
+            flip(path, at + len(pattern) // 2)
+            return path, at + len(pattern) // 2
+    raise AssertionError(f"the values are in no data file of {step_dir}")
+
+
 def run_twice(tmp_path, code):
     """Run a documentation script twice in a fresh process, in `tmp_path` (its
     tempfile.mkdtemp() directories too), as a reader would run it again; the second
