@@ -181,7 +181,10 @@ def is_checkpoint(path: str) -> bool:
     return ours
 
 
-# {meta file: (its lstat identity when read, whether it carries our format tag)}
+# {meta file: (its lstat identity when read, whether it carries our format tag)}; a step
+# set aside leaves it, so a writer's retention keeps it at the kept steps (a long run's
+# memory does not grow with its saves); steps removed by hand leave it at the next
+# clearing.
 _TAGS: dict[str, tuple[tuple[int, ...], bool]] = {}
 
 
@@ -395,6 +398,7 @@ def set_aside(directory: str, step: int) -> str | None:
         return source
     aside = os.path.join(directory, f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
     os.rename(source, aside)
+    _TAGS.pop(os.path.join(source, META_ITEM, META_FILE), None)  # it holds kept steps only
     return aside
 
 

@@ -163,3 +163,23 @@ def test_a_step_is_listed_by_what_its_meta_says_now_not_when_first_read(tmp_path
     assert fmt.list_steps(str(tmp_path)) == [3]
     meta.unlink()
     assert fmt.list_steps(str(tmp_path)) == []
+
+
+def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
+    """A writer's retention sets a step aside at every save: what is_checkpoint
+    remembered of it goes too, or a long run's memory would grow with its saves."""
+    for n in range(3):
+        step = tmp_path / str(n)
+        for item in (fmt.STATE_ITEM, fmt.META_ITEM):
+            (step / item).mkdir(parents=True)
+        (step / fmt.ORBAX_STEP_FILE).write_text("{}")
+        (step / fmt.META_ITEM / fmt.META_FILE).write_text(json.dumps({"format": fmt.FORMAT}))
+    assert fmt.list_steps(str(tmp_path)) == [0, 1, 2]
+    remembered = [k for k in fmt._TAGS if k.startswith(str(tmp_path))]
+    assert len(remembered) == 3
+    fmt.remove_aside(fmt.set_aside(str(tmp_path), 0))
+    fmt.remove_step(str(tmp_path), 1)
+    assert [k for k in fmt._TAGS if k.startswith(str(tmp_path))] == [
+        str(tmp_path / "2" / fmt.META_ITEM / fmt.META_FILE)
+    ]
+    assert fmt.list_steps(str(tmp_path)) == [2]
