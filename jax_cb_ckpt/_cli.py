@@ -178,14 +178,13 @@ def _batch(meta: _format.StepMeta) -> str:
     """The batch shape of a save made under vmap, and which members it holds."""
     import numpy as np
 
-    shape = meta.batch_shape
-    saved = np.ones(shape, bool) if meta.members is None else meta.members
+    saved = meta.members
     held = [tuple(int(i) for i in index) for index in np.argwhere(saved)]
     if len(held) == saved.size:
         which = f"all {saved.size} members saved"
     else:
         which = f"{len(held)} of {saved.size} members saved: {held}"
-    return f"shape {shape} (leading axes of every leaf); {which}"
+    return f"shape {meta.batch_shape} (leading axes of every leaf); {which}"
 
 
 def _sharding(described: dict[str, Any]) -> str:

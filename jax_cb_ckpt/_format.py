@@ -494,7 +494,8 @@ class StepMeta:
     step: int
     leaves: tuple[_tree.LeafSpec, ...]
     batch_shape: tuple[int, ...] = ()  # () unless saved under vmap
-    members: np.ndarray | None = None  # which members saved (bool, batch_shape); None: all
+    # Which members asked for the save (bool, batch_shape); all of them when not recorded.
+    members: np.ndarray = dataclasses.field(default_factory=lambda: np.ones((), bool))
     checksums: dict[str, Any] | None = None  # None: written before checksums were kept
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
@@ -515,13 +516,9 @@ class StepMeta:
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in batch
         ):
             raise ValueError(f"'batch_shape' {batch!r} is not a list of non-negative ints")
-        members = None
-        if "members" in meta:
-            members = np.asarray(meta["members"], dtype=bool)
-            if members.shape != tuple(batch):
-                raise ValueError(
-                    f"'members' has shape {members.shape}, not the batch's {tuple(batch)}"
-                )
+        members = np.asarray(meta.get("members", np.ones(batch, bool)), dtype=bool)
+        if members.shape != tuple(batch):
+            raise ValueError(f"'members' has shape {members.shape}, not the batch's {tuple(batch)}")
         for field in ("checksums", "shardings"):
             if meta.get(field) is not None and not isinstance(meta[field], dict):
                 raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
@@ -536,10 +533,6 @@ class StepMeta:
             saved_at=meta.get("saved_at"),
             versions=versions,
         )
-
-    def saved(self, member: tuple[int, ...]) -> bool:
-        """Whether batch member `member` asked for this save (its predicate held)."""
-        return self.members is None or bool(self.members[member])
 
 
 def write_meta(path: str, meta: dict[str, Any]) -> None:

@@ -474,7 +474,7 @@ def _member_index(member: Any, meta: _format.StepMeta, where: str) -> tuple[int,
             f"{where}: member={member!r} is not a member of the checkpoint's batch of "
             f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
         )
-    if not meta.saved(index):
+    if not meta.members[index]:
         raise RestoreError(
             f"{where}: member {index} did not save at step {meta.step} (its "
             "maybe_save predicate was false), so the step holds no state of its own for "

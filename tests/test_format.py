@@ -112,7 +112,7 @@ def test_the_step_meta_written_is_read_back_field_by_field():
     meta = fmt.StepMeta.parse(_meta())
     assert meta.step == 7 and meta.batch_shape == (2,) and meta.checksums == {"w": {"0": 1}}
     assert [leaf.name for leaf in meta.leaves] == [("w",)] and meta.leaves[0].shape == (2, 3)
-    assert meta.saved((0,)) and not meta.saved((1,))
+    assert meta.members.tolist() == [True, False]
     assert meta.versions == {"library_version": "1.0", "jax_version": "0.10.2"}
     assert meta.saved_at is not None and meta.saved_at.endswith("+00:00")
 
@@ -121,7 +121,7 @@ def test_what_an_older_version_did_not_record_has_its_default():
     old = {k: v for k, v in _meta().items() if k not in ("batch_shape", "members", "saved_at")}
     del old["checksums"]
     meta = fmt.StepMeta.parse(old)
-    assert meta.batch_shape == () and meta.members is None and meta.saved(())
+    assert meta.batch_shape == () and meta.members.shape == () and meta.members.all()
     assert meta.checksums is None and meta.shardings == {} and meta.saved_at is None
 
 
