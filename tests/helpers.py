@@ -7,6 +7,7 @@
   `json_lines`.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -90,24 +91,19 @@ def start_process(args, *, ready=None, env=None, logs=None):
     kill it and anything it started. With `ready`, waits for that first stdout line.
     `env`: variables added to its environment. `logs`: (stdout, stderr) file paths to
     write its output to instead of pipes (a full pipe nobody reads would stall it)."""
-    if logs is None:
+    with contextlib.ExitStack() as files:  # the child has its own copies of the files
+        if logs is None:
+            stdout = stderr = subprocess.PIPE
+        else:
+            stdout, stderr = (files.enter_context(open(path, "w")) for path in logs)
         child = subprocess.Popen(
             args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
             text=True,
             env=dict(CHILD_ENV, **(env or {})),
             start_new_session=True,
         )
-    else:
-        with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:  # the child's now
-            child = subprocess.Popen(
-                args,
-                stdout=stdout,
-                stderr=stderr,
-                env=dict(CHILD_ENV, **(env or {})),
-                start_new_session=True,
-            )
     if ready is not None:
         line = child.stdout.readline().strip() if child.stdout else ""
         if line != ready:
