@@ -57,6 +57,80 @@ class Plan:
     replace: tuple[int, ...]
 
 
+_ABSENT = object()
+
+
+class HandedSteps:
+    """step -> owner (the crossing that handed it over) for every step of this run, in
+    memory that does not grow with the number of regular saves. A long run saving every
+    k steps hands over millions of steps; one dict entry each (~100 B with its int)
+    was a slow leak. Steps one owner hands over in a regular progression (each higher
+    than every step before it) are kept as one run `[first, stride, count, owner]`; a
+    step out of that order (lower than one already handed) goes to a plain dict.
+    Runs cover disjoint, increasing ranges, so a lookup is one bisect."""
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._runs: list[list[Any]] = []  # [first, stride, count, owner]; stride 0: one
+        self._odd: dict[int, object] = {}
+
+    def get(self, step: int, default: object = None) -> object:
+        if step in self._odd:
+            return self._odd[step]
+        i = self._find(step)
+        return default if i is None else self._runs[i][3]
+
+    def __contains__(self, step: int) -> bool:
+        return self.get(step, _ABSENT) is not _ABSENT
+
+    def __len__(self) -> int:
+        return len(self._odd) + sum(run[2] for run in self._runs)
+
+    def add(self, step: int, owner: object) -> None:
+        """Record `step` (not already held) as handed over by `owner`."""
+        if self._runs:
+            first, stride, count, last_owner = last = self._runs[-1]
+            end = first + stride * (count - 1)
+            if step <= end:
+                self._odd[step] = owner
+                return
+            if last_owner is owner and (count == 1 or step - end == stride):
+                last[1], last[2] = step - first if count == 1 else stride, count + 1
+                return
+        self._firsts.append(step)
+        self._runs.append([step, 0, 1, owner])
+
+    def pop(self, step: int, default: object = None) -> object:
+        if step in self._odd:
+            return self._odd.pop(step)
+        i = self._find(step)
+        if i is None:
+            return default
+        first, stride, count, owner = self._runs[i]
+        k = (step - first) // stride if stride else 0
+        pieces = [(first, k), (step + stride, count - k - 1)]  # (first, count) either side
+        kept = [[f, stride if n > 1 else 0, n, owner] for f, n in pieces if n > 0]
+        self._runs[i : i + 1] = kept
+        self._firsts[i : i + 1] = [run[0] for run in kept]
+        return owner
+
+    def clear(self) -> None:
+        self._firsts.clear()
+        self._runs.clear()
+        self._odd.clear()
+
+    def _find(self, step: int) -> int | None:
+        i = bisect.bisect_right(self._firsts, step) - 1
+        if i < 0:
+            return None
+        first, stride, count, _ = self._runs[i]
+        if step == first:
+            return i
+        if stride and (step - first) % stride == 0 and (step - first) // stride < count:
+            return i
+        return None
+
+
 @dataclasses.dataclass
 class SaveItem:
     """One state handed off by the callback, waiting to be written."""
@@ -87,7 +161,7 @@ class Exchange:
         self._cond = threading.Condition()
         self._queue: collections.deque[Any] = collections.deque()  # waiting for the writer
         self._pending = 0
-        self._handed: dict[int, object] = {}  # step -> the crossing that handed it
+        self._handed = HandedSteps()  # step -> the crossing that handed it
         self._arrived: set[tuple[object, int]] = set()  # handed, not yet marked
         self._skipped: set[tuple[object, int]] = set()  # skipped, not yet marked
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
@@ -108,8 +182,9 @@ class Exchange:
         with self._cond:
             if owner is not None and (owner, step) in self._skipped:
                 return "replica"  # another device's copy of a save that was skipped
-            if step in self._handed:
-                if owner is not None and self._handed[step] is owner:
+            handed = self._handed.get(step, _ABSENT)
+            if handed is not _ABSENT:
+                if owner is not None and handed is owner:
                     return "replica"
                 self._note(DuplicateStepWarning, self._duplicate_message(step))
                 return "duplicate"
@@ -128,7 +203,7 @@ class Exchange:
                     f"step {step} on, create the Checkpointer with on_existing='replace'."
                 )
             del self._old[cut:]
-            self._handed[step] = owner
+            self._handed.add(step, owner)
             if owner is not None:
                 self._arrived.add((owner, step))
             return clash

@@ -1,13 +1,15 @@
 """Unit tests of `_exchange.Exchange`, the state machine the callback side, the writer
 thread and the user share (no JAX program, no disk: milliseconds each)."""
 
+import random
+import sys
 import threading
 import time
 
 import pytest
 
 from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError
-from jax_cb_ckpt._exchange import Exchange, Plan, is_failed_write
+from jax_cb_ckpt._exchange import Exchange, HandedSteps, Plan, is_failed_write
 
 
 def exchange(old=(), on_existing="raise", queue_size=2):
@@ -143,3 +145,52 @@ def test_unclaim_slot_frees_the_step_and_the_slot():
     ex.unclaim_slot(Plan(2, ()))
     assert ex.take_slot(block=False)
     assert ex.claim(2) == ()
+
+
+def test_handed_steps_answers_as_a_dict_would_under_random_use():
+    """`HandedSteps` stores regular progressions as runs; whatever the order of adds and
+    pops (regular, out of order, two owners interleaved, pops from a run's middle), it
+    must answer exactly as the plain dict it replaces."""
+    owners = [object(), object(), None]
+    for seed in range(200):
+        rng = random.Random(seed)
+        handed, model = HandedSteps(), {}
+        step = 0
+        for _ in range(300):
+            op = rng.random()
+            if op < 0.6:
+                step += rng.choice([1, 5, 5, 5, 10])
+                target = step if rng.random() < 0.9 else rng.randrange(step + 1)
+                owner = owners[0] if rng.random() < 0.8 else rng.choice(owners)
+                if target not in model:
+                    handed.add(target, owner)
+                    model[target] = owner
+            elif op < 0.9 and model:
+                target = rng.choice(list(model)) if rng.random() < 0.7 else max(model)
+                assert handed.pop(target, "none") is model.pop(target)
+            else:
+                target = rng.randrange(step + 12)
+                assert handed.pop(target, "none") is model.pop(target, "none")
+            for probe in range(max(0, step - 25), step + 12):
+                assert (probe in handed) == (probe in model), (seed, probe)
+                assert handed.get(probe, "none") is model.get(probe, "none"), (seed, probe)
+        assert len(handed) == len(model)
+        handed.clear()
+        assert len(handed) == 0 and 0 not in handed
+
+
+def test_handed_steps_keeps_a_regular_run_of_saves_in_constant_memory():
+    """A run saving every 100 steps from one crossing is one entry, not one per save: a
+    million saves cost as much memory as ten (the dict it replaces grew ~100 B a save)."""
+    owner = object()
+
+    def footprint(n):
+        handed = HandedSteps()
+        for i in range(n):
+            handed.add(i * 100, owner)
+        return sys.getsizeof(handed._runs) + sys.getsizeof(handed._odd), handed
+
+    small, _ = footprint(10)
+    big, handed = footprint(1_000_000)
+    assert big == small
+    assert 99_999_900 in handed and 99_999_950 not in handed and 100_000_000 not in handed
