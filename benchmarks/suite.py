@@ -287,6 +287,22 @@ class Never(MaybeSave):
         self.ckpt.maybe_save(state, state["step"], when=state["step"] < -(10**9))
 
 
+class CkptScan(MaybeSave):
+    """jax_cb_ckpt's `ckpt.scan`: the loop as chunks of `every` steps with a save between
+    two chunks, no conditional in the step loop."""
+
+    name = "ckpt_scan"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        step, n = self.wl.step, self.n
+
+        def train(s):
+            return self.ckpt.scan(lambda s, _: (step(s), None), s, None, n, start=s["step"])[0]
+
+        self.fn = jax.jit(train)
+
+
 class NoopDebug(InJit):
     """Floor: the same cond with a no-op jax.debug.callback taking the state."""
 
@@ -388,7 +404,8 @@ class Naive(InJit):
 
 
 METHODS: dict[str, type[Method]] = {
-    m.name: m for m in (Bare, MaybeSave, OuterLoop, Chunked, Naive, Never, NoopDebug, NoopIO)
+    m.name: m
+    for m in (Bare, MaybeSave, CkptScan, OuterLoop, Chunked, Naive, Never, NoopDebug, NoopIO)
 }
 
 

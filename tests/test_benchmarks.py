@@ -79,3 +79,37 @@ def test_storage_benchmark_saves_to_both_servers_and_reports_ceilings(tmp_path):
     for r in report["rows"]:
         assert r["save_s"] > 0 and r["ceiling_s"] > 0 and r["device_wait_s"] > 0
     assert (out / "results.md").read_text() in printed
+
+
+def test_gpu_devices_check_is_exact_on_the_cpu_devices(tmp_path):
+    """benchmarks/gpu_devices.py (issue 22, item 5, run by benchmarks/gpu.sh on a GPU)
+    passes on this machine's 4 CPU devices: shardings=, pmap, shard_map and a gathered
+    save of packed dtypes, each restored bit for bit."""
+    out = tmp_path / "devices"
+    _run("benchmarks.gpu_devices", "--out", str(out), timeout=300)
+    report = json.loads((out / "results.json").read_text())
+    assert report["devices"] == 4
+    assert report["cases"] == dict.fromkeys(
+        ("shardings", "pmap", "shard_map", "gathered"), "ok, bit for bit"
+    )
+
+
+@pytest.mark.slow  # ~45 s: two child processes, four methods compiled per workload
+def test_gpu_cost_runs_each_xla_configuration_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "cost"
+    printed = _run(
+        "benchmarks.gpu_cost", "--quick", "--reps", "1", "--out", str(out), timeout=600
+    ).stdout
+    report = json.loads((out / "results.json").read_text())
+    assert [c["config"] for c in report["configs"]] == [
+        "xla-default",
+        "command-buffer+conditional",
+    ]
+    assert "--xla_gpu_enable_command_buffer=" in report["configs"][1]["xla_flags"]
+    for config in report["configs"]:
+        assert "error" not in config, config["error"]
+        assert [w["workload"] for w in config["workloads"]] == ["tiny", "medium"]
+        for w in config["workloads"]:
+            assert set(w["x_bare"]) == {"bare", "maybe_save_never", "maybe_save", "ckpt_scan"}
+            assert all(v > 0 for v in w["train_s"].values())
+    assert (out / "results.md").read_text() in printed
