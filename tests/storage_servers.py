@@ -87,9 +87,14 @@ class S3Server(_Process):
         self.proxy = Proxy(self.server_port)
         self.port = self.proxy.port
 
-    def env(self):
+    @property
+    def origin_port(self):  # the server itself, not the proxy in front of it
+        return self.server_port
+
+    def env(self, port=None):
+        """The environment a client of this server gets (through `port`, e.g. a proxy)."""
         return {
-            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}",
+            "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port or self.port}",
             "AWS_REGION": "us-east-1",
             "AWS_ACCESS_KEY_ID": "testing-key-id",
             "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
@@ -152,8 +157,13 @@ class GCSServer(_Process):
     def close(self):
         self.kill()
 
-    def env(self):
-        return {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}"}
+    @property
+    def origin_port(self):
+        return self.port
+
+    def env(self, port=None):
+        """The environment a client of this server gets (through `port`, e.g. a proxy)."""
+        return {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port or self.port}"}
 
     def make_bucket(self, name):
         request = urllib.request.Request(
@@ -182,16 +192,19 @@ def _fake_gcs_binary():
 class Proxy(_Process):
     """A TCP forwarder from a free port to `target` in a child process (tcp_proxy.py)."""
 
-    def __init__(self, target):
+    def __init__(self, target, flaky=None):
         super().__init__()
         self.target = target
+        self.flaky = flaky  # (log, period): tcp_proxy.py's flaky mode
         self.port = free_port()
         self.start()
 
     def start(self, hang=False):
         target = "hang" if hang else str(self.target)
-        self._spawn([sys.executable, os.path.join(HERE, "tcp_proxy.py"), str(self.port), target])
-        if hang:
+        flaky = [f"flaky:{self.flaky[1]}", self.flaky[0]] if self.flaky else []
+        script = os.path.join(HERE, "tcp_proxy.py")
+        self._spawn([sys.executable, script, str(self.port), target, *flaky])
+        if hang or flaky:
             _wait_until_listening(self.port, self.child)
         else:
             _wait_until_up(f"http://127.0.0.1:{self.port}/", self.child)

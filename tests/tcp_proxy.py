@@ -3,10 +3,21 @@
 Killing it is, to a client, the server going away (connections reset, then refused);
 starting it again on the same port is the server coming back with its data. With
 TARGET_PORT `hang` it accepts connections and never answers (a server that hangs).
+
+`python tcp_proxy.py LISTEN_PORT TARGET_PORT flaky:N LOG` is a flaky HTTP server: it
+reads each request (head and body: HTTP/1.1 without pipelining, so a request starts
+once the previous response is out), and of every N requests one gets a transient fault
+instead of the server, in turn an HTTP 503, an HTTP 429 and a reset connection (RST);
+after a fault the connection is closed. Each fault is a line in the file LOG.
 """
 
 import asyncio
+import itertools
+import socket
+import struct
 import sys
+
+KINDS = ("503 Service Unavailable", "429 Too Many Requests", "reset")
 
 
 async def _pipe(reader, writer):
@@ -20,21 +31,81 @@ async def _pipe(reader, writer):
         writer.close()
 
 
-async def main(listen, target):
+async def _request(reader):
+    """One whole request as bytes, or b"" when the client closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b""
+    fields = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    if fields.get("transfer-encoding", "").lower() == "chunked":
+        body = b""
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            body += size_line + await reader.readexactly(size + 2)
+            if size == 0:
+                return head + body
+    return head + await reader.readexactly(int(fields.get("content-length", 0)))
+
+
+async def _fault(kind, writer, log):
+    with open(log, "a") as f:
+        f.write(kind.split()[0] + "\n")
+    if kind == "reset":
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    else:
+        body = b"<Error><Code>SlowDown</Code><Message>try again</Message></Error>"
+        head = f"HTTP/1.1 {kind}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode() + body)
+        await writer.drain()
+    writer.close()
+
+
+async def main(listen, target, log=None, period=0):
+    faults = itertools.cycle([x for kind in KINDS for x in [kind] + [None] * (period - 1)])
+
     async def hang(client_reader, client_writer):
         await client_reader.read()  # until the client gives up
 
-    async def handle(client_reader, client_writer):
+    async def connect(client_writer):
         try:
-            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+            return await asyncio.open_connection("127.0.0.1", target)
         except OSError:
             client_writer.close()
-            return
-        await asyncio.gather(
-            _pipe(client_reader, server_writer), _pipe(server_reader, client_writer)
-        )
+            return None, None
 
-    serve = hang if target == "hang" else handle
+    async def forward(client_reader, client_writer):
+        server_reader, server_writer = await connect(client_writer)
+        if server_writer is not None:
+            await asyncio.gather(
+                _pipe(client_reader, server_writer), _pipe(server_reader, client_writer)
+            )
+
+    async def flaky(client_reader, client_writer):
+        server_reader, server_writer = await connect(client_writer)
+        if server_writer is None:
+            return
+        back = asyncio.ensure_future(_pipe(server_reader, client_writer))
+        try:
+            while request := await _request(client_reader):
+                fault = next(faults)
+                if fault:
+                    await _fault(fault, client_writer, log)
+                    break
+                server_writer.write(request)
+                await server_writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            server_writer.close()
+            back.cancel()
+
+    serve = hang if target == "hang" else flaky if log else forward
     server = await asyncio.start_server(serve, "127.0.0.1", listen, reuse_address=True)
     async with server:
         await server.serve_forever()
@@ -42,4 +113,6 @@ async def main(listen, target):
 
 if __name__ == "__main__":
     target = sys.argv[2]
-    asyncio.run(main(int(sys.argv[1]), target if target == "hang" else int(target)))
+    flaky_mode = sys.argv[3].split(":") if len(sys.argv) > 3 else None
+    log, period = (sys.argv[4], int(flaky_mode[1])) if flaky_mode else (None, 0)
+    asyncio.run(main(int(sys.argv[1]), target if target == "hang" else int(target), log, period))

@@ -403,6 +403,31 @@ def test_a_server_that_goes_away_fails_the_save_in_bounded_time_then_resumes(rem
     assert _unfinished(url) == []
 
 
+def test_transient_faults_are_retried_and_the_saves_commit(remote, tmp_path, monkeypatch):
+    """Between the library and the server, a flaky proxy answers one request in ten
+    with a transient fault, in turn an HTTP 503, an HTTP 429 and a reset connection.
+    Saves, retention, listing and restore all go through (TensorStore's bounded
+    retries, _remote._RETRIES), and each kind of fault was met."""
+    from storage_servers import Proxy
+
+    log = tmp_path / "faults"
+    proxy = Proxy(remote.server.origin_port, flaky=(log, 10))
+    try:
+        for name, value in remote.server.env(proxy.port).items():
+            monkeypatch.setenv(name, value)
+        state = big_state(3, mib=2)
+        with jax_cb_ckpt.Checkpointer(remote.url, max_to_keep=1) as ckpt:
+            for step in (1, 2):
+                ckpt.save(dict(state, step=jnp.int32(step)), step)
+                ckpt.wait()
+            assert ckpt.all_steps() == [2]
+            assert_same_state(ckpt.restore(state), dict(state, step=jnp.int32(2)))
+    finally:
+        proxy.kill()
+    faults = log.read_text().split()
+    assert {"503", "429", "reset"} <= set(faults), faults
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
 def test_a_server_that_hangs_fails_the_save_in_bounded_time(remote):
