@@ -369,9 +369,10 @@ def test_a_lock_taken_away_stops_the_writer(remote):
 # -- faults ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("remote", ["s3"], indirect=True)
 def test_a_server_that_goes_away_fails_the_save_in_bounded_time_then_resumes(remote):
-    """The server goes down mid-run: the save fails with a SaveError naming the step
+    """The server goes down mid-run (fake-gcs-server is killed with SIGKILL and started
+    again on its files; moto, which keeps its objects in memory, goes away behind its
+    proxy): the save fails with a SaveError naming the step
     and the URL within the documented bound (60 s), the device does not wait for it,
     no partial step is listed; the server comes back and the run resumes from the
     last committed step."""
@@ -450,29 +451,6 @@ def test_a_server_that_hangs_fails_the_save_in_bounded_time(remote):
     assert waited < 60, waited
     assert url in str(raised.value)
     assert jax_cb_ckpt.all_steps(url) == [1]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("remote", ["gs"], indirect=True)
-def test_a_gcs_server_killed_and_restarted_keeps_its_steps(remote):
-    """fake-gcs-server itself is killed (SIGKILL) mid-run and restarted on its files."""
-    url = remote.url
-    state = big_state(2, mib=4)
-    with pytest.raises(jax_cb_ckpt.SaveError, match="step 2"):
-        with jax_cb_ckpt.Checkpointer(url) as ckpt:
-            ckpt.save(state, 1)
-            ckpt.wait()
-            remote.server.stop()
-            try:
-                ckpt.save(state, 2)
-                ckpt.wait()
-            finally:
-                remote.server.start()
-    assert jax_cb_ckpt.all_steps(url) == [1]
-    with jax_cb_ckpt.Checkpointer(url) as ckpt:
-        assert_same_state(ckpt.restore(state), state)
-        ckpt.save(state, 2)
-    assert jax_cb_ckpt.all_steps(url) == [1, 2]
 
 
 # -- configuration errors --------------------------------------------------------------
