@@ -125,9 +125,15 @@ def kvstore_spec(url: str) -> dict[str, Any]:
     else:
         spec["s3_request_retries"] = dict(_RETRIES)
         # "default" also reads the shared files and the instance metadata; with the key
-        # in the environment, "environment" skips them (and their error lines).
-        source = "environment" if os.environ.get("AWS_ACCESS_KEY_ID") else "default"
-        spec["aws_credentials"] = {"type": source}
+        # in the environment, "environment" skips them (and their error lines). Given no
+        # profile name, TensorStore's default chain loads no profile at all (0.1.84 to
+        # 0.1.86: "could not load a profile", then unsigned requests), so it is named
+        # as the AWS tools name it.
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            spec["aws_credentials"] = {"type": "environment"}
+        else:
+            profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+            spec["aws_credentials"] = {"type": "default", "profile": profile or "default"}
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             spec["endpoint"] = endpoint

@@ -395,6 +395,8 @@ def test_a_server_that_goes_away_fails_the_save_in_bounded_time_then_resumes(rem
     assert waited < 60
     message = str(raised.value)
     assert "step 2" in message and url in message
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # set for both servers' runs
+        assert remote.scheme == "gs" or os.environ[name] not in message
     assert jax_cb_ckpt.all_steps(url) == [1]
     with jax_cb_ckpt.Checkpointer(url) as ckpt:
         restored = ckpt.restore(state)
@@ -516,6 +518,61 @@ def test_no_credential_reaches_metadata_errors_or_logs(s3_server, monkeypatch, c
         jax_cb_ckpt.all_steps(f"s3://no-such-{bucket}/run")
     for text in (meta, str(raised.value), caplog.text):
         assert secret not in text and os.environ["AWS_ACCESS_KEY_ID"] not in text
+
+
+def test_s3_credentials_from_a_profile_and_the_generic_endpoint(s3_server, tmp_path):
+    """The other standard ways to configure S3, in a child process with no credential
+    in its environment: the key pair in a shared credentials file under a named profile
+    (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE), the endpoint in AWS_ENDPOINT_URL (for
+    every service) and the region in AWS_DEFAULT_REGION. moto refuses unsigned
+    requests (403), so a save, a listing and a restore that go through were signed with
+    the profile's key pair; neither half of it appears in what the child printed, in
+    the step's metadata or in the error for a bucket that does not exist. (TensorStore's
+    default chain, given no profile name, loads none: the case this test found.)"""
+    from storage_servers import unique
+
+    bucket = unique("profile")
+    s3_server.make_bucket(bucket)
+    key_id, secret = "profile-key-id-7f3a", "profile-secret-9c2e41"
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        f"[ckpt]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
+    )
+    endpoint = s3_server.env()["AWS_ENDPOINT_URL_S3"]
+    env = {name: "" for name in s3_server.env()}  # none of the usual variables
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(credentials),
+        AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+        AWS_PROFILE="ckpt",
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    code = f"""
+import json
+import jax.numpy as jnp
+import jax_cb_ckpt
+from jax_cb_ckpt import _remote
+url = "s3://{bucket}/run"
+assert _remote.kvstore_spec(url)["aws_credentials"] == {{"type": "default", "profile": "ckpt"}}
+with jax_cb_ckpt.Checkpointer(url) as ckpt:
+    ckpt.save({{"x": jnp.arange(4.0)}}, 1)
+    ckpt.wait()
+    print("steps", ckpt.all_steps())
+    print("restored", ckpt.restore({{"x": jnp.zeros(4)}})["x"].tolist())
+print("meta", json.dumps(jax_cb_ckpt.metadata(url)))
+try:
+    jax_cb_ckpt.all_steps("s3://no-such-{bucket}/run")
+except jax_cb_ckpt.ConfigError as e:
+    print("error", e)
+"""
+    result = run_child(["python", "-c", code], env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout
+    assert "steps [1]" in printed and "restored [0.0, 1.0, 2.0, 3.0]" in printed
+    assert "meta {" in printed and "error " in printed
+    for text in (printed, result.stderr):
+        assert key_id not in text and secret not in text
 
 
 # -- plain tools -----------------------------------------------------------------------
