@@ -27,6 +27,9 @@ import sys
 sys.path.insert(0, {HERE!r})
 import crash_worker
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, also when
+# the tests run with SIGINT ignored (nohup, a background job), which children inherit
+
 def own_handler(signum, frame):
     raise KeyboardInterrupt("the script's own SIGINT handler")
 
@@ -164,6 +167,8 @@ import os, signal, sys, threading, time
 import numpy as np
 import jax_cb_ckpt
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, also when
+# the tests run with SIGINT ignored (nohup, a background job), which children inherit
 directory = sys.argv[1]
 os.makedirs(os.path.join(directory, "2"))  # a folder of the user's where step 2 would go
 ckpt = jax_cb_ckpt.Checkpointer(directory)
