@@ -15,7 +15,7 @@ def _run(*args, timeout):
     return result
 
 
-@pytest.mark.slow  # ~3 minutes; the writer and storage smoke tests below stay in the default
+@pytest.mark.slow  # ~3 minutes
 def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "bench"
     _run("benchmarks.run", "--quick", "--reps", "2", "--out", str(out), timeout=900)
@@ -46,6 +46,7 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     assert writer["newest"]["floor_x_bare"] > 0  # the same crossings doing nothing
 
 
+@pytest.mark.slow
 def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
     out, disk = tmp_path / "writer", tmp_path / "disk"
     args = ("--only", "tiny,devices", "--reps", "1", "--dir", str(disk), "--out", str(out))
@@ -70,6 +71,7 @@ def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
     assert markdown in printed and "x write+fsync" in markdown and "per device" in markdown
 
 
+@pytest.mark.slow
 def test_storage_benchmark_saves_to_both_servers_and_reports_ceilings(tmp_path):
     out = tmp_path / "storage"
     args = ("--mib", "1", "--reps", "1", "--dir", str(tmp_path), "--out", str(out))
@@ -81,6 +83,7 @@ def test_storage_benchmark_saves_to_both_servers_and_reports_ceilings(tmp_path):
     assert (out / "results.md").read_text() in printed
 
 
+@pytest.mark.slow
 def test_gpu_devices_check_is_exact_on_the_cpu_devices(tmp_path):
     """benchmarks/gpu_devices.py (issue 22, item 5, run by benchmarks/gpu.sh on a GPU)
     passes on this machine's 4 CPU devices: shardings=, pmap, shard_map and a gathered

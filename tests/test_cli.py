@@ -68,6 +68,7 @@ def test_ls_lists_every_step_complete_with_size_and_time(saved, module):
     assert "MiB" in lines[1] and jax_cb_ckpt.metadata(saved, step=1)["saved_at"][:10] in lines[1]
 
 
+@pytest.mark.slow
 def test_ls_json_and_a_step_being_written(saved, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(saved, copy)
@@ -90,6 +91,7 @@ def test_ls_json_and_a_step_being_written(saved, tmp_path):
     assert "incomplete" in cli("ls", copy).stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_show_names_leaves_shardings_batch_and_versions(saved):
     result = cli("show", saved, "--step", 2)
     assert result.returncode == 0, result.stderr
@@ -117,6 +119,7 @@ def test_show_json_is_the_metadata(saved):
     assert meta["shardings"]["state['w']"] == {"mesh": {"a": 2, "b": 2}, "spec": [["a"], ["b"]]}
 
 
+@pytest.mark.slow
 def test_verify_passes_then_finds_a_flipped_byte(saved, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(saved, copy)
@@ -136,6 +139,7 @@ def test_verify_passes_then_finds_a_flipped_byte(saved, tmp_path):
     assert cli("verify", copy, "--step", 1).returncode == 0
 
 
+@pytest.mark.slow
 def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
     missing = cli("ls", tmp_path / "nowhere")
     assert missing.returncode == 2 and "is not a directory" in missing.stderr, missing

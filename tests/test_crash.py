@@ -61,6 +61,7 @@ def run_kill_points(tmp_path, uninterrupted, points, seed):
     return seen
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_resumes_bit_for_bit(tmp_path, uninterrupted):
     seen = run_kill_points(tmp_path, uninterrupted, KILL_POINTS, seed=1234)
     assert all(latest < crash_worker.NUM_STEPS for latest, _ in seen), seen
@@ -72,7 +73,10 @@ def test_sigkill_many_points(tmp_path, uninterrupted):
     print("kill points (latest step, partial tmp dirs):", seen)
 
 
-@pytest.mark.parametrize("sig, flag", [(signal.SIGTERM, ()), (signal.SIGINT, ("--sigint",))])
+@pytest.mark.parametrize(
+    "sig, flag",
+    [(signal.SIGTERM, ()), pytest.param(signal.SIGINT, ("--sigint",), marks=pytest.mark.slow)],
+)
 def test_preemption_saves_stops_and_resumes(tmp_path, uninterrupted, sig, flag):
     directory = tmp_path / "ckpt"
     child = start_worker(directory, *flag)
@@ -90,6 +94,7 @@ def test_preemption_saves_stops_and_resumes(tmp_path, uninterrupted, sig, flag):
     check_disk_and_resume(directory, uninterrupted)
 
 
+@pytest.mark.slow
 def test_request_stop_in_process(tmp_path, uninterrupted):
     ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt", every=crash_worker.EVERY)
     ckpt.request_stop()
@@ -116,6 +121,7 @@ def test_run_is_bit_identical_to_a_plain_scan(tmp_path, uninterrupted):
     assert_same_state(plain, uninterrupted)
 
 
+@pytest.mark.slow
 def test_run_batched_over_seeds_resumes_exactly(tmp_path):
     seeds = 3
 

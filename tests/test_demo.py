@@ -21,6 +21,7 @@ def test_demo_kill_restore_resume_matches(tmp_path):
     assert "bit for bit: True" in out
 
 
+@pytest.mark.slow
 def test_demo_leaves_no_temporary_directory(tmp_path):
     """Without --dir the demo works in a temp dir of its own, and removes it."""
     result = run_child(

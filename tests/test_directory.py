@@ -284,6 +284,7 @@ def _kills_while_replacing(tmp_path, points, seed, longest):
         _kill_replacer_at(tmp_path, directory, rng.uniform(0.0, longest))
 
 
+@pytest.mark.slow
 def test_kills_while_replacing_leave_every_listed_step_restorable(tmp_path):
     _kills_while_replacing(tmp_path, points=3, seed=8, longest=2.0)
 

@@ -41,6 +41,7 @@ def blocks(path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", blocks(DOC))
 def test_frameworks_doc_block_runs_twice(tmp_path, code):
     result = run_twice(tmp_path, code)

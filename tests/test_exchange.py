@@ -152,7 +152,7 @@ def test_handed_steps_answers_as_a_dict_would_under_random_use():
     pops (regular, out of order, two owners interleaved, pops from a run's middle), it
     must answer exactly as the plain dict it replaces."""
     owners = [object(), object(), None]
-    for seed in range(200):
+    for seed in range(60):
         rng = random.Random(seed)
         handed, model = HandedSteps(), {}
         step = 0

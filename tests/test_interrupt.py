@@ -77,8 +77,11 @@ def interrupt(directory, presses, *extra):
 
 @pytest.mark.parametrize(
     "presses, own_handler",
-    [(1, False), (2, False), (1, True)],
-    ids=["ctrl-c", "ctrl-c-twice", "own-sigint-handler"],
+    [
+        pytest.param(1, False, id="ctrl-c"),
+        pytest.param(2, False, id="ctrl-c-twice", marks=pytest.mark.slow),
+        pytest.param(1, True, id="own-sigint-handler", marks=pytest.mark.slow),
+    ],
 )
 def test_ctrl_c_saves_stops_and_raises_keyboard_interrupt(tmp_path, presses, own_handler):
     directory = tmp_path / "ckpt"
@@ -150,6 +153,7 @@ ckpt.close()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_final_write_preempts_once_saved_and_is_consumed(tmp_path):
     result = run_script(tmp_path, SIGTERM_IN_FINAL_WRITE, tmp_path / "ckpt", timeout=120)
     assert result.stdout.splitlines() == [
@@ -204,6 +208,7 @@ print(f"on disk {jax_cb_ckpt.all_steps(directory)}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_close_keeps_the_writer_error(tmp_path):
     directory = tmp_path / "ckpt"
     result = run_script(tmp_path, CTRL_C_IN_CLOSE, directory, timeout=120)

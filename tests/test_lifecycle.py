@@ -121,6 +121,7 @@ def test_each_event_is_reported_once_at_the_users_line(make_ckpt, caplog):
     assert len(record) == 1 and record[0].filename == __file__
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_number_of_saves(tmp_path):
     """Issue 18 7(e): resident memory grew ~10-20 KiB per save with Orbax's save (its
     and TensorStore's caches of specs and signals, kept per save). After a warm-up of

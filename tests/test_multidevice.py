@@ -40,6 +40,7 @@ def run_worker(case, directory, crossing="buffer"):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "per_device"),
     [

@@ -105,6 +105,7 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
     assert all(name.startswith(".jax_cb_ckpt.lock") for name in leftovers), leftovers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [8, 2])
 def test_one_process_restores_what_two_wrote(tmp_path, trained, devices):
     directory, _ = trained
@@ -119,6 +120,7 @@ def test_one_process_restores_what_two_wrote(tmp_path, trained, devices):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_fails_the_other_in_bounded_time(tmp_path, victim):
     directory = tmp_path / "ckpt"
@@ -151,6 +153,7 @@ def test_a_killed_process_fails_the_other_in_bounded_time(tmp_path, victim):
     assert restored["step"] == steps[-1], restored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signalled", [(0, 1), (1,)], ids=["both", "one"])
 def test_sigterm_stops_every_process_at_the_same_saved_step(tmp_path, signalled):
     directory = tmp_path / "ckpt"
@@ -200,6 +203,7 @@ def test_what_a_multi_process_run_refuses(tmp_path):
     assert jax_cb_ckpt.all_steps(tmp_path / "ckpt") == [3, 5]
 
 
+@pytest.mark.slow
 def test_a_slow_peer_at_work_is_waited_for_beyond_peer_timeout(tmp_path):
     """Process 0 writes a 256 MiB replicated leaf alone, with peer_timeout=0.5 s:
     process 1 waits for the commit while process 0's heartbeat says it works on that
@@ -212,6 +216,7 @@ def test_a_slow_peer_at_work_is_waited_for_beyond_peer_timeout(tmp_path):
     assert results[0][1]["write_max_s"] > 0.5, results  # outlasted peer_timeout
 
 
+@pytest.mark.slow
 def test_a_save_made_by_one_process_only_fails_there_in_bounded_time(tmp_path):
     (rc0, first), (rc1, second) = run_group(tmp_path, "diverge", tmp_path / "ckpt")
     assert rc0 == 0 and rc1 == 0 and first and second, (first, second)
@@ -230,6 +235,7 @@ def process_state(pid):
         return None
 
 
+@pytest.mark.slow
 def test_a_stopped_process_0_leaves_the_verdict_unknown_in_bounded_time(tmp_path):
     """Issue 18 7(a): process 0 stops (SIGSTOP) just before it commits step 2. Before,
     process 1's calls to the coordination service (which runs in process 0) blocked for
@@ -270,6 +276,7 @@ def test_a_stopped_process_0_leaves_the_verdict_unknown_in_bounded_time(tmp_path
     assert jax_cb_ckpt.all_steps(directory) == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_late_process_leaves_no_temporary_directory_behind(tmp_path):
     """Issue 18 7(b): process 1 comes to step 1 after process 0 gave up on it and
     removed its temporary directory. Before, process 1 re-created that directory

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import kill_group, start_process
 
 import jax_cb_ckpt
@@ -37,6 +38,7 @@ def digests(out):
     return found
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     first = run_example(tmp_path / "resumed", 60)
     assert "steps 0..60" in first and "saved steps [20, 40, 60]" in first, first
@@ -51,6 +53,7 @@ def test_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     assert digests(again) == digests(straight), (again, straight)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_both_processes_at_one_saved_step(tmp_path):
     directory = tmp_path / "ckpt"
     args = [sys.executable, EXAMPLE, "--dir", str(directory), "--steps", "10000000", *SMALL]

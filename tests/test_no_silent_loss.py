@@ -81,6 +81,7 @@ print("main done", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_what_cannot_be_written_at_exit_is_reported(tmp_path):
     result = run_script(tmp_path, EXIT_SCRIPT, "pool", tmp_path / "pool")
     assert "after interpreter exit closed it and was not written" in result.stderr
@@ -91,7 +92,13 @@ def test_what_cannot_be_written_at_exit_is_reported(tmp_path):
         assert f"SkippedSaveWarning: jax_cb_ckpt: skipped the save of step {step}:" in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["global", "local", "del", "thread", "late"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "global",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("local", "del", "thread", "late")),
+    ],
+)
 def test_unclosed_checkpointer_writes_everything_at_exit(tmp_path, mode):
     directory = tmp_path / "ckpt"
     result = run_script(tmp_path, EXIT_SCRIPT, mode, directory)

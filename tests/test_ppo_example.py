@@ -16,6 +16,7 @@ def run_example(*args, cwd=None, stderr=False):
     return (result.stdout, result.stderr) if stderr else result.stdout
 
 
+@pytest.mark.slow
 def test_default_config_reaches_cartpole_return(tmp_path):
     out = run_example("--dir", str(tmp_path / "ckpt"))
     line = re.search(r"final mean return \(last 20 updates\) per seed: .*", out).group(0)
@@ -35,6 +36,7 @@ def test_kill_and_resume_vmapped_over_seeds_is_bit_exact():
     assert "bit for bit: True" in out
 
 
+@pytest.mark.slow
 def test_each_configuration_has_its_own_default_directory(tmp_path):
     # The docstring's commands one after the other: the vmapped run must not resume from
     # the single-seed run's checkpoints (another shape; a rerun resuming is tested above).

@@ -20,6 +20,7 @@ def blocks(*names):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", blocks("index.md", "cli.md"))
 def test_page_block_runs_twice(tmp_path, code):
     run_twice(tmp_path, code)

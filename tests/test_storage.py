@@ -132,6 +132,9 @@ def test_per_device_saves_and_sharded_restore(remote):
     assert_same_state(restored, state)
 
 
+@pytest.mark.parametrize(
+    "remote", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True
+)
 def test_a_killed_writers_partial_step_is_never_listed_and_is_cleaned_up(remote, tmp_path):
     """A writer SIGKILLed while steps are being written leaves objects of an
     unfinished step: never listed, restore gives the latest complete step, and the
@@ -200,6 +203,7 @@ def test_listing_and_retention_touch_only_our_steps(remote):
     assert set(foreign) <= set(keys(url))
 
 
+@pytest.mark.slow
 def test_a_two_process_run_writes_each_processes_shards_and_restores(remote, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed, gloo): each process writes its own
     blocks into the bucket, process 0 merges and commits; both restore exactly."""
@@ -224,6 +228,9 @@ time.sleep(600)
 """
 
 
+@pytest.mark.parametrize(
+    "remote", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True
+)
 def test_a_second_live_writer_is_refused(remote, tmp_path):
     child = start_script(tmp_path, HOLDER, remote.url, ready="holding", env=remote.env)
     try:
@@ -248,6 +255,7 @@ def test_a_dead_writers_lock_is_taken_over_with_a_warning(remote, tmp_path, capl
     assert jax_cb_ckpt.all_steps(remote.url) == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
 @pytest.mark.parametrize(
     "content",
@@ -312,6 +320,7 @@ except jax_cb_ckpt.SaveError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
 def test_a_writer_paused_past_the_stale_time_never_writes_into_the_new_holders_step(
     remote, tmp_path, monkeypatch
@@ -369,6 +378,7 @@ def test_a_lock_taken_away_stops_the_writer(remote):
 # -- faults ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_server_that_goes_away_fails_the_save_in_bounded_time_then_resumes(remote):
     """The server goes down mid-run (fake-gcs-server is killed with SIGKILL and started
     again on its files; moto, which keeps its objects in memory, goes away behind its
@@ -406,6 +416,7 @@ def test_a_server_that_goes_away_fails_the_save_in_bounded_time_then_resumes(rem
     assert _unfinished(url) == []
 
 
+@pytest.mark.slow
 def test_transient_faults_are_retried_and_the_saves_commit(remote, tmp_path, monkeypatch):
     """Between the library and the server, a flaky proxy answers one request in ten
     with a transient fault, in turn an HTTP 503, an HTTP 429 and a reset connection.
@@ -618,6 +629,7 @@ def test_an_s3_step_copied_to_a_folder_is_a_plain_orbax_checkpoint(remote, tmp_p
     assert_same_state(jax_cb_ckpt.restore(tmp_path, state), state)
 
 
+@pytest.mark.slow
 def test_the_cli_reads_a_bucket(remote):
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save({"x": jnp.arange(4.0)}, 3)

@@ -67,6 +67,7 @@ def test_wait_from_another_thread_never_drops_or_mixes_steps(make_ckpt):
         assert got.tobytes() == expected(step, n).tobytes(), step
 
 
+@pytest.mark.slow
 def test_devices_running_ahead_hold_at_most_queue_size_plus_one_states(tmp_path):
     """An update without a collective lets the devices run ahead of the one that
     completes a step; they used to copy every later step into new staging while the

@@ -21,7 +21,7 @@ from jax_cb_ckpt import (
 # -- an eager save is a snapshot ----------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)])
 def test_eager_numpy_save_is_a_snapshot(make_ckpt, dtype):
     ckpt = make_ckpt(queue_size=4)
     big = {"obs": np.zeros(1 << 24, np.float32)}  # 64 MB: the writer stays busy
