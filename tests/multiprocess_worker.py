@@ -372,6 +372,37 @@ def unshared(state, shardings):
     return found
 
 
+def killed_mid_run(ckpt, shardings, final, findings):
+    """The run goes on from `final` (steps 2 and 4 saved); the victim process dies hard
+    (exit 17) once step 6 is on disk; the survivor reports what its next save said."""
+    steps = 20
+    # No cross-process collective in this program: process 0 runs on alone, and
+    # its next save waits for process 1 in vain (a collective would block inside
+    # XLA instead, where JAX's heartbeat check ends the process; see the docs).
+    run = train_fn(ckpt, shardings, steps, start=4, collective=False)
+    if PID == int(os.environ.get("WORKER_VICTIM", "1")):
+        # Die hard as soon as this run's first save is on disk (the scan goes on).
+        def die():
+            while 6 not in jax_cb_ckpt.all_steps(DIRECTORY):
+                time.sleep(0.01)
+            os._exit(17)
+
+        import threading
+
+        threading.Thread(target=die, daemon=True).start()
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(run(final))
+        ckpt.wait()
+        findings["second_run"] = "finished"
+    except Exception as e:  # process 0: the save of a later step names process 1
+        findings["second_run"] = f"{type(e).__name__}: {e}"
+    findings["failed_after_s"] = time.perf_counter() - start
+    findings["steps_after"] = jax_cb_ckpt.all_steps(DIRECTORY)
+    print(json.dumps(findings), flush=True)
+    os._exit(0)  # the distributed client would wait for the dead process at exit
+
+
 def main():
     mesh = Mesh(np.array(jax.devices()), ("d",))
     shardings = shardings_for(mesh)
@@ -464,6 +495,11 @@ def main():
             return 0
         return 1
 
+    if MODE == "remote_kill":  # the kill run, in a bucket (test_storage.py)
+        ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT)
+        final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))
+        ckpt.wait()
+        killed_mid_run(ckpt, shardings, final, findings)
     if MODE == "remote":  # DIRECTORY is a gs:// or s3:// URL (test_storage.py)
         from jax_cb_ckpt import _remote
 
@@ -512,32 +548,7 @@ def main():
     findings["plain_orbax_outer_loop_s"] = plain_orbax_outer_loop(shardings)
 
     if MODE == "kill":
-        steps = 20
-        # No cross-process collective in this program: process 0 runs on alone, and
-        # its next save waits for process 1 in vain (a collective would block inside
-        # XLA instead, where JAX's heartbeat check ends the process; see the docs).
-        run = train_fn(ckpt, shardings, steps, start=4, collective=False)
-        if PID == int(os.environ.get("WORKER_VICTIM", "1")):
-            # Die hard as soon as this run's first save is on disk (the scan goes on).
-            def die():
-                while 6 not in jax_cb_ckpt.all_steps(DIRECTORY):
-                    time.sleep(0.01)
-                os._exit(17)
-
-            import threading
-
-            threading.Thread(target=die, daemon=True).start()
-        start = time.perf_counter()
-        try:
-            jax.block_until_ready(run(final))
-            ckpt.wait()
-            findings["second_run"] = "finished"
-        except Exception as e:  # process 0: the save of a later step names process 1
-            findings["second_run"] = f"{type(e).__name__}: {e}"
-        findings["failed_after_s"] = time.perf_counter() - start
-        findings["steps_after"] = jax_cb_ckpt.all_steps(DIRECTORY)
-        print(json.dumps(findings), flush=True)
-        os._exit(0)  # the distributed client would wait for the dead process at exit
+        killed_mid_run(ckpt, shardings, final, findings)
 
     ckpt.close()
     print(json.dumps(findings), flush=True)

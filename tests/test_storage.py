@@ -216,6 +216,33 @@ def test_a_two_process_run_writes_each_processes_shards_and_restores(remote, tmp
     assert results[0][1]["shard_dirs"] == ["ocdbt.process_1"]
 
 
+@pytest.mark.slow
+def test_a_process_killed_mid_run_leaves_only_whole_steps_in_the_bucket(remote, tmp_path):
+    """2 processes x 4 CPU devices write into the bucket; process 1 dies hard (exit 17)
+    once step 6 is committed. Process 0's next save fails naming process 1 in bounded
+    time; the bucket lists only whole steps; the next Checkpointer on the prefix removes
+    what the dead run left unfinished; one process restores the last step exactly."""
+    from test_multiprocess import PEER_TIMEOUT, Group, run_group
+
+    group = Group(tmp_path, "remote_kill", remote.url, env=remote.env)
+    (rc, found), (rc_dead, dead) = group.wait()
+    assert rc_dead == 17 and dead is None, (rc_dead, group.errors(1))
+    assert rc == 0 and found is not None, (rc, group.errors(0))
+    error = found["second_run"]
+    assert "SaveError" in error and "process 1" in error, found
+    assert found["failed_after_s"] < PEER_TIMEOUT + 30, found
+    steps = jax_cb_ckpt.all_steps(remote.url)
+    assert steps[:3] == [2, 4, 6] and found["steps_after"] == steps, (steps, found)
+    with jax_cb_ckpt.Checkpointer(remote.url):
+        pass  # opening the prefix finishes off the dead run's unfinished steps
+    assert _unfinished(remote.url) == []
+    [(rc, restored)] = run_group(
+        tmp_path, "restore", remote.url, nproc=1, devices=8, env=remote.env
+    )
+    assert rc == 0 and restored is not None and restored["exact"] is True, (rc, restored)
+    assert restored["step"] == steps[-1], restored
+
+
 # -- one writer per location -----------------------------------------------------------
 
 
