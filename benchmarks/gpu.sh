@@ -54,7 +54,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 # 1. The two crossings bit for bit, and the device wait per 64/256 MB save.
 timeout 110 python3 -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.txt" || true
 # 2. A save that does not fire: maybe_save and ckpt.scan against bare, per XLA config.
-timeout 130 python3 -m benchmarks.gpu_cost --out "$OUT/cost" 2>&1 | tee "$OUT/cost.txt" || true
+timeout 130 python3 -m benchmarks.gpu_cost --reps 3 --child-timeout 60 --out "$OUT/cost" 2>&1 | tee "$OUT/cost.txt" || true
 # 5. Per-device saves (shardings=, pmap, shard_map; int4/uint4/int2) bit for bit.
 timeout 60 python3 -m benchmarks.gpu_devices --out "$OUT/devices" 2>&1 | tee "$OUT/devices.txt" || true
 # 4. The host's writer next to its disk's write+fsync (same run).

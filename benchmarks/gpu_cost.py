@@ -102,8 +102,9 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for config in report["configs"]:
         if "error" in config:
-            lines.append(f"| {config['config']} | failed: {config['error'][-200:]} |")
-            continue
+            lines.append(
+                f"| {config['config']} | failed: {' '.join(config['error'].split())[-200:]} |"
+            )
         for w in config["workloads"]:
             ratios = " | ".join(f"{w['x_bare'][m]:.3f}" for m in METHODS[1:])
             lines.append(
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short loops (a smoke test)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "gpu_cost"))
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configs")
+    parser.add_argument(
+        "--child-timeout", type=float, default=600, help="seconds per configuration"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -135,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             command = [sys.executable, "-m", "benchmarks.gpu_cost", "--child", config]
             command += ["--child-out", out_file.name, "--reps", str(args.reps)]
             command += ["--quick"] if args.quick else []
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            try:
+                done = subprocess.run(
+                    command, env=env, capture_output=True, text=True, timeout=args.child_timeout
+                )
+            except subprocess.TimeoutExpired as e:  # keep the workloads it finished
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+                done = subprocess.CompletedProcess(command, 124, out, "timed out")
             sys.stdout.write(done.stdout)
             try:
                 with open(out_file.name) as f:

@@ -3,15 +3,16 @@
     python -m benchmarks.gpu_devices [--out DIR]
 
 Written for a GPU host (one GPU is a mesh of one), it runs on any backend. Each case is a
-jitted scan of STEPS steps saving every step, over a state with packed dtypes (int4,
-uint4, int2), bfloat16, float32 and PRNG keys; the last checkpoint is restored and must
-equal the program's final state bit for bit:
+jitted scan of STEPS steps saving every step, over a state of float32, bfloat16 and
+PRNG keys (and packed dtypes in the `+packed` cases); the last checkpoint is restored
+and must equal the program's final state bit for bit:
 
 - `shardings`: `maybe_save(..., shardings=)` on a mesh of every local device, each
   device handing over its own block;
 - `pmap`: `maybe_save(..., axis_name=)` inside `jax.pmap` (the batch of devices);
 - `shard_map`: `maybe_save(..., axis_name=, gather="concat")` inside `jax.shard_map`;
-- `gathered`: a plain `maybe_save` of the same state (the default crossing).
+- `gathered`: a plain `maybe_save` of the same state (the default crossing);
+- `shardings+packed`, `gathered+packed`: the same with int4, uint4 and int2 leaves.
 
 Results (one line per case: ok, or the error) go to results.json/results.md after each
 case. Exits 1 if a case fails.
@@ -39,29 +40,33 @@ from .harness import write_results
 STEPS = 4
 
 
-def state(n_dev: int) -> dict[str, Any]:
-    """Leading axis a multiple of the device count: every leaf splits over it."""
+def state(n_dev: int, packed: bool) -> dict[str, Any]:
+    """Leading axis a multiple of the device count: every leaf splits over it. `packed`:
+    int4/uint4/int2 leaves too (their own cases, so that a backend without sub-byte
+    arithmetic fails those alone)."""
     rows = 2 * n_dev
-    return {
+    s = {
         "w": jnp.arange(rows * 1024, dtype=jnp.float32).reshape(rows, 1024) / 7,
         "h": jnp.arange(rows * 8, dtype=jnp.bfloat16).reshape(rows, 8),
-        "q4": (jnp.arange(rows * 6) % 16 - 8).astype(jnp.int4).reshape(rows, 6),
-        "u4": (jnp.arange(rows * 6) % 16).astype(jnp.uint4).reshape(rows, 6),
-        "q2": (jnp.arange(rows * 5) % 4 - 2).astype(jnp.int2).reshape(rows, 5),
         "key": jax.random.split(jax.random.key(3), rows),
     }
+    if packed:
+        s["q4"] = (jnp.arange(rows * 6) % 16 - 8).astype(jnp.int4).reshape(rows, 6)
+        s["u4"] = (jnp.arange(rows * 6) % 16).astype(jnp.uint4).reshape(rows, 6)
+        s["q2"] = (jnp.arange(rows * 5) % 4 - 2).astype(jnp.int2).reshape(rows, 5)
+    return s
 
 
 def update(s: dict[str, Any], i: Any) -> dict[str, Any]:
-    """Elementwise (each device's block updates alone), every dtype changed."""
-    return {
+    """Elementwise (each device's block updates alone), every leaf changed."""
+    new = {
         "w": s["w"] * 0.5 + i.astype(jnp.float32),
         "h": s["h"] + jnp.bfloat16(1),
-        "q4": s["q4"] + jnp.int4(1),
-        "u4": s["u4"] + jnp.uint4(3),
-        "q2": s["q2"] + jnp.int2(1),
         "key": jax.vmap(lambda k: jax.random.split(k)[0])(s["key"]),
     }
+    if "q4" in s:
+        new.update(q4=s["q4"] + jnp.int4(1), u4=s["u4"] + jnp.uint4(3), q2=s["q2"] + jnp.int2(1))
+    return new
 
 
 def scan(save: Callable[[Any, Any], None] | None) -> Callable[[Any], Any]:
@@ -74,26 +79,27 @@ def scan(save: Callable[[Any, Any], None] | None) -> Callable[[Any], Any]:
     return lambda s: jax.lax.scan(body, s, jnp.arange(STEPS))[0]
 
 
-def run_case(case: str, directory: str) -> None:
+def run_case(name: str, directory: str) -> None:
+    case, packed = name.removesuffix("+packed"), name.endswith("+packed")
     devices = jax.local_devices()
     n_dev = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
     sharded = NamedSharding(mesh, P("d"))
     with jax_cb_ckpt.Checkpointer(directory, every=1, max_to_keep=2) as ckpt:
         if case == "shardings":
-            init = jax.device_put(state(n_dev), sharded)
+            init = jax.device_put(state(n_dev, packed), sharded)
             shardings = jax.tree_util.tree_map(lambda _: sharded, init)
             save = lambda s, step: ckpt.maybe_save(s, step, shardings=shardings)  # noqa: E731
             out, want = jax.jit(scan(save))(init), jax.jit(scan(None))(init)
         elif case == "pmap":
             init = jax.tree_util.tree_map(
-                lambda x: x.reshape(n_dev, -1, *x.shape[1:]), state(n_dev)
+                lambda x: x.reshape(n_dev, -1, *x.shape[1:]), state(n_dev, packed)
             )
             save = lambda s, step: ckpt.maybe_save(s, step, axis_name="d")  # noqa: E731
             out = jax.pmap(scan(save), axis_name="d")(init)
             want = jax.pmap(scan(None), axis_name="d")(init)
         elif case == "shard_map":
-            init = jax.device_put(state(n_dev), sharded)
+            init = jax.device_put(state(n_dev, packed), sharded)
 
             def mapped(save):
                 return jax.jit(
@@ -103,7 +109,7 @@ def run_case(case: str, directory: str) -> None:
             save = lambda s, step: ckpt.maybe_save(s, step, axis_name="d", gather="concat")  # noqa: E731
             out, want = mapped(save)(init), mapped(None)(init)
         elif case == "gathered":
-            init = jax.device_put(state(n_dev), devices[0])
+            init = jax.device_put(state(n_dev, packed), devices[0])
             out = jax.jit(scan(ckpt.maybe_save))(init)
             want = jax.jit(scan(None))(init)
         else:
@@ -119,7 +125,7 @@ def run_case(case: str, directory: str) -> None:
             raise AssertionError(f"step {STEPS} restored differs from the final state")
 
 
-CASES = ("shardings", "pmap", "shard_map", "gathered")
+CASES = ("shardings", "pmap", "shard_map", "gathered", "shardings+packed", "gathered+packed")
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -99,8 +99,13 @@ async def main(listen, target, log=None, period=0):
                     break
                 server_writer.write(request)
                 await server_writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+        ):
+            client_writer.close()  # a request this proxy cannot read: the client sees a reset
         finally:
             server_writer.close()
             back.cancel()

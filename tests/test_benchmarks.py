@@ -92,9 +92,8 @@ def test_gpu_devices_check_is_exact_on_the_cpu_devices(tmp_path):
     _run("benchmarks.gpu_devices", "--out", str(out), timeout=300)
     report = json.loads((out / "results.json").read_text())
     assert report["devices"] == 4
-    assert report["cases"] == dict.fromkeys(
-        ("shardings", "pmap", "shard_map", "gathered"), "ok, bit for bit"
-    )
+    cases = ("shardings", "pmap", "shard_map", "gathered", "shardings+packed", "gathered+packed")
+    assert report["cases"] == dict.fromkeys(cases, "ok, bit for bit")
 
 
 @pytest.mark.slow  # ~45 s: two child processes, four methods compiled per workload
