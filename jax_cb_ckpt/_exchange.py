@@ -70,7 +70,6 @@ class HandedSteps:
     Runs cover disjoint, increasing ranges, so a lookup is one bisect."""
 
     def __init__(self) -> None:
-        self._firsts: list[int] = []
         self._runs: list[list[Any]] = []  # [first, stride, count, owner]; stride 0: one
         self._odd: dict[int, object] = {}
 
@@ -97,7 +96,6 @@ class HandedSteps:
             if last_owner is owner and (count == 1 or step - end == stride):
                 last[1], last[2] = step - first if count == 1 else stride, count + 1
                 return
-        self._firsts.append(step)
         self._runs.append([step, 0, 1, owner])
 
     def pop(self, step: int, default: object = None) -> object:
@@ -111,16 +109,14 @@ class HandedSteps:
         pieces = [(first, k), (step + stride, count - k - 1)]  # (first, count) either side
         kept = [[f, stride if n > 1 else 0, n, owner] for f, n in pieces if n > 0]
         self._runs[i : i + 1] = kept
-        self._firsts[i : i + 1] = [run[0] for run in kept]
         return owner
 
     def clear(self) -> None:
-        self._firsts.clear()
         self._runs.clear()
         self._odd.clear()
 
     def _find(self, step: int) -> int | None:
-        i = bisect.bisect_right(self._firsts, step) - 1
+        i = bisect.bisect_right(self._runs, step, key=lambda run: run[0]) - 1
         if i < 0:
             return None
         first, stride, count, _ = self._runs[i]
