@@ -21,7 +21,6 @@ import typing
 from typing import Any
 
 import jax
-import numpy as np
 from jax.core import Tracer
 
 from . import _shards, _traced, _tree
@@ -79,7 +78,7 @@ def plan(
                 "per-process host data in files of your own."
             )
         hosts = [_tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
-        ndims = tuple(len(np.shape(h)) for h in hosts)
+        ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
         return Eager(Signature(specs, ndims), known, hosts)
     # Traced: leaves Python knows are constants of the program are copied now and never
     # cross through JAX (which would narrow 64-bit dtypes). Concatenated over devices

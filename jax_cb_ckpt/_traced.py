@@ -36,7 +36,7 @@ and docs/handoff.md have the evidence):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import jax
@@ -135,7 +135,18 @@ def is_tracing(*values: Any) -> bool:
     leaves = jax.tree_util.tree_leaves(values)
     if any(isinstance(leaf, Tracer) for leaf in leaves):
         return True
+    if _trace_state_clean is not None and _trace_state_clean():
+        return False  # no trace at all (JAX's own test; 0.1 ms less than the array's)
     return isinstance(jnp.zeros(()), Tracer)
+
+
+# JAX's "no trace and no named axis is active" (private; where it is missing, the fresh
+# array alone decides). True only where jnp.zeros(()) would be concrete.
+_trace_state_clean: Callable[[], bool] | None
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # pragma: no cover - a JAX that moved it
+    _trace_state_clean = None
 
 
 def check_when(when: Any, where: str) -> jax.Array:

@@ -8,9 +8,11 @@ keys, whose key type numpy cannot represent.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -256,8 +258,55 @@ def describe_state(
     """Flatten `tree` into (treedef, specs, leaves), checking every leaf.
 
     Raises `InvalidStateError` naming the first leaf that cannot be saved, and for
-    leaves whose stored names would collide.
+    leaves whose stored names would collide. A state described before (same structure,
+    same leaf types, shapes and dtypes) is not checked again: its specs are remembered
+    (`_DESCRIBED`), since an eager save of 80 leaves spent ~1 ms here on every call.
     """
+    key = None
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
+        if None not in leaf_keys:
+            key = (treedef, prefix, abstract_ok, leaf_keys)
+            hash(key)
+    except (TypeError, ValueError):  # unflattenable or unhashable: described below
+        key = None
+    if key is not None:
+        with _DESCRIBED_LOCK:
+            specs = _DESCRIBED.get(key)
+            if specs is not None:
+                _DESCRIBED.move_to_end(key)
+                return treedef, specs, leaves
+    treedef, specs, leaves = _describe(tree, where, prefix, abstract_ok)
+    if key is not None:
+        with _DESCRIBED_LOCK:
+            _DESCRIBED[key] = specs
+            while len(_DESCRIBED) > _DESCRIBED_MAX:
+                _DESCRIBED.popitem(last=False)
+    return treedef, specs, leaves
+
+
+# States described before: (treedef, prefix, abstract_ok, leaf keys) -> specs. A few
+# entries: a run saves one or two structures (its state; a restore's `like`).
+_DESCRIBED: collections.OrderedDict[Any, tuple[LeafSpec, ...]] = collections.OrderedDict()
+_DESCRIBED_MAX = 16
+_DESCRIBED_LOCK = threading.Lock()
+
+
+def _leaf_key(leaf: Any) -> Any:
+    """What a leaf's spec depends on besides its position: its type, shape and dtype
+    (a Python number's value, which decides its range check); None for anything else,
+    which is never remembered."""
+    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return type(leaf), leaf.shape, leaf.dtype
+    if isinstance(leaf, (np.generic, *_PY_SCALARS)):
+        return type(leaf), leaf
+    return None
+
+
+def _describe(
+    tree: Any, where: str, prefix: str, abstract_ok: bool
+) -> tuple[Any, tuple[LeafSpec, ...], list[Any]]:
     try:
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     except (TypeError, ValueError) as e:  # e.g. a dict mixing int and str keys

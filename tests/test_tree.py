@@ -77,3 +77,38 @@ def test_a_description_that_is_not_an_object_or_lacks_a_field_is_refused():
     del data["kind"]
     with pytest.raises(KeyError, match="kind"):
         LeafSpec.from_json(data)
+
+
+def test_a_remembered_description_follows_every_change_of_a_leaf():
+    """Descriptions are remembered per structure, leaf types, shapes and dtypes (an
+    eager save of the same state skips the checks): each of those changes, and a Python
+    number's value, gives a new description; a leaf that cannot be saved is refused
+    every time, also after a saveable state of the same structure."""
+    from jax_cb_ckpt._errors import InvalidStateError
+
+    _, first, _ = describe_state(_state(), "save")
+    _, again, _ = describe_state(_state(), "save")
+    assert again == first
+    changed = {
+        "w": np.zeros((3, 5), np.float32),  # shape
+        "h": jnp.zeros((2,), jnp.float16),  # dtype
+        "keys": jax.random.split(jax.random.key(1), 3),  # key implementation
+        "n": True,  # type: a bool, no longer an int
+        "nested": [{"a": np.zeros((), np.int32)}],
+    }
+    for name, value in changed.items():
+        state = dict(_state(), **{name: value})
+        _, specs, _ = describe_state(state, "save")
+        before = {s.path: s for s in first}
+        after = {s.path: s for s in specs}
+        differ = [p for p in after if after[p] != before[p]]
+        assert differ and all(name in p for p in differ), (name, differ)
+    for bad, words in [
+        (2**63, "does not fit in int64"),
+        ("text", "is a str"),
+    ]:
+        for _ in range(2):
+            with pytest.raises(InvalidStateError, match=words):
+                describe_state(dict(_state(), n=bad), "save")
+    _, prefixed, _ = describe_state(_state(), "restore", prefix="like")
+    assert all(s.path.startswith("like") for s in prefixed)
