@@ -33,7 +33,6 @@ of ours, deleted at the next opening; deleting a step removes its commit marker 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import _remote, _tree
+from ._durable import fsync_dir, sync_tree
 from ._errors import ConfigError
 
 FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
@@ -282,9 +282,10 @@ def step_writer(url: str) -> str | None:
         return None
 
 
-def commit_step(directory: str, temp: str, final: str) -> None:
-    """A complete step becomes listed: its files fsynced, renamed into place (atomic),
-    the directory fsynced; in object storage, its commit marker written (last)."""
+def commit_step(directory: str, temp: str, final: str, nbytes: int) -> None:
+    """A complete step (of about `nbytes` bytes) becomes listed: its files made durable
+    (`_durable.sync_tree`), renamed into place (atomic), the directory fsynced; in object
+    storage, its commit marker written (last)."""
     if _remote.is_url(final):
         # Orbax on GCS reads a directory only with its marker: plain Orbax restores
         # `<step>/state` as it does on a local disk (docs/storage.md).
@@ -293,7 +294,7 @@ def commit_step(directory: str, temp: str, final: str) -> None:
         if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{final} was committed by another writer meanwhile")
         return
-    fsync_tree(temp)
+    sync_tree(temp, nbytes)
     os.rename(temp, final)
     fsync_dir(directory)
 
@@ -584,37 +585,6 @@ def write_step_file(path: str) -> None:
         "custom_metadata": {},
     }
     write_text(os.path.join(path, ORBAX_STEP_FILE), json.dumps(content))
-
-
-def fsync_dir(path: str) -> None:
-    if not _remote.is_url(path):  # an object is durable once written
-        _fsync(path, directory=True)
-
-
-def _fsync(path: str, directory: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# fsyncs of one step's files run concurrently: the file system commits them together
-# (measured: 1.5-1.9 ms for a small step against 3.3 ms one after another).
-_FSYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="jax_cb_ckpt-fsync")
-
-
-def fsync_tree(path: str) -> None:
-    """fsync every file and directory under `path` (nothing was synced while writing)."""
-    if _remote.is_url(path):
-        return
-    todo = []
-    for root, _dirs, files in os.walk(path):
-        todo += [(os.path.join(root, n), False) for n in files]
-        todo.append((root, True))
-    todo = [(p, d) for p, d in todo if not os.path.islink(p)]
-    for future in [_FSYNC_POOL.submit(_fsync, p, d) for p, d in todo]:
-        future.result()
 
 
 def identity(path: str) -> tuple[Any, ...]:

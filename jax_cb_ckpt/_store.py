@@ -15,8 +15,8 @@ engine), and reading stays Orbax's:
 
 Inside the database a leaf at tree path ('params', 'w') is the zarr array `params.w/`
 (`.zarray` JSON, chunks `params.w/0.0`, ...), as Orbax names it. One transaction per
-process and save; TensorStore's own fsyncs are off (the writer fsyncs the files of a
-step in parallel before its rename, `_format.fsync_tree`).
+process and save; TensorStore's own fsyncs are off (the writer makes the files of a
+step durable before its rename, `_durable.sync_tree`).
 
 Chunks: a sharded leaf is written block by block, one chunk per device's block (each
 process writes only the blocks whose lowest-numbered holder it is); a leaf written
@@ -38,7 +38,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -195,18 +195,23 @@ class StoreWriter:
                 "data_copy_concurrency": {"limit": os.cpu_count() or 1},
                 "cache_pool": {"total_bytes_limit": 0},
                 "cache_pool#ocdbt": {"total_bytes_limit": 0},
-                "file_io_sync": False,  # the writer fsyncs the step's files in parallel
+                "file_io_sync": False,  # the writer syncs the step before its rename
             }
         )
 
     def write(
         self, state_dir: str, flat: Mapping[tuple[str, ...], Any], *, index: int, zarrays: bool
-    ) -> tuple[dict[str, dict[str, int]], float]:
-        """Write this process's arrays (`flat`: tree path -> numpy array or `Blocks`)
-        as one transaction: process 0 into the root database of `state_dir`, process
-        `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray` (the
-        primary). Returns the checksums, {name: {region key: crc32}}, and the seconds
-        spent computing them."""
+    ) -> Callable[[], tuple[dict[str, dict[str, int]], float]]:
+        """Start writing this process's arrays (`flat`: tree path -> numpy array or
+        `Blocks`) as one transaction: process 0 into the root database of `state_dir`,
+        process `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray`
+        (the primary).
+
+        Returns once the transaction is committing (the data copied into TensorStore,
+        the large leaves' checksums computed meanwhile), so that the caller can write
+        its small files while it commits; then call the returned `finish`: it computes
+        the small leaves' checksums, waits for the commit and returns the checksums,
+        {name: {region key: crc32}}, and the seconds spent computing them."""
         part = state_dir if index == 0 else os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
         kv = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
         txn = ts.Transaction(atomic=False)
@@ -214,22 +219,21 @@ class StoreWriter:
         pending: list[Any] = []  # writes through the zarr driver
         staged: list[Any] = []  # key-value writes
         sums: dict[str, dict[str, int]] = {}
-        large = []
+        large, small = [], []
         for path, leaf in flat.items():
             name = param_name(path)
             pieces, shape, dtype, chunks = _pieces(leaf)
             nbytes = dtype.itemsize * math.prod(shape)
-            small = nbytes <= SMALL_BYTES
-            compress = self.compression and not small
+            is_small = nbytes <= SMALL_BYTES
+            compress = self.compression and not is_small
             if zarrays:
                 meta = _zarray_json(tuple(shape), dtype, tuple(chunks), compress)
                 staged.append(kvt.write(f"{name}/.zarray", meta))
-            if small:  # raw chunk bytes: no zarr driver to open
-                leaf_sums = sums.setdefault(name, {})
+            if is_small:  # raw chunk bytes: no zarr driver to open
                 for region, block in pieces:
                     data = _padded(block, chunks).tobytes()
                     staged.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
-                    leaf_sums[region_key(region)] = checksum(block)
+                small.append((name, pieces))
                 continue
             store = ts.open(
                 {"driver": "zarr", "metadata": zarray(shape, dtype, chunks, compress)},
@@ -243,18 +247,20 @@ class StoreWriter:
                 target = store[tuple(slice(a, b) for a, b in region)] if region else store
                 pending.append(target.write(block, can_reference_source_data_indefinitely=True))
             large.append((name, pieces))
-        start = time.perf_counter()
-        for name, pieces in large:  # while TensorStore writes them
-            for region, block in pieces:
-                sums.setdefault(name, {})[region_key(region)] = checksum(block)
-        checksum_s = time.perf_counter() - start
+        checksum_s = _checksums(large, sums)  # while TensorStore copies and compresses
         for future in pending:
             future.copy.result()
-        txn.commit_async().result()
-        for future in staged:  # staged in the transaction (done by now): any failure?
-            if future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-        return sums, checksum_s
+        committed = txn.commit_async()
+
+        def finish() -> tuple[dict[str, dict[str, int]], float]:
+            seconds = checksum_s + _checksums(small, sums)  # while the transaction commits
+            committed.result()
+            for future in staged:  # staged in the transaction (done by now): any failure?
+                if future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            return sums, seconds
+
+        return finish
 
     def merge(self, state_dir: str, count: int) -> None:
         """The primary, once every process wrote: copy processes 1..count-1's database
@@ -272,6 +278,17 @@ class StoreWriter:
         for copy in copies:
             copy.result()
         txn.commit_async().result()
+
+
+def _checksums(leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]], sums: dict) -> float:
+    """Add the CRC-32 of every piece of `leaves` to `sums`; the seconds it took (zlib
+    releases the GIL: TensorStore's threads write meanwhile)."""
+    start = time.perf_counter()
+    for name, pieces in leaves:
+        leaf_sums = sums.setdefault(name, {})
+        for region, block in pieces:
+            leaf_sums[region_key(region)] = checksum(block)
+    return time.perf_counter() - start
 
 
 def _pieces(leaf: Any) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, Any]:

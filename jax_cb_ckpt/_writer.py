@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _format, _remote, _store
+from . import _dtypes, _durable, _format, _remote, _store
 from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
@@ -154,13 +154,13 @@ class Writer:
         if _format.exists(final):
             raise FileExistsError(_in_the_way(final))
 
-    def _commit(self, temp: str, final: str) -> None:
-        """A complete step: fsynced, then renamed into place (atomic); in object
+    def _commit(self, temp: str, final: str, nbytes: int) -> None:
+        """A complete step: made durable, then renamed into place (atomic); in object
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
             raise FileExistsError(_in_the_way(final))
         self._fence(final)
-        _format.commit_step(self.directory, temp, final)
+        _format.commit_step(self.directory, temp, final, nbytes)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
@@ -213,9 +213,16 @@ class Writer:
                     item.ready()
                 if not group.primary and not self._remote:
                     _enter_attempt(temp, group)
-                sums, checksum_s = self._write_arrays(temp, item, group)
+                finish = self._write_arrays(temp, item, group)
+                try:
+                    if group.primary and not self._remote:
+                        # While the arrays commit. (Object storage: after the fence.)
+                        self._write_descriptions(temp, item)
+                finally:
+                    sums, checksum_s = finish()  # the commit has ended, whatever happened
                 if not group.primary:
-                    _format.fsync_tree(os.path.join(temp, _format.STATE_ITEM, _part(group)))
+                    part = os.path.join(temp, _format.STATE_ITEM, _part(group))
+                    _durable.sync_tree(part, item.nbytes)
             except BaseException as e:
                 mine = e
             told = _said(sums) if mine is None else _reason(mine)
@@ -237,10 +244,10 @@ class Writer:
                 state = os.path.join(temp, _format.STATE_ITEM)
                 self._fence(final)  # (object storage: still ours, before its files)
                 self._store.merge(state, group.count)
-                _store.write_state_metadata(state, _paths(item.tree))
+                if self._remote:
+                    self._write_descriptions(temp, item)
                 _format.write_meta(temp, dict(item.meta, checksums=sums))
-                _format.write_step_file(temp)
-                self._commit(temp, final)
+                self._commit(temp, final, item.nbytes)
                 group.committed(self.directory)
                 self._retain()  # before the verdict: every process then lists the same
                 group.tell(step, "commit", OK)
@@ -274,11 +281,19 @@ class Writer:
         )
         return None
 
+    def _write_descriptions(self, temp: str, item: SaveItem) -> None:
+        """The primary's files of a step that depend on no array written: Orbax's
+        description of the tree (`state/_METADATA`) and of the step
+        (`_CHECKPOINT_METADATA`)."""
+        _store.write_state_metadata(os.path.join(temp, _format.STATE_ITEM), _paths(item.tree))
+        _format.write_step_file(temp)
+
     def _write_arrays(
         self, temp: str, item: SaveItem, group: Group | Solo
-    ) -> tuple[dict[str, Any], float]:
-        """This process's arrays of the step, with their checksums and the time spent
-        computing them (while TensorStore writes)."""
+    ) -> Callable[[], tuple[dict[str, Any], float]]:
+        """Start writing this process's arrays of the step; returns once they are
+        committing. The returned `finish` waits for the commit and gives their
+        checksums and the time spent computing them (while TensorStore writes)."""
         flat = {}
         for path, leaf in _flatten(item.tree):
             if isinstance(leaf, ShardedArray):

@@ -289,15 +289,15 @@ def stopped_before_commit(mesh):
 
     if PID == 0:
         commits = []
-        write_step_file = jax_cb_ckpt._format.write_step_file
+        commit_step = jax_cb_ckpt._format.commit_step
 
-        def stopping(temp):
-            commits.append(temp)
+        def stopping(*args):
+            commits.append(args)
             if len(commits) == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            return write_step_file(temp)
+            return commit_step(*args)
 
-        jax_cb_ckpt._format.write_step_file = stopping
+        jax_cb_ckpt._format.commit_step = stopping
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
     state, save = _small_saver(mesh, ckpt)
     start = time.perf_counter()
