@@ -16,12 +16,14 @@ GPUs: benchmarks/gpu_check.py checked it bit for bit on an H200 (docs/benchmarks
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ._errors import SaveError
@@ -143,12 +145,27 @@ def copy_async(
 
 def is_device_buffer(buffer: Any) -> bool:
     """A buffer_callback operand in GPU memory (not readable from numpy). (On a CPU,
-    JAX's Buffer raises JaxRuntimeError for the attribute, not AttributeError.)"""
+    JAX's Buffer raises JaxRuntimeError for the attribute, not AttributeError; raising
+    it costs ~60 us, a fifth of a small save's hand-off, so a process without a GPU
+    never asks.)"""
+    if not gpu_present():
+        return False
     try:
         buffer.__cuda_array_interface__  # noqa: B018
     except Exception:
         return False
     return True
+
+
+@functools.cache
+def gpu_present() -> bool:
+    """Whether JAX has a GPU backend in this process (all backends start together, so
+    by the time a program calls back, the answer is final). First asked by
+    `_host.probe_callback_arrays`, outside any callback."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend
+        return False
 
 
 def read_now(buffers: Sequence[Any], stream: Any) -> list[np.ndarray]:

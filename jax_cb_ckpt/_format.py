@@ -456,6 +456,7 @@ def step_meta(
     shardings: dict[str, Any],
     batch_shape: tuple[int, ...],
     members: list[Any],
+    saved_at: float | None = None,
 ) -> dict[str, Any]:
     """The `meta` item of a step (written by the host side, completed with `checksums`
     by the writer; read back as a `StepMeta` by restore, `verify` and the CLI, and
@@ -463,7 +464,8 @@ def step_meta(
 
     - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
       `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
-    - `step`, `saved_at` (UTC, ISO 8601, ms);
+    - `step`, `saved_at` (UTC, ISO 8601, ms; `saved_at`: when it was handed over, in
+      seconds since the epoch, else now);
     - `leaves`: one `LeafSpec.to_json()` per leaf, in the state's order;
     - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
       "spec": [[mesh axes] per dimension]}};
@@ -475,7 +477,9 @@ def step_meta(
         versions,
         format=FORMAT,
         step=step,
-        saved_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+        saved_at=datetime.datetime.fromtimestamp(
+            time.time() if saved_at is None else saved_at, datetime.UTC
+        ).isoformat(timespec="milliseconds"),
         leaves=leaves,
     )
     if shardings:

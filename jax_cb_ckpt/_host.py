@@ -108,6 +108,7 @@ def probe_callback_arrays() -> bool:
     copies into staging buffers instead.
     """
     global _OWNED
+    _cuda.gpu_present()  # (cached: asked here, never first inside a callback)
     if _OWNED is None:
         seen: list[int] = []
 
@@ -536,8 +537,15 @@ class HostSide:
         try:
             crossed, release, ready = take()
             hosts = signature.assemble(crossed, members.shape)
+            nbytes = sum(h.nbytes for h in hosts)
+        except BaseException:
+            self._exchange.unclaim_slot(plan)
+            raise
+        saved_at = time.time()
+
+        def describe() -> tuple[dict[str, Any], dict[str, Any]]:
+            """The tree and meta of the save (by the writer: off the device's path)."""
             specs = signature.stored(hosts)
-            tree = _tree.nest(specs, hosts)
             meta = _format.step_meta(
                 step,
                 [s.to_json() for s in specs],
@@ -545,17 +553,16 @@ class HostSide:
                 shardings=_described_shardings(specs, hosts),
                 batch_shape=members.shape,
                 members=members.tolist(),
+                saved_at=saved_at,
             )
-            nbytes = sum(h.nbytes for h in hosts)
-        except BaseException:
-            self._exchange.unclaim_slot(plan)
-            raise
+            return _tree.nest(specs, hosts), meta
+
         end = time.perf_counter()
         if start is not None:
             blocking_s = end - start
         self._stats.handed_off(blocking_s)
         item = SaveItem(
-            step, tree, meta, nbytes, blocking_s, end - taken, release, plan.replace, ready
+            step, describe, nbytes, blocking_s, end - taken, release, plan.replace, ready
         )
         self._stats.in_flight(self._exchange.submit(item))
 
