@@ -201,17 +201,18 @@ class StoreWriter:
 
     def write(
         self, state_dir: str, flat: Mapping[tuple[str, ...], Any], *, index: int, zarrays: bool
-    ) -> Callable[[], tuple[dict[str, dict[str, int]], float]]:
+    ) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
         """Start writing this process's arrays (`flat`: tree path -> numpy array or
         `Blocks`) as one transaction: process 0 into the root database of `state_dir`,
         process `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray`
         (the primary).
 
         Returns once the transaction is committing (the data copied into TensorStore,
-        the large leaves' checksums computed meanwhile), so that the caller can write
-        its small files while it commits; then call the returned `finish`: it computes
-        the small leaves' checksums, waits for the commit and returns the checksums,
-        {name: {region key: crc32}}, and the seconds spent computing them."""
+        the large leaves' checksums computed meanwhile); then call the returned
+        `finish(meanwhile)`: it computes the small leaves' checksums, calls
+        `meanwhile(checksums)` (the caller's small files, written while the transaction
+        commits), waits for the commit, and returns the checksums, {name: {region key:
+        crc32}}, and the seconds spent computing them."""
         part = state_dir if index == 0 else os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
         kv = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
         txn = ts.Transaction(atomic=False)
@@ -252,9 +253,15 @@ class StoreWriter:
             future.copy.result()
         committed = txn.commit_async()
 
-        def finish() -> tuple[dict[str, dict[str, int]], float]:
-            seconds = checksum_s + _checksums(small, sums)  # while the transaction commits
-            committed.result()
+        def finish(
+            meanwhile: Callable[[dict[str, dict[str, int]]], None] | None = None,
+        ) -> tuple[dict[str, dict[str, int]], float]:
+            try:  # while the transaction commits:
+                seconds = checksum_s + _checksums(small, sums)
+                if meanwhile is not None:
+                    meanwhile(sums)
+            finally:
+                committed.result()  # ended, whatever happened
             for future in staged:  # staged in the transaction (done by now): any failure?
                 if future.exception() is not None:
                     raise future.exception()  # type: ignore[misc]

@@ -208,18 +208,22 @@ class Writer:
                     raise SaveError(f"process 0 could not start step {step}: {ready}")
             mine: BaseException | None = None
             sums: dict[str, Any] = {}
+            early = group.primary and not self._remote
+
+            def meanwhile(sums: dict[str, Any]) -> None:
+                self._write_descriptions(temp, item)
+                if group.count == 1:
+                    _format.write_meta(temp, dict(item.meta, checksums=sums))
+
             try:
                 if item.ready is not None:  # copies from a GPU still in flight
                     item.ready()
                 if not group.primary and not self._remote:
                     _enter_attempt(temp, group)
                 finish = self._write_arrays(temp, item, group)
-                try:
-                    if group.primary and not self._remote:
-                        # While the arrays commit. (Object storage: after the fence.)
-                        self._write_descriptions(temp, item)
-                finally:
-                    sums, checksum_s = finish()  # the commit has ended, whatever happened
+                # The primary's files while the arrays commit (object storage: after
+                # the fence below; the step's meta needs every process's checksums).
+                sums, checksum_s = finish(meanwhile if early else None)
                 if not group.primary:
                     part = os.path.join(temp, _format.STATE_ITEM, _part(group))
                     _durable.sync_tree(part, item.nbytes)
@@ -244,9 +248,10 @@ class Writer:
                 state = os.path.join(temp, _format.STATE_ITEM)
                 self._fence(final)  # (object storage: still ours, before its files)
                 self._store.merge(state, group.count)
-                if self._remote:
+                if not early:
                     self._write_descriptions(temp, item)
-                _format.write_meta(temp, dict(item.meta, checksums=sums))
+                if not (early and group.count == 1):
+                    _format.write_meta(temp, dict(item.meta, checksums=sums))
                 self._commit(temp, final, item.nbytes)
                 group.committed(self.directory)
                 self._retain()  # before the verdict: every process then lists the same
@@ -290,10 +295,10 @@ class Writer:
 
     def _write_arrays(
         self, temp: str, item: SaveItem, group: Group | Solo
-    ) -> Callable[[], tuple[dict[str, Any], float]]:
+    ) -> Callable[..., tuple[dict[str, Any], float]]:
         """Start writing this process's arrays of the step; returns once they are
-        committing. The returned `finish` waits for the commit and gives their
-        checksums and the time spent computing them (while TensorStore writes)."""
+        committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
+        the commit and gives their checksums and the time spent computing them."""
         flat = {}
         for path, leaf in _flatten(item.tree):
             if isinstance(leaf, ShardedArray):
