@@ -37,16 +37,47 @@ SYNCFS_TYPES = frozenset({"ext4", "ext3", "xfs", "btrfs"})
 OTHER_UNWRITTEN_MAX = 2 << 20
 
 
-def sync_tree(path: str, nbytes: int) -> None:
-    """Make every file and directory under `path`, a step of about `nbytes` bytes just
-    written, durable: one syncfs where `syncfs_fits`, else `fsync_tree`. Blocks the
-    calling thread (the writer's) until the disk has them."""
-    if _remote.is_url(path):
-        return
-    if syncfs_fits(path, nbytes):
-        syncfs(path)
-    else:
-        fsync_tree(path)
+class StepSync:
+    """How one step is made durable; made before the step's first file is written.
+
+    It opens the checkpoint directory then, because the kernel samples a file system's
+    write-error state when a descriptor is opened: a `syncfs` through it reports every
+    failed write since, also one that another program's syncfs has seen first (a
+    descriptor opened after the step's files were written could miss that error, and
+    a step with lost data would be listed). Close it once the step is committed or
+    failed (`with StepSync(directory) as sync:`).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._fd: int | None = None
+        if _SYNCFS is not None and not _remote.is_url(directory):
+            try:
+                self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:  # (the writer's directory checks say what is wrong)
+                self._fd = None
+
+    def tree(self, path: str, nbytes: int) -> None:
+        """Make every file and directory under `path`, written since this was made
+        (about `nbytes` bytes), durable: one syncfs where `syncfs_fits`, else
+        `fsync_tree`. Blocks the calling thread (the writer's) until the disk has
+        them."""
+        if _remote.is_url(path):
+            return
+        if self._fd is not None and syncfs_fits(path, nbytes):
+            syncfs(self._fd, path)
+        else:
+            fsync_tree(path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> StepSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def syncfs_fits(path: str, nbytes: int) -> bool:
@@ -61,17 +92,14 @@ def syncfs_fits(path: str, nbytes: int) -> bool:
     return unwritten_bytes() - nbytes <= OTHER_UNWRITTEN_MAX
 
 
-def syncfs(path: str) -> None:
-    """syncfs(2) of the file system that holds `path`; OSError if it reports a failed
-    write (Linux >= 5.8, the only kernels it is used on)."""
+def syncfs(fd: int, path: str) -> None:
+    """syncfs(2) of the file system of descriptor `fd` (which holds `path`, named in
+    the error); OSError if it reports a failed write since `fd` was opened or last
+    synced (Linux >= 5.8, the only kernels it is used on)."""
     assert _SYNCFS is not None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _SYNCFS(fd) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"syncfs of the file system of {path!r}: {os.strerror(errno)}")
-    finally:
-        os.close(fd)
+    if _SYNCFS(fd) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"syncfs of the file system of {path!r}: {os.strerror(errno)}")
 
 
 @functools.lru_cache(maxsize=64)

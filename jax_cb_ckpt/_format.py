@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import _remote, _tree
-from ._durable import fsync_dir, sync_tree
+from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
 
 FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
@@ -282,10 +282,10 @@ def step_writer(url: str) -> str | None:
         return None
 
 
-def commit_step(directory: str, temp: str, final: str, nbytes: int) -> None:
+def commit_step(directory: str, temp: str, final: str, nbytes: int, sync: StepSync) -> None:
     """A complete step (of about `nbytes` bytes) becomes listed: its files made durable
-    (`_durable.sync_tree`), renamed into place (atomic), the directory fsynced; in object
-    storage, its commit marker written (last)."""
+    (`sync`, made before they were written), renamed into place (atomic), the directory
+    fsynced; in object storage, its commit marker written (last)."""
     if _remote.is_url(final):
         # Orbax on GCS reads a directory only with its marker: plain Orbax restores
         # `<step>/state` as it does on a local disk (docs/storage.md).
@@ -294,7 +294,7 @@ def commit_step(directory: str, temp: str, final: str, nbytes: int) -> None:
         if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{final} was committed by another writer meanwhile")
         return
-    sync_tree(temp, nbytes)
+    sync.tree(temp, nbytes)
     os.rename(temp, final)
     fsync_dir(directory)
 

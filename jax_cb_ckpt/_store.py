@@ -16,7 +16,7 @@ engine), and reading stays Orbax's:
 Inside the database a leaf at tree path ('params', 'w') is the zarr array `params.w/`
 (`.zarray` JSON, chunks `params.w/0.0`, ...), as Orbax names it. One transaction per
 process and save; TensorStore's own fsyncs are off (the writer makes the files of a
-step durable before its rename, `_durable.sync_tree`).
+step durable before its rename, `_durable.StepSync`).
 
 Chunks: a sharded leaf is written block by block, one chunk per device's block (each
 process writes only the blocks whose lowest-numbered holder it is); a leaf written

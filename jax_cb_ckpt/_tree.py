@@ -258,16 +258,19 @@ def describe_state(
     """Flatten `tree` into (treedef, specs, leaves), checking every leaf.
 
     Raises `InvalidStateError` naming the first leaf that cannot be saved, and for
-    leaves whose stored names would collide. A state described before (same structure,
-    same leaf types, shapes and dtypes) is not checked again: its specs are remembered
-    (`_DESCRIBED`), since an eager save of 80 leaves spent ~1 ms here on every call.
+    leaves whose stored names would collide. A state described before (the same key
+    paths, exactly, and the same leaf types, shapes and dtypes) is not checked again:
+    its specs are remembered (`_DESCRIBED`), since an eager save of 80 leaves spent ~1
+    ms here on every call.
     """
     key = None
     try:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [leaf for _, leaf in flat]
+        paths = tuple(tuple(_entry_key(e) for e in path) for path, _ in flat)
         leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
-        if None not in leaf_keys:
-            key = (treedef, prefix, abstract_ok, leaf_keys)
+        if None not in leaf_keys and not any(None in path for path in paths):
+            key = (treedef, prefix, abstract_ok, paths, leaf_keys)
             hash(key)
     except (TypeError, ValueError):  # unflattenable or unhashable: described below
         key = None
@@ -286,21 +289,40 @@ def describe_state(
     return treedef, specs, leaves
 
 
-# States described before: (treedef, prefix, abstract_ok, leaf keys) -> specs. A few
-# entries: a run saves one or two structures (its state; a restore's `like`).
+# States described before: (treedef, prefix, abstract_ok, key paths, leaf keys) ->
+# specs. A few entries: a run saves one or two structures (its state; a restore's `like`).
 _DESCRIBED: collections.OrderedDict[Any, tuple[LeafSpec, ...]] = collections.OrderedDict()
 _DESCRIBED_MAX = 16
 _DESCRIBED_LOCK = threading.Lock()
 
 
+def _entry_key(entry: Any) -> Any:
+    """One step of a leaf's key path, exactly (the name and path it is stored under
+    depend on it): a dict key only when it is exactly a str or an int (JAX's tree
+    structure compares keys with ==, so 1, 1.0 and True would share one entry); None
+    for anything else, which is never remembered."""
+    if isinstance(entry, jax.tree_util.DictKey):
+        key = entry.key
+        return (0, key) if type(key) is str or type(key) is int else None
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return 1, entry.idx
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return 2, entry.name
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return 3, entry.key
+    return None
+
+
 def _leaf_key(leaf: Any) -> Any:
     """What a leaf's spec depends on besides its position: its type, shape and dtype
-    (a Python number's value, which decides its range check); None for anything else,
-    which is never remembered."""
-    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+    (a Python int's range, which is checked); None for anything else, which is never
+    remembered."""
+    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)):
         return type(leaf), leaf.shape, leaf.dtype
-    if isinstance(leaf, (np.generic, *_PY_SCALARS)):
-        return type(leaf), leaf
+    if isinstance(leaf, int) and not isinstance(leaf, bool):
+        return type(leaf), -(2**63) <= leaf < 2**63
+    if isinstance(leaf, _PY_SCALARS):
+        return (type(leaf),)
     return None
 
 

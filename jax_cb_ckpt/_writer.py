@@ -154,13 +154,13 @@ class Writer:
         if _format.exists(final):
             raise FileExistsError(_in_the_way(final))
 
-    def _commit(self, temp: str, final: str, nbytes: int) -> None:
+    def _commit(self, temp: str, final: str, nbytes: int, sync: _durable.StepSync) -> None:
         """A complete step: made durable, then renamed into place (atomic); in object
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
             raise FileExistsError(_in_the_way(final))
         self._fence(final)
-        _format.commit_step(self.directory, temp, final, nbytes)
+        _format.commit_step(self.directory, temp, final, nbytes, sync)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
@@ -180,11 +180,14 @@ class Writer:
         protocol in _processes.py, where a group of one tells and hears nothing."""
         group = self._group
         try:
-            return self._write_step(item, group)
+            with _durable.StepSync(self.directory) as sync:  # before the step's files
+                return self._write_step(item, group, sync)
         finally:
             group.writing = None  # peers waiting for this process wait on while set
 
-    def _write_step(self, item: SaveItem, group: Group | Solo) -> SaveError | None:
+    def _write_step(
+        self, item: SaveItem, group: Group | Solo, sync: _durable.StepSync
+    ) -> SaveError | None:
         step = item.step
         group.begin(step)
         final = os.path.join(self.directory, str(step))
@@ -226,7 +229,7 @@ class Writer:
                 sums, checksum_s = finish(meanwhile if early else None)
                 if not group.primary:
                     part = os.path.join(temp, _format.STATE_ITEM, _part(group))
-                    _durable.sync_tree(part, item.nbytes)
+                    sync.tree(part, item.nbytes)
             except BaseException as e:
                 mine = e
             told = _said(sums) if mine is None else _reason(mine)
@@ -252,7 +255,7 @@ class Writer:
                     self._write_descriptions(temp, item)
                 if not (early and group.count == 1):
                     _format.write_meta(temp, dict(item.meta, checksums=sums))
-                self._commit(temp, final, item.nbytes)
+                self._commit(temp, final, item.nbytes, sync)
                 group.committed(self.directory)
                 self._retain()  # before the verdict: every process then lists the same
                 group.tell(step, "commit", OK)

@@ -51,22 +51,36 @@ def test_syncfs_is_taken_only_when_little_else_is_unwritten(tmp_path):
     assert unwritten >= 30 << 20
     assert not _durable.syncfs_fits(str(step), 4 << 10)
     assert _durable.syncfs_fits(str(step), unwritten)  # all of it the step's own
-    _durable.syncfs(str(step))
+    with _durable.StepSync(str(tmp_path)) as sync:
+        sync.tree(str(step), unwritten)
     assert _durable.unwritten_bytes() < 30 << 20  # our 32 MiB are on disk
 
 
-def test_both_ways_sync_a_step_and_report_a_missing_one(tmp_path, monkeypatch):
+def test_each_step_takes_the_way_that_fits_and_is_synced(tmp_path, monkeypatch):
+    """syncfs where it fits (here: the step's bytes are all that is unwritten), the
+    per-file fsyncs where the checkpoint directory could not be opened or the file
+    system is not one whose syncfs is trusted."""
     step = tmp_path / "7.tmp"
     (step / "state" / "d").mkdir(parents=True)
-    for name in ("state/d/data", "state/manifest.ocdbt", "_CHECKPOINT_METADATA"):
-        (step / name).write_bytes(os.urandom(4096))
-    _durable.sync_tree(str(step), 3 * 4096)
-    _durable.fsync_tree(str(step))
-    if _durable._SYNCFS is not None:
-        _durable.syncfs(str(step))
-        with pytest.raises(FileNotFoundError):
-            _durable.syncfs(str(tmp_path / "gone"))
+    taken = []
+    for name in ("syncfs", "fsync_tree"):
+        through = getattr(_durable, name)
+        monkeypatch.setattr(
+            _durable, name, lambda *a, _n=name, _f=through: (taken.append(_n), _f(*a))[1]
+        )
+
+    def one_step(directory):
+        for name in ("state/d/data", "state/manifest.ocdbt", "_CHECKPOINT_METADATA"):
+            (step / name).write_bytes(os.urandom(1 << 20))
+        with _durable.StepSync(str(directory)) as sync:
+            sync.tree(str(step), _durable.unwritten_bytes())
+        sync.close()  # twice: no error
+        return taken.pop()
+
+    trusted = _mounted_type(str(tmp_path)) in _durable.SYNCFS_TYPES
+    expected = "syncfs" if _durable._SYNCFS is not None and trusted else "fsync_tree"
+    assert one_step(tmp_path) == expected
+    assert one_step(tmp_path / "gone") == "fsync_tree"  # nothing to open
     monkeypatch.setattr(_durable, "SYNCFS_TYPES", frozenset())  # an unknown file system
-    assert not _durable.syncfs_fits(str(step), 1 << 40)
-    _durable.sync_tree(str(step), 3 * 4096)
+    assert one_step(tmp_path) == "fsync_tree"
     assert not _durable.syncfs_fits(str(tmp_path / "gone"), 0)

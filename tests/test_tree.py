@@ -112,3 +112,41 @@ def test_a_remembered_description_follows_every_change_of_a_leaf():
                 describe_state(dict(_state(), n=bad), "save")
     _, prefixed, _ = describe_state(_state(), "restore", prefix="like")
     assert all(s.path.startswith("like") for s in prefixed)
+
+
+def test_a_remembered_description_is_never_lent_to_keys_that_only_compare_equal():
+    """JAX's tree structure compares dict keys with ==: after {1: x} was described,
+    {True: x}, {1.0: x} and a str Enum key equal to 'a' must still be refused as on
+    their own (found by a review: they were accepted, under the name '1')."""
+    import enum
+
+    from jax_cb_ckpt._errors import InvalidStateError
+
+    class Letter(str, enum.Enum):  # noqa: UP042 (a str mixin, as users write it)
+        A = "a"
+
+    x = np.zeros(2, np.float32)
+    describe_state({1: x}, "save")
+    describe_state({"a": x}, "save")
+    for key, words in [
+        (True, "dict key of type bool"),
+        (1.0, "dict key of type float"),
+        (np.int64(1), "dict key of type int64"),
+        (Letter.A, "contain neither"),
+    ]:
+        with pytest.raises(InvalidStateError, match=words):
+            describe_state({key: x}, "save")
+
+
+def test_a_python_number_in_the_state_does_not_fill_the_memory_of_descriptions():
+    """A step counter kept as a Python int changes at every save: it is remembered by
+    its type and range, not its value."""
+    from jax_cb_ckpt import _tree
+
+    x = np.zeros(2, np.float32)
+    describe_state({"w": x, "n": 0}, "save")
+    before = len(_tree._DESCRIBED)
+    for n in range(1, 40):
+        _, specs, _ = describe_state({"w": x, "n": n, "lr": n / 3}, "save")
+        assert specs[1].pytype == "int" and specs[0].pytype == "float"
+    assert len(_tree._DESCRIBED) <= before + 1
