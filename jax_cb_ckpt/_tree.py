@@ -263,24 +263,31 @@ def describe_state(
     its specs are remembered (`_DESCRIBED`), since an eager save of 80 leaves spent ~1
     ms here on every call.
     """
-    key = None
     try:
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = [leaf for _, leaf in flat]
-        paths = tuple(tuple(_entry_key(e) for e in path) for path, _ in flat)
-        leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
-        if None not in leaf_keys and not any(None in path for path in paths):
-            key = (treedef, prefix, abstract_ok, paths, leaf_keys)
+    except (TypeError, ValueError) as e:  # e.g. a dict mixing int and str keys
+        raise InvalidStateError(
+            f"{where}: JAX cannot flatten the {prefix}: {e}. Fix: a dict must have keys "
+            "of one sortable type (use str keys), and custom nodes must be registered "
+            "pytrees."
+        ) from e
+    leaves = [leaf for _, leaf in flat]
+    paths = tuple(tuple(_entry_key(e) for e in path) for path, _ in flat)
+    leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
+    key = None
+    if None not in leaf_keys and not any(None in path for path in paths):
+        key = (treedef, prefix, abstract_ok, paths, leaf_keys)
+        try:
             hash(key)
-    except (TypeError, ValueError):  # unflattenable or unhashable: described below
-        key = None
+        except TypeError:  # a custom node's unhashable data: never remembered
+            key = None
     if key is not None:
         with _DESCRIBED_LOCK:
             specs = _DESCRIBED.get(key)
             if specs is not None:
                 _DESCRIBED.move_to_end(key)
                 return treedef, specs, leaves
-    treedef, specs, leaves = _describe(tree, where, prefix, abstract_ok)
+    specs = _describe(tree, flat, where, prefix, abstract_ok)
     if key is not None:
         with _DESCRIBED_LOCK:
             _DESCRIBED[key] = specs
@@ -327,16 +334,9 @@ def _leaf_key(leaf: Any) -> Any:
 
 
 def _describe(
-    tree: Any, where: str, prefix: str, abstract_ok: bool
-) -> tuple[Any, tuple[LeafSpec, ...], list[Any]]:
-    try:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    except (TypeError, ValueError) as e:  # e.g. a dict mixing int and str keys
-        raise InvalidStateError(
-            f"{where}: JAX cannot flatten the {prefix}: {e}. Fix: a dict must have keys "
-            "of one sortable type (use str keys), and custom nodes must be registered "
-            "pytrees."
-        ) from e
+    tree: Any, flat: list[tuple[Any, Any]], where: str, prefix: str, abstract_ok: bool
+) -> tuple[LeafSpec, ...]:
+    """The checked specs of `tree`, flattened as `flat` (key path, leaf)."""
     if not flat:
         raise InvalidStateError(
             f"{where}: the {prefix} has no leaves, so there is nothing to save "
@@ -357,7 +357,7 @@ def _describe(
         seen[joined] = path
         specs.append(leaf_spec(path, name, leaf, where, abstract_ok=abstract_ok))
     _check_prefixes(specs, where)
-    return treedef, tuple(specs), [leaf for _, leaf in flat]
+    return tuple(specs)
 
 
 def _check_prefixes(specs: list[LeafSpec], where: str) -> None:

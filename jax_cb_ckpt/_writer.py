@@ -211,11 +211,12 @@ class Writer:
                     raise SaveError(f"process 0 could not start step {step}: {ready}")
             mine: BaseException | None = None
             sums: dict[str, Any] = {}
-            early = group.primary and not self._remote
+            early = group.primary and not self._remote  # files while the arrays commit
+            meta_early = early and group.count == 1  # (else it needs the others' sums)
 
             def meanwhile(sums: dict[str, Any]) -> None:
                 self._write_descriptions(temp, item)
-                if group.count == 1:
+                if meta_early:
                     _format.write_meta(temp, dict(item.meta, checksums=sums))
 
             try:
@@ -253,7 +254,7 @@ class Writer:
                 self._store.merge(state, group.count)
                 if not early:
                     self._write_descriptions(temp, item)
-                if not (early and group.count == 1):
+                if not meta_early:
                     _format.write_meta(temp, dict(item.meta, checksums=sums))
                 self._commit(temp, final, item.nbytes, sync)
                 group.committed(self.directory)
