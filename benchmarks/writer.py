@@ -366,6 +366,35 @@ class NoopCrossing(suite.InJit):
 suite.METHODS[NoopCrossing.name] = NoopCrossing
 
 
+class NewestUnwritten(KeepNewest):
+    """`KeepNewest` whose writer does not write: each save it takes costs it
+    `PRETEND_WRITE_S` asleep (no CPU, no GIL) instead. The library's whole host side
+    runs as in `KeepNewest` (the crossings, the hand-off, the queue, superseding), so
+    this row minus the floor is what our callbacks cost the device, and `KeepNewest`
+    minus this row is what the writer's work costs it (the GIL, the CPU of its threads
+    and of the kernel). A probe: it replaces a private method of this Checkpointer's
+    writer thread, which looks it up for every save."""
+
+    name = "maybe_save_newest_unwritten"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ckpt._writer._write = _pretend_write  # type: ignore[attr-defined]
+
+    def flush(self) -> None:
+        self.ckpt.wait()  # nothing is on disk: there is no last step to check
+
+
+PRETEND_WRITE_S = 0.003  # about what the writer takes for the tiny state
+
+
+def _pretend_write(item: Any) -> None:
+    time.sleep(PRETEND_WRITE_S)
+
+
+suite.METHODS[NewestUnwritten.name] = NewestUnwritten
+
+
 def keep_newest_exists(root: str) -> bool:
     """Whether this version of the library has `on_full="newest"` (it refuses unknown
     policies with ConfigError before touching the directory)."""
@@ -378,11 +407,12 @@ def keep_newest_exists(root: str) -> bool:
 
 def measure_newest(steps: int, reps: int, root: str) -> dict[str, Any]:
     """Tiny steps in one jitted scan, a save every 10 with `on_full="newest"`, vs bare."""
-    methods = ("bare", NoopCrossing.name, KeepNewest.name)
+    methods = ("bare", NoopCrossing.name, NewestUnwritten.name, KeepNewest.name)
     config = dict(workload="tiny", n=steps, every=NEWEST_EVERY, methods=methods)
     r = run_config(config, reps, root)
     r["newest_x_bare"] = r["methods"][KeepNewest.name]["x_bare_time"]
     r["floor_x_bare"] = r["methods"][NoopCrossing.name]["x_bare_time"]
+    r["unwritten_x_bare"] = r["methods"][NewestUnwritten.name]["x_bare_time"]
     return r
 
 
@@ -516,7 +546,10 @@ def _newest_line(r: dict[str, Any] | None) -> str:
         f"{m['bare']['median_s']:.3f} s bare, **{r['newest_x_bare']:.2f}x bare**; the "
         "last step on disk after `wait()` in every run. The floor, the same crossings "
         f"with a host side that does nothing: {m[NoopCrossing.name]['median_s']:.3f} s, "
-        f"{r['floor_x_bare']:.2f}x bare."
+        f"{r['floor_x_bare']:.2f}x bare. The library's host side with a writer that "
+        f"sleeps {PRETEND_WRITE_S * 1e3:.0f} ms per save instead of writing: "
+        f"{m[NewestUnwritten.name]['median_s']:.3f} s, {r['unwritten_x_bare']:.2f}x bare "
+        "(the rest is what the writer's work costs the device)."
     )
 
 

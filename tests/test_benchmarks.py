@@ -44,6 +44,7 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     assert [r["every"] for r in writer["loops"]] == [100, 1000]
     assert writer["newest"]["newest_x_bare"] > 0  # a save every 10 steps, on_full="newest"
     assert writer["newest"]["floor_x_bare"] > 0  # the same crossings doing nothing
+    assert writer["newest"]["unwritten_x_bare"] > 0  # our host side, the writer asleep
 
 
 @pytest.mark.slow
