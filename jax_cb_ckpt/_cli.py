@@ -2,9 +2,13 @@
 
 It only reads: nothing here writes, locks or deletes, so it is safe on a directory that
 a training run is writing (a step being written shows as incomplete in `ls`). Exit
-codes: 0 done; 1 `verify` found a corrupted or unreadable step; 2 the command could not
-run (no such directory, no such step, bad arguments). `--json` prints one JSON object
-for scripts instead of the table.
+codes: 0 done (`verify`: every step's bytes match their checksums); 1 `verify` found a
+corrupted, unreadable or damaged step; 2 the command could not run (no such directory,
+no checkpoints in it, no such step, bad arguments); 3 `verify`: every step is readable
+but some were written without checksums, so they could not be verified. `--json`
+prints one JSON object for scripts instead of the table. What it prints from a
+checkpoint (leaf names, paths, messages) is escaped: no control character or
+terminal escape code reaches the terminal.
 """
 
 from __future__ import annotations
@@ -14,14 +18,26 @@ import datetime
 import json
 import os
 import sys
+import warnings
 from typing import Any
 
-from . import _format, _remote, _tree
-from ._errors import CheckpointError, RestoreError
+from . import _format, _remote, _spec
+from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError
 from ._restore import metadata, step_meta, verify
 
 _FAILED = 1
 _UNUSABLE = 2
+_UNCHECKED = 3
+
+
+def _safe(text: object) -> str:
+    """`text` as printable characters only: control characters, terminal escape codes
+    and lone surrogates (a name read from a damaged or hostile file) as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def _say(text: object = "", file: Any = None) -> None:
+    print(_safe(text), file=file or sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError) as e:
         prefix = f"jax-cb-ckpt {args.command}: "
         text = str(e)
-        print(text if text.startswith(prefix) else prefix + text, file=sys.stderr)
+        _say(text if text.startswith(prefix) else prefix + text, file=sys.stderr)
+        return _UNUSABLE
+    except Exception as e:  # never a traceback: say what failed, as one line
+        _say(f"jax-cb-ckpt {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return _UNUSABLE
 
 
@@ -80,18 +99,35 @@ def _ls(directory: str, args: argparse.Namespace) -> int:
         {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
         for step, path in _format.unfinished_steps(directory)
     ]
-    rows = sorted((r for r in rows if r is not None), key=lambda r: (r["step"], r["complete"]))
+    others = []
+    for step, found in sorted(_format.examine_all(directory).items()):
+        if found.kind != "complete":
+            path = os.path.join(directory, str(step))
+            others.append(
+                {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
+                | {found.kind: found.why}
+            )
+    rows = sorted(
+        (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
+    )
     if args.json:
         _print_json({"directory": directory, "steps": rows})
         return 0
     if not rows:
-        print(f"no checkpoints in {directory}")
+        _say(f"no checkpoints in {directory}")
         return 0
-    print(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  state")
+    _say(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  state")
     for r in rows:
-        state = "complete" if r["complete"] else "incomplete (being written, or left by a crash)"
+        if "damaged" in r:
+            state = f"damaged: {r['damaged']} (not listed, not restored)"
+        elif "foreign" in r:
+            state = f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
+        elif r["complete"]:
+            state = "complete"
+        else:
+            state = "incomplete (being written, or left by a crash)"
         saved = (r["saved_at"] or "-").replace("T", " ").split("+")[0]
-        print(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {state}")
+        _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {state}")
     return 0
 
 
@@ -138,8 +174,8 @@ def _show(directory: str, args: argparse.Namespace) -> int:
         _print_json({"directory": directory, **metadata(directory, step=args.step)})
         return 0
     meta = step_meta(directory, step=args.step)
-    print(f"step {meta.step} of {directory}")
-    print(f"  saved at      {meta.saved_at or 'not recorded (older version)'}")
+    _say(f"step {meta.step} of {directory}")
+    _say(f"  saved at      {meta.saved_at or 'not recorded (older version)'}")
     written = ", ".join(
         f"{name} {meta.versions[key]}"
         for name, key in (
@@ -151,17 +187,17 @@ def _show(directory: str, args: argparse.Namespace) -> int:
         )
         if key in meta.versions
     )
-    print(f"  written by    {written}")
-    print(f"  size on disk  {_size(_bytes(os.path.join(directory, str(meta.step))))}")
+    _say(f"  written by    {written}")
+    _say(f"  size on disk  {_size(_bytes(os.path.join(directory, str(meta.step))))}")
     if meta.batch_shape:
-        print(f"  vmap batch    {_batch(meta)}")
+        _say(f"  vmap batch    {_batch(meta)}")
     checked = "yes" if meta.checksums else "no (written before checksums were kept)"
-    print(f"  checksums     {checked}")
-    print(f"  {len(meta.leaves)} leaves:")
+    _say(f"  checksums     {checked}")
+    _say(f"  {len(meta.leaves)} leaves:")
     rows = [
         (
-            leaf.path,
-            f"key<{leaf.impl}>" if leaf.kind == _tree.KEY else leaf.dtype,
+            _safe(leaf.path),
+            f"key<{_safe(leaf.impl)}>" if leaf.kind == _spec.KEY else leaf.dtype,
             str(leaf.shape),
             _sharding(meta.shardings[leaf.path]) if leaf.path in meta.shardings else "",
         )
@@ -170,7 +206,7 @@ def _show(directory: str, args: argparse.Namespace) -> int:
     widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
-        print(("    " + "  ".join([*cells, row[3]])).rstrip())
+        _say(("    " + "  ".join([*cells, row[3]])).rstrip())
     return 0
 
 
@@ -200,32 +236,49 @@ def _sharding(described: dict[str, Any]) -> str:
 
 
 def _verify(directory: str, args: argparse.Namespace) -> int:
-    steps = _format.list_steps(directory) if args.step is None else [args.step]
+    damaged = _format.damaged_steps(directory)
+    if args.step is None:
+        steps = sorted(set(_format.list_steps(directory)) | set(damaged))
+    else:
+        steps = [args.step]
+    if not steps:
+        raise NoCheckpointError(
+            f"no checkpoints in {directory} (nothing to verify: is it the run's own directory?)"
+        )
     results = []
     for step in steps:
-        result: dict[str, Any] = {"step": step}
+        result: dict[str, Any] = {"step": step, "checksums": False}
         try:
+            if step in damaged:
+                raise _format.DamagedStep(damaged[step])
             result["checksums"] = bool(step_meta(directory, step=step).checksums)
-            verify(directory, step=step)
+            with warnings.catch_warnings():  # a damaged step is its own line here
+                warnings.simplefilter("ignore", DamagedStepWarning)
+                verify(directory, step=step)
             result["ok"] = True
-        except RestoreError as e:
+        except _format.DamagedStep as e:
             result["ok"] = False
-            result["error"] = str(e)
+            result["error"] = f"DAMAGED: {e}; not listed, not restored"
+        except (CheckpointError, OSError) as e:
+            result["ok"] = False
+            result["error"] = f"FAILED: {e}"
         results.append(result)
     failed = [r for r in results if not r["ok"]]
+    unchecked = [r for r in results if r["ok"] and not r["checksums"]]
     if args.json:
         _print_json({"directory": directory, "ok": not failed, "steps": results})
     else:
         for r in results:
             if not r["ok"]:
-                print(f"step {r['step']}: FAILED: {r['error']}")
+                _say(f"step {r['step']}: {r['error']}")
             elif r["checksums"]:
-                print(f"step {r['step']}: ok (every byte matches its checksum)")
+                _say(f"step {r['step']}: ok (every byte matches its checksum)")
             else:
-                print(f"step {r['step']}: readable; no checksums (written by an older version)")
-        if not results:
-            print(f"no checkpoints in {directory}")
-    return _FAILED if failed else 0
+                _say(
+                    f"step {r['step']}: readable, NOT verified: written without checksums "
+                    "(by an older version)"
+                )
+    return _FAILED if failed else _UNCHECKED if unchecked else 0
 
 
 # -- output ------------------------------------------------------------------------------

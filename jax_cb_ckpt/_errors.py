@@ -74,3 +74,10 @@ class SaveFailedWarning(CheckpointWarning, RuntimeWarning):
 class UnflushedSaveWarning(CheckpointWarning, RuntimeWarning):
     """Saves were still pending at interpreter exit (or when a Checkpointer was garbage
     collected unclosed); they were written then."""
+
+
+class DamagedStepWarning(CheckpointWarning):
+    """A step-named folder of the checkpoint directory claims to be a jax_cb_ckpt
+    checkpoint but is not whole (a partial copy, a cut or edited file, a folder renamed
+    to another step): it is not listed or restored, and never deleted. Issued by
+    `all_steps`, `latest_step` and `restore` without `step=`, naming the step."""

@@ -42,11 +42,12 @@ import shutil
 import stat
 import time
 import uuid
-from typing import Any
+import zlib
+from typing import Any, Literal
 
 import numpy as np
 
-from . import _remote, _tree
+from . import _remote, _spec
 from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
 
@@ -143,49 +144,211 @@ def _is_real_file(path: str) -> bool:
         return False
 
 
+Kind = Literal["complete", "damaged", "foreign"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Examined:
+    """What a step-named entry of a checkpoint directory is.
+
+    - "complete": a checkpoint of ours, whole as far as its description files tell
+      (the arrays' checksums are `restore`'s and `verify`'s to check);
+    - "damaged": it claims to be ours (our `meta` item, or our record in Orbax's step
+      file) but is not whole: a partial copy, a truncated or edited file, a folder
+      renamed to another step. Reported, never listed, restored or deleted;
+    - "foreign": not ours (someone's folder, a plain Orbax checkpoint, another
+      version's format): ignored, never deleted.
+    `why` says what was found, for messages."""
+
+    kind: Kind
+    why: str = ""
+
+
+COMPLETE = Examined("complete")
+# Bounds on what a step's description files may hold: nothing is read (or parsed)
+# beyond them. A meta item is ~150 B per leaf and ~30 B per checksummed chunk: 64 MiB
+# is ~400,000 leaves. The writer refuses to write more (`write_meta`).
+META_MAX_BYTES = 64 << 20
+SMALL_FILE_MAX_BYTES = 1 << 20  # Orbax's step file, `state/_METADATA` is per leaf: see below
+
+
 def is_checkpoint(path: str) -> bool:
-    """`path` is a complete checkpoint of ours: a real directory (no symlinks on the way)
-    holding the file Orbax writes when it finalizes a save, our `state` item, and our
-    `meta` item carrying our format tag (a plain Orbax checkpoint with items of the same
-    names is not ours). In object storage: every object `_COMPLETE` names is there."""
+    """`path` is a complete checkpoint of ours (`examine`)."""
+    return examine(path).kind == "complete"
+
+
+def examine(path: str, keys: set[str] | None = None) -> Examined:
+    """What the step-named entry `path` is (see `Examined`). Locally: a real directory
+    (no symlinks on the way) holding our `state` and `meta` items and the file Orbax
+    writes when it finalizes a save, whose meta carries our format tag and the step of
+    its folder's name, and matches the size and CRC-32 our record in the step file
+    gives (steps written before the record: parsed whole, within `META_MAX_BYTES`).
+    Remembered per file identity, so a step listed at every save's retention is read
+    once. In object storage (from the keys under it, `keys`, or listed): every object
+    `_COMPLETE` names is there; one with our marker or commit marker and not all of
+    them is damaged; `restore` checks the description files as here (`load_meta`)."""
     if _remote.is_url(path):
-        return _COMPLETE <= set(_remote.list_keys(path))
+        keys = set(_remote.list_keys(path)) if keys is None else keys
+        if _COMPLETE <= keys:
+            return COMPLETE
+        if OURS_NAME in keys and COMMIT_NAME in keys:
+            missing = sorted(_COMPLETE - keys)
+            return Examined("damaged", f"committed, but {', '.join(missing)} missing")
+        return Examined("foreign", "not a complete jax_cb_ckpt checkpoint")
     meta = os.path.join(path, META_ITEM, META_FILE)
-    if not (
-        _is_real_dir(path)
-        and _is_real_dir(os.path.join(path, STATE_ITEM))
-        and _is_real_dir(os.path.join(path, META_ITEM))
-        and _is_real_file(os.path.join(path, ORBAX_STEP_FILE))
-    ):
-        return False
+    step_file = os.path.join(path, ORBAX_STEP_FILE)
+    if not _is_real_dir(path):
+        return Examined("foreign", "not a directory")
     try:
-        st = os.lstat(meta)
+        st_meta = os.lstat(meta)
     except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    # The tag of a meta file already read, unless the file changed: a step is listed
-    # again at every save's retention, and its meta (~150 B per leaf) parsed each time.
-    seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        st_meta = None
+    try:
+        st_step = os.lstat(step_file)
+    except OSError:
+        st_step = None
+    seen = tuple(_stat_key(st) for st in (st_meta, st_step))
     known = _TAGS.get(meta)
     if known is not None and known[0] == seen:
         return known[1]
-    try:
-        with open(meta, "rb") as f:
-            ours = json.loads(f.read()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    found = _examine_files(path, int(os.path.basename(path)), st_meta, st_step)
     if len(_TAGS) >= 4096:
         _TAGS.clear()
-    _TAGS[meta] = (seen, ours)
-    return ours
+    _TAGS[meta] = (seen, found)
+    return found
 
 
-# {meta file: (its lstat identity when read, whether it carries our format tag)}; a step
-# set aside leaves it, so a writer's retention keeps it at the kept steps (a long run's
-# memory does not grow with its saves); steps removed by hand leave it at the next
-# clearing.
-_TAGS: dict[str, tuple[tuple[int, ...], bool]] = {}
+# {meta file: (its and the step file's lstat identities when read, what was found)}; a
+# step set aside leaves it, so a writer's retention keeps it at the kept steps (a long
+# run's memory does not grow with its saves); steps removed by hand leave it at the
+# next clearing.
+_TAGS: dict[str, tuple[tuple[Any, ...], Examined]] = {}
+
+
+def _stat_key(st: os.stat_result | None) -> tuple[int, ...] | None:
+    if st is None:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+def _examine_files(
+    path: str, step: int, st_meta: os.stat_result | None, st_step: os.stat_result | None
+) -> Examined:
+    record = None
+    if st_step is not None and stat.S_ISREG(st_step.st_mode):
+        step_file = os.path.join(path, ORBAX_STEP_FILE)
+        try:
+            record = _record_of(read_bytes(step_file, SMALL_FILE_MAX_BYTES))
+        except (OSError, ValueError):
+            record = None
+    if st_meta is None and record is None:
+        return Examined("foreign", f"no '{META_ITEM}' item of jax_cb_ckpt")
+    for item in (STATE_ITEM, META_ITEM):
+        if not _is_real_dir(os.path.join(path, item)):
+            return Examined("damaged", f"its '{item}' item is missing")
+    if st_step is None or not stat.S_ISREG(st_step.st_mode):
+        return Examined("damaged", f"Orbax's step file {ORBAX_STEP_FILE} is missing")
+    if not _is_real_file(os.path.join(path, STATE_ITEM, STATE_METADATA)):
+        return Examined("damaged", f"'{STATE_ITEM}/{STATE_METADATA}' is missing")
+    if st_meta is None or not stat.S_ISREG(st_meta.st_mode):
+        return Examined("damaged", f"'{META_ITEM}/{META_FILE}' is missing")
+    try:
+        text = read_bytes(os.path.join(path, META_ITEM, META_FILE), META_MAX_BYTES)
+        parsed_step = check_meta_bytes(text, step, record)
+    except DamagedStep as e:
+        return Examined(e.kind, str(e))
+    except OSError as e:
+        return Examined("damaged", f"'{META_ITEM}/{META_FILE}' cannot be read ({e.strerror})")
+    return COMPLETE if parsed_step is not None else Examined("damaged", "no meta")
+
+
+class DamagedStep(ValueError):
+    """A step's description files are not what was written (`kind` "damaged"), or are
+    another program's (`kind` "foreign"); the text says what was found."""
+
+    def __init__(self, text: str, kind: Kind = "damaged") -> None:
+        super().__init__(text)
+        self.kind: Kind = kind
+
+
+def read_bytes(path: str, limit: int) -> bytes:
+    """A small file of a step (or an object), refused (`DamagedStep`) when larger than
+    `limit`: read no further than that. `FileNotFoundError` when absent."""
+    if _remote.is_url(path):
+        data, _ = _remote.read(path)
+        if data is None:
+            raise FileNotFoundError(f"{path} does not exist")
+    else:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        name = "/".join(path.rsplit("/", 2)[-2:])
+        raise DamagedStep(f"'{name}' is larger than {limit} bytes, more than the library writes")
+    return data
+
+
+def load_json(data: bytes, what: str) -> Any:
+    """JSON from a step's file: `DamagedStep` for text that is not JSON, nested too
+    deeply for the parser, or not UTF-8 (never a RecursionError or UnicodeError)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise DamagedStep(f"{what} is nested too deeply to be JSON the library wrote") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DamagedStep(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def _record_of(step_file: bytes) -> dict[str, Any] | None:
+    """Our record in Orbax's step file (`write_meta`), or None (another writer's file,
+    or one from before the record); `ValueError` when the file is not JSON."""
+    content = load_json(step_file, ORBAX_STEP_FILE)
+    custom = content.get("custom_metadata") if isinstance(content, dict) else None
+    record = custom.get(_RECORD) if isinstance(custom, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def check_meta_bytes(text: bytes, step: int, record: dict[str, Any] | None) -> dict[str, Any]:
+    """The `meta` item of the step folder named `step`, parsed, after its bytes were
+    checked against our `record` of them (when the step file has one), its format tag
+    and its step; `DamagedStep` saying what is wrong (kind "foreign" for another
+    format)."""
+    name = f"'{META_ITEM}/{META_FILE}'"
+    if record is not None:
+        size, crc = record.get("meta_bytes"), record.get("meta_crc32")
+        if size != len(text):
+            raise DamagedStep(
+                f"{name} holds {len(text)} bytes where {size} were written (cut short, "
+                "or changed, after the step was written)"
+            )
+        if crc != zlib.crc32(text):
+            raise DamagedStep(f"{name} does not match the CRC-32 recorded when it was written")
+        if record.get("step") != step:
+            raise DamagedStep(
+                f"the folder is named {step} but holds step {record.get('step')!r} (renamed "
+                "or copied under another name)"
+            )
+    meta = load_json(text, name)
+    if not isinstance(meta, dict):
+        raise DamagedStep(f"{name} holds a JSON {type(meta).__name__}, not an object")
+    tag = meta.get("format")
+    if tag != FORMAT:
+        if record is None:  # another program's JSON item, or another version's
+            raise DamagedStep(f"its format tag is {tag!r}, not {FORMAT!r}", "foreign")
+        raise DamagedStep(f"{name} has format tag {tag!r}, not {FORMAT!r}")
+    if meta.get("step") != step:
+        raise DamagedStep(
+            f"the folder is named {step} but holds step {meta.get('step')!r} (renamed or "
+            "copied under another name)"
+        )
+    return meta
+
+
+def load_meta(step_dir: str, step: int) -> dict[str, Any]:
+    """The `meta` item of checkpoint `step` (its folder `step_dir`), read within
+    `META_MAX_BYTES` and checked as `examine` checks it (`DamagedStep`)."""
+    record = _record_of(read_bytes(os.path.join(step_dir, ORBAX_STEP_FILE), SMALL_FILE_MAX_BYTES))
+    text = read_bytes(os.path.join(step_dir, META_ITEM, META_FILE), META_MAX_BYTES)
+    return check_meta_bytes(text, step, record)
 
 
 def symlinks_inside(path: str) -> list[str]:
@@ -203,39 +366,38 @@ def symlinks_inside(path: str) -> list[str]:
 
 def list_steps(path: str) -> list[int]:
     """Steps with a complete checkpoint in `path`, ascending (see the module doc)."""
+    return sorted(step for step, found in examine_all(path).items() if found.kind == "complete")
+
+
+def examine_all(path: str) -> dict[int, Examined]:
+    """{step: what its entry is} for every step-named entry of `path` (`examine`);
+    empty when `path` does not exist. Nothing in one entry stops the others from
+    being examined."""
     if _remote.is_url(path):
-        return sorted(int(n) for n, keys in _objects_by_step(path).items() if _COMPLETE <= keys)
+        by_step = _objects_by_step(path)
+        return {int(n): examine(f"{path}/{n}", keys) for n, keys in by_step.items()}
     try:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return {}
     except OSError as e:
         raise ConfigError(f"cannot list the checkpoint directory {path!r}: {e}") from e
-    return sorted(
-        int(name)
-        for name in names
-        if is_step_name(name) and is_checkpoint(os.path.join(path, name))
-    )
+    return {int(n): examine(os.path.join(path, n)) for n in names if is_step_name(n)}
 
 
 def foreign_steps(path: str) -> list[int]:
-    """Step-like names in `path` that are not checkpoints of ours (for error messages:
-    a plain Orbax checkpoint, an empty or half-copied directory)."""
-    if _remote.is_url(path):
-        try:
-            by_step = _objects_by_step(path)
-        except ConfigError:
-            return []
-        return sorted(int(n) for n, keys in by_step.items() if not _COMPLETE <= keys)
+    """Step-like names in `path` that are not complete checkpoints of ours (for error
+    messages: a plain Orbax checkpoint, an empty or half-copied directory)."""
     try:
-        names = os.listdir(path)
-    except OSError:
+        found = examine_all(path)
+    except ConfigError:
         return []
-    return sorted(
-        int(name)
-        for name in names
-        if is_step_name(name) and not is_checkpoint(os.path.join(path, name))
-    )
+    return sorted(step for step, f in found.items() if f.kind != "complete")
+
+
+def damaged_steps(path: str) -> dict[int, str]:
+    """{step: what is wrong} for the steps of ours in `path` that are damaged."""
+    return {step: f.why for step, f in sorted(examine_all(path).items()) if f.kind == "damaged"}
 
 
 def _objects_by_step(url: str) -> dict[str, set[str]]:
@@ -497,7 +659,7 @@ class StepMeta:
     a field existed did not record has its default."""
 
     step: int
-    leaves: tuple[_tree.LeafSpec, ...]
+    leaves: tuple[_spec.LeafSpec, ...]
     batch_shape: tuple[int, ...] = ()  # () unless saved under vmap
     # Which members asked for the save (bool, batch_shape); all of them when not recorded.
     members: np.ndarray = dataclasses.field(default_factory=lambda: np.ones((), bool))
@@ -527,10 +689,14 @@ class StepMeta:
         for field in ("checksums", "shardings"):
             if meta.get(field) is not None and not isinstance(meta[field], dict):
                 raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
+        specs = tuple(_spec.LeafSpec.from_json(leaf) for leaf in leaves)
+        stored = {".".join(spec.name): spec.stored_shape for spec in specs}
+        for name, sums in (meta.get("checksums") or {}).items():
+            _check_sums(name, sums, stored.get(name))
         versions = {k: str(v) for k, v in meta.items() if k.endswith("_version")}
         return cls(
             step=step,
-            leaves=tuple(_tree.LeafSpec.from_json(leaf) for leaf in leaves),
+            leaves=specs,
             batch_shape=tuple(batch),
             members=members,
             checksums=meta.get("checksums"),
@@ -540,21 +706,57 @@ class StepMeta:
         )
 
 
+def _check_sums(name: str, sums: Any, shape: tuple[int, ...] | None) -> None:
+    """One leaf's checksums in a `meta` item: {region key: CRC-32}, each region a box
+    inside the leaf's stored shape ('0:4,8:16'; '' for a scalar); `ValueError` else."""
+    if shape is None:
+        raise ValueError(f"'checksums' names {name!r}, which is not a leaf of the step")
+    if not isinstance(sums, dict):
+        raise TypeError(f"the checksums of {name!r} are a {type(sums).__name__}, not an object")
+    for key, crc in sums.items():
+        parts = key.split(",") if key else []
+        ok = isinstance(crc, int) and not isinstance(crc, bool) and 0 <= crc < 2**32
+        ok = ok and len(parts) == len(shape)
+        for part, n in zip(parts, shape, strict=False):
+            start, colon, stop = part.partition(":")
+            ok = ok and colon == ":" and start.isdecimal() and stop.isdecimal()
+            ok = ok and 0 <= int(start or 0) < int(stop or 0) <= n
+        if not ok:
+            raise ValueError(
+                f"the checksum {key!r}: {crc!r} of {name!r} is not a region of its shape "
+                f"{list(shape)} with a CRC-32"
+            )
+
+
 def write_meta(path: str, meta: dict[str, Any]) -> None:
-    """The `meta` item: the JSON file Orbax's JsonCheckpointHandler reads."""
-    write_text(os.path.join(path, META_ITEM, META_FILE), json.dumps(meta))
+    """The `meta` item (the JSON file Orbax's JsonCheckpointHandler reads), then Orbax's
+    step file holding our record of it (`write_step_file`): listing and restore
+    check the item against the record, so a cut or edited item, or a folder renamed
+    to another step, is found damaged instead of restored."""
+    text = json.dumps(meta).encode()
+    if len(text) > META_MAX_BYTES:
+        raise ValueError(
+            f"the step's description is {len(text)} bytes, more than the "
+            f"{META_MAX_BYTES} a reader accepts (a state of about {len(meta['leaves'])} "
+            "leaves): save fewer, larger leaves (e.g. stack them)"
+        )
+    write_text(os.path.join(path, META_ITEM, META_FILE), text)
+    write_step_file(
+        path, {"step": meta["step"], "meta_bytes": len(text), "meta_crc32": zlib.crc32(text)}
+    )
 
 
-def write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str | bytes) -> None:
     """A small file of a step (not fsynced here: `commit_step` syncs the step), or an
     object in object storage, created only if absent: a writer that lost the location
     while paused never overwrites the new holder's step."""
+    data = text.encode() if isinstance(text, str) else text
     if _remote.is_url(path):
-        if _remote.write(path, text.encode(), if_equal=_remote.ABSENT) is None:
+        if _remote.write(path, data, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{path} was written by another writer meanwhile")
         return
-    with open(path, "w") as f:
-        f.write(text)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def read_text(path: str) -> str:
@@ -568,25 +770,31 @@ def read_text(path: str) -> str:
         return f.read().decode()
 
 
-def write_step_file(path: str) -> None:
+# Orbax's handlers of the two items, by the names Orbax records (tests/test_format.py
+# checks them against Orbax's classes: importing Orbax costs ~1.6 s and installs absl's
+# logging handler, so the writer names them without it).
+HANDLERS = {
+    META_ITEM: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
+    STATE_ITEM: (
+        "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+    ),
+}
+_RECORD = "jax_cb_ckpt"  # our record in the step file's custom_metadata
+
+
+def write_step_file(path: str, record: dict[str, Any]) -> None:
     """The file Orbax's Checkpointer writes when it finalizes a save: which handler
-    wrote each item (so a CheckpointManager reads them without being told), and when."""
-    import orbax.checkpoint as ocp  # only for the handlers' names
-
-    def name(handler: Any) -> str:
-        return f"{handler.__module__}.{handler.__qualname__}"
-
+    wrote each item (so a CheckpointManager reads them without being told), and when;
+    in its `custom_metadata`, our `record` of the step ({step, meta_bytes,
+    meta_crc32}: `write_meta`)."""
     now = time.time_ns()
     content = {
-        "item_handlers": {
-            META_ITEM: name(ocp.JsonCheckpointHandler),
-            STATE_ITEM: name(ocp.PyTreeCheckpointHandler),
-        },
+        "item_handlers": dict(HANDLERS),
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": now,
         "commit_timestamp_nsecs": now,
-        "custom_metadata": {},
+        "custom_metadata": {_RECORD: dict(record, format=FORMAT)},
     }
     write_text(os.path.join(path, ORBAX_STEP_FILE), json.dumps(content))
 

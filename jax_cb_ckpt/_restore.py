@@ -16,11 +16,11 @@ reading and checked after: a step that is gone, or is another directory now, is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -29,7 +29,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from . import _dtypes, _format, _remote, _store, _tree, _verify
-from ._errors import ConfigError, NoCheckpointError, RestoreError, StructureMismatchError
+from ._errors import (
+    ConfigError,
+    DamagedStepWarning,
+    NoCheckpointError,
+    RestoreError,
+    StructureMismatchError,
+)
 from ._format import META_ITEM, STATE_ITEM
 
 
@@ -40,13 +46,32 @@ def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     directory"): other folders, even with integer names, are ignored. A step listed
     here is complete and restores. Does not wait for pending saves.
     """
-    return _format.list_steps(_format.resolve(directory, "all_steps"))
+    return _listed(_format.resolve(directory, "all_steps"), "all_steps")
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
-    """The newest complete step in `directory`, or None when there is none."""
-    steps = _format.list_steps(_format.resolve(directory, "latest_step"))
+    """The newest complete step in `directory`, or None when there is none. A damaged
+    step is never the latest: it is reported (`DamagedStepWarning`)."""
+    steps = _listed(_format.resolve(directory, "latest_step"), "latest_step")
     return steps[-1] if steps else None
+
+
+def _listed(path: str, what: str) -> list[int]:
+    """The complete steps of `path`; a `DamagedStepWarning` naming the damaged ones, so
+    that a run never silently goes back to an older step."""
+    found = _format.examine_all(path)
+    damaged = {step: f.why for step, f in sorted(found.items()) if f.kind == "damaged"}
+    if damaged:
+        listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
+        warnings.warn(
+            f"{what}: {len(damaged)} step folder(s) of {path!r} claim to be jax_cb_ckpt "
+            f"checkpoints but are damaged and are not listed ({listed}). Nothing was "
+            "deleted. Fix: restore the folder from a good copy, or move it out of the "
+            "directory; `jax-cb-ckpt verify` checks every step.",
+            DamagedStepWarning,
+            stacklevel=3,
+        )
+    return sorted(step for step, f in found.items() if f.kind == "complete")
 
 
 def _check_step_arg(step: Any, what: str) -> int | None:
@@ -61,9 +86,17 @@ def _check_step_arg(step: Any, what: str) -> int | None:
 
 
 def _pick_step(path: str, step: int | None, what: str) -> int:
-    steps = _format.list_steps(path)
+    steps = _listed(path, what) if step is None else _format.list_steps(path)
     if step is not None and step in steps:
         return step
+    if step is not None:
+        damaged = _format.damaged_steps(path)
+        if step in damaged:
+            raise RestoreError(
+                f"{what}: step {step} in {path!r} is damaged ({damaged[step]}); nothing "
+                "was read from it. Fix: restore another step (all_steps()), or the "
+                "folder from a good copy."
+            )
     foreign = _format.foreign_steps(path)
     other = (
         f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
@@ -216,26 +249,18 @@ def _read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[
             "the files they point to if you trust them."
         )
     try:
-        if _remote.is_url(path):
-            meta_file = os.path.join(path, str(step), META_ITEM, _format.META_FILE)
-            meta = json.loads(_format.read_text(meta_file))
-        else:
-            meta = _read_item(
-                ocp.JsonCheckpointHandler(), path, step, META_ITEM, ocp.args.JsonRestore()
-            )
+        meta = _format.load_meta(os.path.join(path, str(step)), step)
+    except _format.DamagedStep as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
+        raise RestoreError(
+            f"{where}: the step is damaged: {e}. Fix: restore another step "
+            "(all_steps()), or the folder from a good copy."
+        ) from e
     except Exception as e:
         if not _still_there(path, step, seen):
             raise _removed(path, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != _format.FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise RestoreError(
-            f"{where}: the checkpoint's '{META_ITEM}' item has format tag {found!r}, "
-            f"not {_format.FORMAT!r}: it was not written by this version of "
-            "jax_cb_ckpt (a newer version, another program, or a hand edit). Fix: "
-            "read it with the jax_cb_ckpt version that wrote it, or with "
-            "orbax.checkpoint directly."
-        )
     return meta
 
 

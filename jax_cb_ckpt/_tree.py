@@ -9,8 +9,6 @@ keys, whose key type numpy cannot represent.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
 import functools
 import threading
 from collections.abc import Sequence
@@ -25,103 +23,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _dtypes
 from ._dtypes import ML_DTYPES
 from ._errors import InvalidStateError, StructureMismatchError
-
-
-class Kind(enum.StrEnum):
-    """How a leaf is stored (the value is what the JSON metadata holds)."""
-
-    ARRAY = "array"  # a jax/numpy array leaf, stored as is
-    KEY = "key"  # a typed PRNG key array, stored as its raw uint32 key data
-    SCALAR = "scalar"  # a Python bool/int/float/complex, stored as a 0-d array
-
-
-ARRAY, KEY, SCALAR = Kind.ARRAY, Kind.KEY, Kind.SCALAR
+from ._spec import ARRAY, KEY, SCALAR, LeafSpec, key_data_shape
 
 _PY_SCALARS = (bool, int, float, complex)
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """How one leaf of a state is stored.
-
-    `shape` is the leaf's own shape (for keys, the shape of the key array, without the
-    trailing key-data axis); `dtype` is the stored numpy dtype (uint32 for keys).
-    """
-
-    path: str  # jax.tree_util.keystr of the leaf, for messages
-    name: tuple[str, ...]  # position in the nested dict that Orbax stores
-    kind: Kind
-    dtype: str
-    shape: tuple[int, ...]
-    impl: str | None = None  # PRNG implementation of a typed key
-    pytype: str | None = None  # Python type of a scalar leaf
-
-    @property
-    def stored_shape(self) -> tuple[int, ...]:
-        """The shape of the array stored for this leaf: a key's has the key-data axis."""
-        return self.shape + (key_data_shape(self.impl) if self.kind == KEY else ())
-
-    def describe(self) -> str:
-        """Human-readable value description, e.g. `float32[4,8]` or `key<threefry2x32>[]`."""
-        dims = ",".join(str(d) for d in self.shape)
-        if self.kind == KEY:
-            return f"key<{self.impl}>[{dims}]"
-        if self.kind == SCALAR:
-            return f"Python {self.pytype} (stored as {self.dtype})"
-        return f"{self.dtype}[{dims}]"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "name": list(self.name),
-            "kind": self.kind.value,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "impl": self.impl,
-            "pytype": self.pytype,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LeafSpec:
-        """Parse one leaf description; `ValueError`/`TypeError` saying what is wrong."""
-        if not isinstance(data, dict):
-            raise TypeError(f"a leaf description is a {type(data).__name__}, not an object")
-        name = data["name"]
-        if (
-            not isinstance(name, list)
-            or not name
-            or not all(isinstance(n, str) and n for n in name)
-        ):
-            raise ValueError(f"leaf name {name!r} is not a list of non-empty strings")
-        try:
-            kind = Kind(data["kind"])
-        except ValueError:
-            allowed = tuple(k.value for k in Kind)
-            raise ValueError(f"leaf kind {data['kind']!r} is not one of {allowed}") from None
-        shape = data["shape"]
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise ValueError(f"leaf shape {shape!r} is not a list of non-negative ints")
-        dtype = np.dtype(str(data["dtype"]))  # TypeError for an unknown dtype
-        impl = data.get("impl")
-        if kind == KEY and not isinstance(impl, str):
-            raise ValueError(f"key leaf has no PRNG implementation name (impl={impl!r})")
-        if kind == KEY:
-            key_data_shape(impl)  # ValueError for an unknown implementation
-        pytype = data.get("pytype")
-        if kind == SCALAR and pytype not in ("bool", "int", "float", "complex"):
-            raise ValueError(f"scalar leaf has Python type {pytype!r}")
-        return cls(
-            path=str(data["path"]),
-            name=tuple(name),
-            kind=kind,
-            dtype=dtype.name,
-            shape=tuple(shape),
-            impl=impl,
-            pytype=pytype,
-        )
 
 
 def _key_name(entry: Any, where: str, path: str) -> str:
@@ -414,12 +319,6 @@ def eager_value(spec: LeafSpec, leaf: Any) -> Any:
     if is_constant(leaf):
         return np.asarray(leaf, dtype=np.dtype(spec.dtype))
     return leaf
-
-
-@functools.lru_cache
-def key_data_shape(impl: str | None) -> tuple[int, ...]:
-    """The trailing shape of one key's data for a PRNG implementation."""
-    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
 
 
 EMPTY_NAME = "_jax_cb_ckpt_empty"  # Orbax refuses an empty item: a placeholder leaf

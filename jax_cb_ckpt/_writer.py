@@ -291,11 +291,10 @@ class Writer:
         return None
 
     def _write_descriptions(self, temp: str, item: SaveItem) -> None:
-        """The primary's files of a step that depend on no array written: Orbax's
-        description of the tree (`state/_METADATA`) and of the step
-        (`_CHECKPOINT_METADATA`)."""
+        """The primary's file of a step that depends on no array written: Orbax's
+        description of the tree (`state/_METADATA`). (Orbax's step file,
+        `_CHECKPOINT_METADATA`, holds our record of the meta item: `write_meta`.)"""
         _store.write_state_metadata(os.path.join(temp, _format.STATE_ITEM), _paths(item.tree))
-        _format.write_step_file(temp)
 
     def _write_arrays(
         self, temp: str, item: SaveItem, group: Group | Solo

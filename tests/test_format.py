@@ -105,12 +105,12 @@ def _meta(**changes):
         batch_shape=(2,),
         members=[True, False],
     )
-    return {**meta, "checksums": {"w": {"0": 1}}, **changes}
+    return {**meta, "checksums": {"w": {"0:2,0:3": 1}}, **changes}
 
 
 def test_the_step_meta_written_is_read_back_field_by_field():
     meta = fmt.StepMeta.parse(_meta())
-    assert meta.step == 7 and meta.batch_shape == (2,) and meta.checksums == {"w": {"0": 1}}
+    assert meta.step == 7 and meta.batch_shape == (2,) and meta.checksums == {"w": {"0:2,0:3": 1}}
     assert [leaf.name for leaf in meta.leaves] == [("w",)] and meta.leaves[0].shape == (2, 3)
     assert meta.members.tolist() == [True, False]
     assert meta.versions == {"library_version": "1.0", "jax_version": "0.10.2"}
@@ -136,6 +136,10 @@ def test_what_an_older_version_did_not_record_has_its_default():
         ({"checksums": []}, "'checksums' is a list, not an object"),
         ({"shardings": "P()"}, "'shardings' is a str, not an object"),
         ({"leaves": [{"name": ["w"]}]}, "'kind'"),
+        ({"checksums": {"w": {"0;2,0:3": 1}}}, "checksum '0;2,0:3': 1 of 'w' is not a region"),
+        ({"checksums": {"w": {"0:2,0:4": 1}}}, "is not a region of its shape [2, 3]"),
+        ({"checksums": {"w": {"0:2,0:3": -1}}}, "with a CRC-32"),
+        ({"checksums": {"v": {"0:2,0:3": 1}}}, "names 'v', which is not a leaf"),
     ],
 )
 def test_an_edited_step_meta_is_refused_naming_the_field(changes, words):
@@ -145,20 +149,38 @@ def test_an_edited_step_meta_is_refused_naming_the_field(changes, words):
     assert words in str(caught.value)
 
 
+def _bare_step(step, n):
+    """A step folder as an older version wrote it (no record in the step file): its
+    items, Orbax's files, and a meta item with our tag and its step."""
+    for item in (fmt.STATE_ITEM, fmt.META_ITEM):
+        (step / item).mkdir(parents=True)
+    (step / fmt.ORBAX_STEP_FILE).write_text("{}")
+    (step / fmt.STATE_ITEM / fmt.STATE_METADATA).write_text("{}")
+    (step / fmt.META_ITEM / fmt.META_FILE).write_text(json.dumps({"format": fmt.FORMAT, "step": n}))
+
+
+def test_orbax_handler_names_are_orbax_s_own():
+    """The step file names Orbax's handlers without importing Orbax (`HANDLERS`)."""
+    import orbax.checkpoint as ocp
+
+    for item, handler in (
+        (fmt.META_ITEM, ocp.JsonCheckpointHandler),
+        (fmt.STATE_ITEM, ocp.PyTreeCheckpointHandler),
+    ):
+        assert fmt.HANDLERS[item] == f"{handler.__module__}.{handler.__qualname__}"
+
+
 def test_a_step_is_listed_by_what_its_meta_says_now_not_when_first_read(tmp_path):
     """is_checkpoint remembers a meta file's format tag until the file changes: an
     edit (or a replacement) is seen at the next listing."""
     step = tmp_path / "3"
-    for item in (fmt.STATE_ITEM, fmt.META_ITEM):
-        (step / item).mkdir(parents=True)
-    (step / fmt.ORBAX_STEP_FILE).write_text("{}")
+    _bare_step(step, 3)
     meta = step / fmt.META_ITEM / fmt.META_FILE
-    meta.write_text(json.dumps({"format": fmt.FORMAT}))
     assert fmt.list_steps(str(tmp_path)) == [3]
-    meta.write_text(json.dumps({"format": "other/9"}))
+    meta.write_text(json.dumps({"format": "other/9", "step": 3}))
     assert fmt.list_steps(str(tmp_path)) == []
     replacement = tmp_path / "new"
-    replacement.write_text(json.dumps({"format": fmt.FORMAT}))
+    replacement.write_text(json.dumps({"format": fmt.FORMAT, "step": 3}))
     os.replace(replacement, meta)
     assert fmt.list_steps(str(tmp_path)) == [3]
     meta.unlink()
@@ -169,11 +191,7 @@ def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
     """A writer's retention sets a step aside at every save: what is_checkpoint
     remembered of it goes too, or a long run's memory would grow with its saves."""
     for n in range(3):
-        step = tmp_path / str(n)
-        for item in (fmt.STATE_ITEM, fmt.META_ITEM):
-            (step / item).mkdir(parents=True)
-        (step / fmt.ORBAX_STEP_FILE).write_text("{}")
-        (step / fmt.META_ITEM / fmt.META_FILE).write_text(json.dumps({"format": fmt.FORMAT}))
+        _bare_step(tmp_path / str(n), n)
     assert fmt.list_steps(str(tmp_path)) == [0, 1, 2]
     remembered = [k for k in fmt._TAGS if k.startswith(str(tmp_path))]
     assert len(remembered) == 3

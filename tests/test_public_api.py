@@ -8,6 +8,7 @@ PUBLIC = [
     "CheckpointerClosedError",
     "CheckpointWarning",
     "ConfigError",
+    "DamagedStepWarning",
     "DirectoryLockedError",
     "DuplicateStepWarning",
     "InvalidStateError",

@@ -1,0 +1,162 @@
+"""What a checkpoint directory holds is input (issue 28, part 2): a damaged, renamed or
+foreign step folder is reported, never restored as another step and never silently
+skipped; nothing in one folder stops the others; nothing is read or allocated beyond
+what the step's own files justify. Each test was seen failing on the code before it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import run_child, state_at
+
+import jax_cb_ckpt
+from jax_cb_ckpt import DamagedStepWarning, RestoreError
+
+SCRIPT = Path(sys.executable).with_name("jax-cb-ckpt")
+
+
+def _saved(directory, steps=(4, 8)):
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        for step in steps:
+            ckpt.save(state_at(step), step)
+
+
+def test_a_damaged_newest_step_is_reported_not_silently_skipped(tmp_path):
+    """(a) A partial copy of the newest step's meta: listing and restore name it (a
+    DamagedStepWarning) instead of going back to step 4 in silence; the CLI lists it
+    as damaged and `verify` exits 1. Nothing is deleted."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    meta = d / "8" / "meta" / "metadata"
+    text = meta.read_bytes()
+    meta.write_bytes(text[: len(text) // 2])
+    for call in (
+        lambda: jax_cb_ckpt.all_steps(d),
+        lambda: jax_cb_ckpt.latest_step(d),
+        lambda: jax_cb_ckpt.restore(d, state_at(0)),
+    ):
+        with pytest.warns(DamagedStepWarning, match=r"step 8: 'meta/metadata' holds \d+ bytes"):
+            call()
+    with pytest.warns(DamagedStepWarning):
+        assert jax_cb_ckpt.all_steps(d) == [4]
+    with pytest.raises(RestoreError, match=r"step 8 .* is damaged"):
+        jax_cb_ckpt.restore(d, state_at(0), step=8)
+    ls = run_child([str(SCRIPT), "ls", str(d)], timeout=120)
+    assert ls.returncode == 0, ls.stderr
+    assert "damaged" in ls.stdout and " 8 " in ls.stdout, ls.stdout
+    verify = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "step 8: DAMAGED" in verify.stdout
+    assert meta.read_bytes() == text[: len(text) // 2]  # untouched
+
+
+def test_a_renamed_step_is_not_restored_as_another_step(tmp_path):
+    """(b) Folder 4 renamed to 12: not listed, and restore(step=12) refuses naming the
+    step it holds, where it returned step 4's state."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    os.rename(d / "4", d / "12")
+    with pytest.warns(
+        DamagedStepWarning, match=r"step 12: the folder is named 12 but holds step 4"
+    ):
+        assert jax_cb_ckpt.all_steps(d) == [8]
+    with pytest.raises(RestoreError, match=r"named 12 but holds step 4"):
+        jax_cb_ckpt.restore(d, state_at(0), step=12)
+
+
+def test_a_foreign_folder_of_nested_brackets_stops_nothing(tmp_path):
+    """(f) A folder 7/ whose meta is 400 KB of '[': listing, restore, opening a
+    Checkpointer and `ls` go on (they raised RecursionError / "could not open")."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    (d / "7" / "meta").mkdir(parents=True)
+    (d / "7" / "meta" / "metadata").write_text("[" * 400_000)
+    with pytest.warns(DamagedStepWarning, match=r"step 7: "):
+        assert jax_cb_ckpt.all_steps(d) == [4, 8]
+    with pytest.warns(DamagedStepWarning):
+        restored = jax_cb_ckpt.restore(d, state_at(0))
+    assert jax_cb_ckpt.same_bits(restored, state_at(8))
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save(state_at(9), 9)
+    assert (d / "7" / "meta" / "metadata").stat().st_size == 400_000
+    ls = run_child([str(SCRIPT), "ls", str(d)], timeout=120)
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr, ls.stderr
+
+
+def test_a_sparse_huge_meta_is_not_read_at_listing(tmp_path):
+    """(e) A foreign folder with a sparse 512 MiB meta file cost +640 MiB at every
+    listing and opening: now it is refused by its size, unread."""
+    d = tmp_path / "ckpt"
+    _saved(d, steps=(4,))
+    (d / "5" / "meta").mkdir(parents=True)
+    with open(d / "5" / "meta" / "metadata", "wb") as f:
+        f.write(b'{"format": "jax_cb_ckpt/1", "leaves": [')
+        f.truncate(512 << 20)
+    code = (
+        "import resource, warnings, jax_cb_ckpt\n"
+        "warnings.simplefilter('ignore')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"assert jax_cb_ckpt.all_steps({str(d)!r}) == [4]\n"
+        f"jax_cb_ckpt.Checkpointer({str(d)!r}).close()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    assert int(child.stdout.split()[-1]) < 64, child.stdout  # MiB of peak growth
+
+
+@pytest.mark.parametrize("flip", [('"0:', '"0;'), ('"leaves"', '"leavez"')])
+def test_a_flipped_region_key_is_a_restore_error(tmp_path, flip):
+    """(g) A bit flip in a checksum's region key ("0:3" to "0;3") escaped restore() and
+    verify() as a bare ValueError. Rewritten consistently (the record in the step file
+    matching it), so that the description's own checks are what catch it."""
+    from jax_cb_ckpt import _format
+
+    d = tmp_path / "ckpt"
+    _saved(d, steps=(4,))
+    meta = json.loads((d / "4" / "meta" / "metadata").read_text())
+    text = json.dumps(meta).replace(*flip, 1)
+    _format.write_meta(str(d / "4"), json.loads(text))
+    for call in (
+        lambda: jax_cb_ckpt.restore(d, state_at(0), step=4),
+        lambda: jax_cb_ckpt.verify(d, step=4),
+    ):
+        with pytest.raises(RestoreError, match=r"item is invalid|is damaged"):
+            call()
+
+
+def test_verify_of_a_directory_without_checkpoints_fails(tmp_path):
+    """(i) `verify DIR && deploy` on a wrong path (the run's parent) exited 0."""
+    (tmp_path / "ckpt").mkdir()
+    run = run_child([str(SCRIPT), "verify", str(tmp_path / "ckpt")], timeout=120)
+    assert run.returncode == 2, run.stdout
+    assert "no checkpoints" in run.stderr
+    # ls on someone else's step-numbered folders says what is there
+    (tmp_path / "ckpt" / "3").mkdir()
+    ls = run_child([str(SCRIPT), "ls", str(tmp_path / "ckpt")], timeout=120)
+    assert "3" in ls.stdout and "not a jax_cb_ckpt checkpoint" in ls.stdout, ls.stdout
+
+
+def test_the_cli_escapes_what_it_prints(tmp_path):
+    """(h) A leaf name with a lone surrogate crashed `show` (UnicodeEncodeError) and
+    terminal escape codes reached the terminal."""
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save({"a\x1b[31mred": np.ones(3, np.float32)}, 1)
+    from jax_cb_ckpt import _format
+
+    meta = json.loads((d / "1" / "meta" / "metadata").read_text())
+    meta["leaves"][0]["path"] = "['\udcff\x1b]0;owned\x07']"
+    _format.write_meta(str(d / "1"), meta)
+    for command in ("show", "verify", "ls"):
+        run = run_child([str(SCRIPT), command, str(d)], timeout=120)
+        assert "Traceback" not in run.stderr, run.stderr
+        assert "\x1b" not in run.stdout + run.stderr, (command, run.stdout)
+    show = run_child([str(SCRIPT), "show", str(d)], timeout=120)
+    assert show.returncode == 0 and "\\x1b" in show.stdout, show.stdout
