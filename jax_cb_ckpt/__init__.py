@@ -1,6 +1,13 @@
-"""jax_cb_ckpt: save Orbax checkpoints from inside jitted JAX code, restore them exactly."""
+"""jax_cb_ckpt: save Orbax checkpoints from inside jitted JAX code, restore them exactly.
 
-from ._checkpointer import Checkpointer as Checkpointer
+The names that need JAX are imported when first used (PEP 562), so that the command
+line (`jax-cb-ckpt ls`, which reads JSON files) starts without importing JAX (~1.8 s)
+and importing the package installs no third-party logging handler. The exception and
+warning types are imported at once: they need nothing.
+"""
+
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from ._errors import CheckpointerClosedError as CheckpointerClosedError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointWarning as CheckpointWarning
@@ -17,15 +24,47 @@ from ._errors import SkippedSaveWarning as SkippedSaveWarning
 from ._errors import StepExistsError as StepExistsError
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import UnflushedSaveWarning as UnflushedSaveWarning
-from ._preempt import Preempted as Preempted
-from ._restore import all_steps as all_steps
-from ._restore import latest_step as latest_step
-from ._restore import metadata as metadata
-from ._restore import restore as restore
-from ._restore import verify as verify
-from ._stats import SaveRecord as SaveRecord
-from ._stats import Stats as Stats
-from ._tree import same_bits as same_bits
 from ._version import version as _version
 
+if _TYPE_CHECKING:
+    from ._checkpointer import Checkpointer as Checkpointer
+    from ._preempt import Preempted as Preempted
+    from ._restore import all_steps as all_steps
+    from ._restore import latest_step as latest_step
+    from ._restore import metadata as metadata
+    from ._restore import restore as restore
+    from ._restore import verify as verify
+    from ._stats import SaveRecord as SaveRecord
+    from ._stats import Stats as Stats
+    from ._tree import same_bits as same_bits
+
+# {public name: the private module it comes from}, imported on first use.
+_LAZY = {
+    "Checkpointer": "_checkpointer",
+    "Preempted": "_preempt",
+    "all_steps": "_restore",
+    "latest_step": "_restore",
+    "metadata": "_restore",
+    "restore": "_restore",
+    "verify": "_restore",
+    "SaveRecord": "_stats",
+    "Stats": "_stats",
+    "same_bits": "_tree",
+}
+
 __version__ = _version()
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jax_cb_ckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -22,8 +22,7 @@ import warnings
 from typing import Any
 
 from . import _format, _remote, _spec
-from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError
-from ._restore import metadata, step_meta, verify
+from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
 
 _FAILED = 1
 _UNUSABLE = 2
@@ -131,10 +130,27 @@ def _ls(directory: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _meta(directory: str, step: int | None) -> tuple[dict[str, Any], _format.StepMeta]:
+    """A step's `meta` item (default: the latest step), checked and parsed, read with
+    the format's own functions (no JAX, no TensorStore: `ls` and `show` start at once)."""
+    if step is None:
+        steps = _format.list_steps(directory)
+        if not steps:
+            raise NoCheckpointError(f"no checkpoints in {directory}")
+        step = steps[-1]
+    elif step not in _format.examine_all(directory):
+        raise NoCheckpointError(f"no step {step} in {directory}")
+    try:
+        meta = _format.load_meta(os.path.join(directory, str(step)), step)
+        return meta, _format.StepMeta.parse(meta)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise RestoreError(f"step {step} of {directory} is damaged: {e}") from e
+
+
 def _listed(directory: str, step: int) -> dict[str, Any] | None:
     path = os.path.join(directory, str(step))
     try:
-        saved_at = step_meta(directory, step=step).saved_at or _mtime(path)
+        saved_at = _meta(directory, step)[1].saved_at or _mtime(path)
     except (CheckpointError, OSError):
         if not _format.exists(path):  # removed by retention meanwhile
             return None
@@ -171,9 +187,9 @@ def _mtime(path: str) -> str | None:
 
 def _show(directory: str, args: argparse.Namespace) -> int:
     if args.json:
-        _print_json({"directory": directory, **metadata(directory, step=args.step)})
+        _print_json({"directory": directory, **_meta(directory, args.step)[0]})
         return 0
-    meta = step_meta(directory, step=args.step)
+    meta = _meta(directory, args.step)[1]
     _say(f"step {meta.step} of {directory}")
     _say(f"  saved at      {meta.saved_at or 'not recorded (older version)'}")
     written = ", ".join(
@@ -236,6 +252,8 @@ def _sharding(described: dict[str, Any]) -> str:
 
 
 def _verify(directory: str, args: argparse.Namespace) -> int:
+    from ._restore import verify  # reading arrays needs TensorStore (and JAX, for now)
+
     damaged = _format.damaged_steps(directory)
     if args.step is None:
         steps = sorted(set(_format.list_steps(directory)) | set(damaged))
@@ -251,7 +269,7 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
         try:
             if step in damaged:
                 raise _format.DamagedStep(damaged[step])
-            result["checksums"] = bool(step_meta(directory, step=step).checksums)
+            result["checksums"] = bool(_meta(directory, step)[1].checksums)
             with warnings.catch_warnings():  # a damaged step is its own line here
                 warnings.simplefilter("ignore", DamagedStepWarning)
                 verify(directory, step=step)

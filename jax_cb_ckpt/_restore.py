@@ -398,7 +398,7 @@ def _read_state_directly(
             shape = saved.stored_shape
             if 0 in shape:
                 continue  # not stored
-            store = _verify.open_leaf(step_dir, saved.name)
+            store = _verify.open_leaf(step_dir, saved)
             sharding = placed.get(saved.name)
             if sharding is not None:
                 array = jax.make_array_from_callback(
@@ -464,6 +464,14 @@ def restore(
         sharding = _placement(leaf, spec, by_name[spec.name])
         if sharding is not None:
             placed[spec.name] = sharding
+    try:
+        _verify.check_layouts(os.path.join(path, str(step)), saved_specs)
+    except _verify.LayoutError as e:
+        raise RestoreError(f"{where}: {e}. Fix: restore another step.") from e
+    except Exception as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
+        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
     if _remote.is_url(path):
         tree = _read_state_directly(path, step, where, seen, saved_specs, placed)
     else:
@@ -602,9 +610,9 @@ def _member_leaf(
 
     if batched:
         full = batch + stored
-        array = _verify.read_member(step_dir, saved.name, full, index, leaf_sums, report)
+        array = _verify.read_member(step_dir, saved, full, index, leaf_sums, report)
     else:
-        array = _verify.read_leaf(step_dir, saved.name)
+        array = _verify.read_leaf(step_dir, saved)
         if leaf_sums is not None:
             _verify.check_host(array, leaf_sums, report)
     return _as_described(array, saved, stored, where)
@@ -650,7 +658,7 @@ def _checksums(meta: _format.StepMeta, step_dir: str, where: str) -> Any:
             return _verify.mismatch(where, name, saved.path, key, step_dir)
 
         def read_host() -> np.ndarray:
-            return _verify.read_leaf(step_dir, saved.name)
+            return _verify.read_leaf(step_dir, saved)
 
         _verify.check_leaf(array, leaf_sums, read_host, report)
 
@@ -687,8 +695,11 @@ def _short(steps: list[int]) -> str:
 def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
     """Check every stored byte of `step` (default: every step) against the checksums
     recorded when it was written, without a `like`: each leaf is read whole into host
-    memory, one at a time. Returns the steps checked; raises `RestoreError` naming the
-    first corrupted leaf (its step, region and directory). Blocks while reading."""
+    memory, one at a time, once its stored layout is the described one. A step written
+    without checksums (an older version) is read whole too, so a cut or missing file
+    fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
+    the steps checked; raises `RestoreError` naming the first corrupted leaf (its step,
+    region and directory), or a damaged step named by `step=`. Blocks while reading."""
     path = _format.resolve(directory, "verify")
     steps = _format.list_steps(path)
     if step is not None:
@@ -697,18 +708,21 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         where = f"verify(step={one}) of {path!r}"
         seen = _identify(path, one, where)
         meta = _parsed(_read_meta(path, one, where, seen), where)
+        # Without checksums (an older version's step) every byte is still read: a cut
+        # or missing file fails here, where it would fail a restore.
         check = _checksums(meta, os.path.join(path, str(one)), where)
-        if check is None:
-            continue
         for saved in meta.leaves:
             shape = saved.stored_shape
             if 0 in shape:
                 continue  # described, not stored
             try:
-                array = _verify.read_leaf(os.path.join(path, str(one)), saved.name)
+                array = _verify.read_leaf(os.path.join(path, str(one)), saved)
+            except _verify.LayoutError as e:
+                raise RestoreError(f"{where}: {e}. Fix: restore another step.") from e
             except Exception as e:
                 if not _still_there(path, one, seen):
                     raise _removed(path, one, where) from e
                 raise RestoreError(f"{where}: cannot read leaf {saved.path}: {e}") from e
-            check(saved, array)
+            if check is not None:
+                check(saved, array)
     return steps

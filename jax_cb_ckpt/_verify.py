@@ -16,6 +16,7 @@ directory. Steps written before checksums existed (no `checksums` in `meta`) pas
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -23,8 +24,10 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from . import _dtypes
 from ._errors import RestoreError
 from ._format import STATE_ITEM
+from ._spec import LeafSpec
 from ._store import base_spec, checksum, param_name, region_key
 
 
@@ -77,7 +80,7 @@ def _shard_region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Any:
 
 def read_member(
     step_dir: str,
-    name: tuple[str, ...],
+    saved: LeafSpec,
     shape: tuple[int, ...],
     member: tuple[int, ...],
     sums: dict[str, int] | None,
@@ -101,7 +104,7 @@ def read_member(
                 slice(min(r[d].start for _, r in held), max(r[d].stop for _, r in held))
                 for d in range(len(shape))
             )
-    data = open_leaf(step_dir, name)[box].read().result()
+    data = open_leaf(step_dir, saved, shape)[box].read().result()
     for key, region in held:
         local = tuple(
             slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
@@ -111,23 +114,87 @@ def read_member(
     return data[tuple(i - b.start for i, b in zip(member, box, strict=False))]
 
 
-def read_leaf(step_dir: str, name: tuple[str, ...]) -> np.ndarray:
+def read_leaf(step_dir: str, saved: LeafSpec) -> np.ndarray:
     """One stored leaf, read whole into host memory with TensorStore (no Orbax)."""
-    return open_leaf(step_dir, name).read().result()
+    return open_leaf(step_dir, saved).read().result()
 
 
-def open_leaf(step_dir: str, name: tuple[str, ...]) -> Any:
+def open_leaf(step_dir: str, saved: LeafSpec, shape: tuple[int, ...] | None = None) -> Any:
+    """A stored leaf's zarr array, opened for reading once its stored layout (its
+    `.zarray`: dtype, shape, chunks) is the one the step's description `saved` gives
+    (`shape`: the stored shape, when `saved` is one member's description), so that
+    nothing is read or allocated on a claim of the file alone; else `LayoutError`."""
     state = os.path.join(step_dir, STATE_ITEM)
-    return ts.open(
+    store = ts.open(
         {
             "driver": "zarr",
             "kvstore": {
                 "driver": "ocdbt",
                 "base": base_spec(state),
-                "path": f"{param_name(name)}/",
+                "path": f"{param_name(saved.name)}/",
             },
             "open": True,
         },
         read=True,
         context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}),
     ).result()
+    expected = saved.stored_shape if shape is None else shape
+    chunks = tuple(int(c or 0) for c in store.chunk_layout.read_chunk.shape or ())
+    _check_layout(saved, expected, tuple(store.shape), store.dtype.numpy_dtype, chunks)
+    return store
+
+
+def check_layouts(step_dir: str, specs: tuple[LeafSpec, ...]) -> None:
+    """Every stored leaf's `.zarray` (read as raw bytes, all at once, each within 64 KiB)
+    agrees with the step's description: before a reader (Orbax's among them) allocates
+    what a `.zarray` claims. `LayoutError` naming the first leaf that does not."""
+    stored = [s for s in specs if 0 not in s.stored_shape]
+    if not stored:
+        return
+    kv = ts.KvStore.open(
+        {"driver": "ocdbt", "base": base_spec(os.path.join(step_dir, STATE_ITEM))}
+    ).result()
+    reads = [(s, kv.read(f"{param_name(s.name)}/.zarray")) for s in stored]
+    for saved, future in reads:
+        value = future.result().value
+        try:
+            if len(value) > 64 << 10:
+                raise ValueError("larger than 64 KiB")
+            zarray = json.loads(bytes(value))
+            dtype = np.dtype(zarray["dtype"])
+            shape, chunks = tuple(zarray["shape"]), tuple(zarray["chunks"])
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            raise LayoutError(
+                f"leaf {saved.path}: its stored array's description "
+                f"('{param_name(saved.name)}/.zarray') cannot be read ({e}): the step was "
+                "edited or corrupted; nothing was read from it"
+            ) from None
+        _check_layout(saved, saved.stored_shape, shape, dtype, chunks)
+
+
+def _check_layout(
+    saved: LeafSpec,
+    expected: tuple[int, ...],
+    shape: tuple[int, ...],
+    stored: np.dtype,
+    chunks: tuple[int, ...],
+) -> None:
+    dtype = np.dtype(saved.dtype)
+    problem = None
+    if tuple(shape) != tuple(expected):
+        problem = f"shape {list(shape)}, where the description gives {list(expected)}"
+    elif _dtypes.from_storage(np.zeros(0, stored), dtype) is None:
+        problem = f"dtype {stored.name}, where the description gives {dtype.name}"
+    elif len(chunks) != len(expected) or not all(
+        isinstance(c, int) and 1 <= c <= max(1, n) for c, n in zip(chunks, expected, strict=False)
+    ):
+        problem = f"chunks {list(chunks)}, which do not fit its shape {list(expected)}"
+    if problem is not None:
+        raise LayoutError(
+            f"leaf {saved.path}: its stored array ('{param_name(saved.name)}/.zarray') has "
+            f"{problem}: the step was edited or corrupted; nothing was read from it"
+        )
+
+
+class LayoutError(ValueError):
+    """A leaf's stored layout is not the one its description gives."""

@@ -151,3 +151,41 @@ def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli("ls", empty).stdout.startswith("no checkpoints in"), cli("ls", empty)
+
+
+def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
+    """`ls`, `show` and `--help` read JSON files: they import neither JAX (~1.8 s) nor
+    Orbax nor TensorStore. Their start time is printed (pytest -s); a timed
+    assertion would fail on a loaded machine, the imports are what is checked."""
+    import time
+
+    probe = (
+        "import sys, runpy; sys.argv = ['jax-cb-ckpt', *sys.argv[1:]]\n"
+        "from jax_cb_ckpt._cli import main\n"
+        "code = main()\n"
+        "heavy = [m for m in ('jax', 'orbax.checkpoint', 'tensorstore') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    for args in (["ls", str(saved)], ["show", str(saved)], ["--help"]):
+        run = run_child([sys.executable, "-c", probe, *args], timeout=120)
+        if args != ["--help"]:
+            assert run.returncode == 0, run.stderr
+            assert "HEAVY []" in run.stdout, run.stdout
+        start = time.perf_counter()
+        cli(*args)
+        print(f"jax-cb-ckpt {args[0]}: {time.perf_counter() - start:.2f} s")
+
+
+def test_logging_basicconfig_after_import_shows_the_library_s_lines(tmp_path):
+    """docs/cli.md's recipe: `logging.basicConfig(level=logging.INFO)` after `import
+    jax_cb_ckpt` shows the saved-step line (importing Orbax at package import installed
+    absl's handler on the root logger first, so basicConfig did nothing)."""
+    code = (
+        "import jax_cb_ckpt, logging, numpy as np\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"with jax_cb_ckpt.Checkpointer({str(tmp_path / 'c')!r}) as c:\n"
+        "    c.save({'w': np.ones(3)}, 1)\n"
+    )
+    run = run_child([sys.executable, "-c", code], timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "INFO:jax_cb_ckpt:jax_cb_ckpt: saved step 1" in run.stderr, run.stderr

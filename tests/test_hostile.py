@@ -160,3 +160,73 @@ def test_the_cli_escapes_what_it_prints(tmp_path):
         assert "\x1b" not in run.stdout + run.stderr, (command, run.stdout)
     show = run_child([str(SCRIPT), "show", str(d)], timeout=120)
     assert show.returncode == 0 and "\\x1b" in show.stdout, show.stdout
+
+
+def _rewrite_zarray(step_dir, name, change):
+    """Edit a leaf's `.zarray` inside the state item's OCDBT database, as a tool that
+    knows the format would."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(
+        {"driver": "ocdbt", "base": {"driver": "file", "path": f"{step_dir}/state/"}}
+    ).result()
+    zarray = json.loads(kv.read(f"{name}/.zarray").result().value)
+    change(zarray)
+    kv.write(f"{name}/.zarray", json.dumps(zarray)).result()
+
+
+def _big_state():
+    return {
+        "big": np.arange(1 << 18, dtype=np.float32),  # above SMALL_BYTES: the zarr driver
+        "small": np.arange(4, dtype=np.float32),
+    }
+
+
+@pytest.mark.parametrize("leaf", ["big", "small"])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda z: z.update(dtype="<i4"), r"has dtype int32, where the description gives"),
+        (lambda z: z.update(shape=[1 << 28], chunks=[1 << 28]), r"has shape \[268435456\]"),
+        (lambda z: z.update(shape=[1 << 40], chunks=[1 << 40]), r"has shape \[1099511627776\]"),
+    ],
+)
+def test_a_stored_layout_unlike_the_description_is_refused_unread(tmp_path, leaf, change, words):
+    """(d, e) A `.zarray` whose dtype became another of the same size passed verify; one
+    claiming 1 GiB cost +1 GiB peak, one claiming 4 TiB aborted the CLI (bad_alloc)."""
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save(_big_state(), 1)
+    _rewrite_zarray(d / "1", leaf, change)
+    with pytest.raises(RestoreError, match=words):
+        jax_cb_ckpt.verify(d)
+    run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAILED" in run.stdout and leaf in run.stdout, run.stdout
+    with pytest.raises(RestoreError):
+        jax_cb_ckpt.restore(d, _big_state())
+
+
+def test_verify_reads_every_byte_of_a_step_without_checksums(tmp_path):
+    """(c) A step without checksums (an older version's) whose data file is cut in half
+    passed verify unread ("readable", exit 0)."""
+    from jax_cb_ckpt import _format
+
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save(_big_state(), 1)
+        ckpt.save(_big_state(), 2)
+    for step in (1, 2):
+        meta = json.loads((d / str(step) / "meta" / "metadata").read_text())
+        del meta["checksums"]
+        _format.write_meta(str(d / str(step)), meta)
+    run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
+    assert run.returncode == 3, run.stdout + run.stderr  # readable, not verifiable
+    assert "step 1: readable, NOT verified" in run.stdout
+    data = max((d / "1" / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(RestoreError, match=r"cannot read leaf"):
+        jax_cb_ckpt.verify(d, step=1)
+    run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "step 1: FAILED" in run.stdout and "step 2: readable, NOT verified" in run.stdout
