@@ -213,7 +213,7 @@ class ObjectLock(DirectoryLock):
             holder = _holder(data)
             taken_from = None
             if holder is not None:
-                generation = self._wait_for(holder, generation)
+                generation = self._wait_for(holder, data, generation)
                 taken_from = holder
             written = self._write(generation)
             if written is not None:
@@ -274,7 +274,7 @@ class ObjectLock(DirectoryLock):
             "environment (docs/storage.md)."
         )
 
-    def _wait_for(self, holder: dict[str, Any], generation: bytes) -> bytes:
+    def _wait_for(self, holder: dict[str, Any], seen: bytes | None, generation: bytes) -> bytes:
         """The generation to take the lock over from, once its holder is judged dead; a
         `DirectoryLockedError` when it shows a heartbeat."""
         if holder.get("pid_space") == _pid_space() and not _alive(holder.get("pid")):
@@ -283,7 +283,10 @@ class ObjectLock(DirectoryLock):
         while time.monotonic() < deadline:
             time.sleep(min(0.5, self.BEAT_S / 4))
             data, now = self._read()
-            if now == generation:
+            # A heartbeat changes the object: its generation, and its content (the beat
+            # time), which is all there is to see where the server reports no
+            # generation (`_remote.UNKNOWN`).
+            if now == generation and data == seen:
                 continue
             if _holder(data) is None:  # released meanwhile
                 return now

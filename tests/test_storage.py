@@ -51,6 +51,31 @@ def big_state(seed=0, mib=32):
     }
 
 
+# The storage basics run on a third server as well: gcp-storage-emulator (conftest's
+# `remote`), which ignores the key range of a listing. It also sends no generation with
+# an object's bytes (no x-goog-generation header), and TensorStore's OCDBT reader,
+# rechecking its cached manifest, then fails with "Malformed StorageGeneration"
+# (plain Orbax, which opens arrays without rechecking, reads them): reading arrays
+# there needs `recheck_cached_data="open"` in `_verify.open_leaf` (a committed step
+# never changes). Until then a restore there is expected to fail, with a RestoreError
+# (any other error, e.g. a save refused, fails the test); saving, listing, metadata
+# and retention are checked before it.
+EMULATOR_CANNOT_READ_ARRAYS = pytest.mark.xfail(
+    raises=jax_cb_ckpt.RestoreError,
+    strict=True,
+    reason="gcp-storage-emulator sends no object generation; _verify.open_leaf rechecks",
+)
+THREE_SERVERS = pytest.mark.parametrize(
+    "remote",
+    ["gs", "s3", pytest.param("gcp-storage-emulator", marks=EMULATOR_CANNOT_READ_ARRAYS)],
+    indirect=True,
+)
+THREE_SERVERS_NO_ARRAYS_READ = pytest.mark.parametrize(
+    "remote", ["gs", "s3", "gcp-storage-emulator"], indirect=True
+)
+
+
+@THREE_SERVERS
 def test_save_list_restore_retention_and_verify(remote, tmp_path, monkeypatch):
     """A run's steps land in the bucket, are listed once committed, keep max_to_keep,
     restore bit for bit, verify, and carry their metadata; no local folder is made
@@ -66,20 +91,22 @@ def test_save_list_restore_retention_and_verify(remote, tmp_path, monkeypatch):
         assert ckpt.all_steps() == [2, 3]
     assert jax_cb_ckpt.all_steps(url) == [2, 3]
     assert jax_cb_ckpt.latest_step(url) == 3
+    meta = jax_cb_ckpt.metadata(url)
+    assert meta["step"] == 3
+    # Retention deleted every object of steps 0 and 1 (and only those); the steps kept
+    # hold the marker written last.
+    names = keys(url)
+    assert not [k for k in names if k.split("/")[0] in ("0", "1")]
+    assert "3/commit_success.txt" in names and "3/.jax_cb_ckpt" in names
+    assert "2/commit_success.txt" in names and ".jax_cb_ckpt.lock" in names
+    assert os.listdir(tmp_path) == []
     for step in (2, 3):
         restored = jax_cb_ckpt.restore(url, states[0], step=step)
         assert_same_state(restored, states[step])
     assert jax_cb_ckpt.verify(url) == [2, 3]
-    meta = jax_cb_ckpt.metadata(url)
-    assert meta["step"] == 3
-    # Retention deleted every object of steps 0 and 1; the steps kept hold the marker
-    # written last.
-    names = keys(url)
-    assert not [k for k in names if k.split("/")[0] in ("0", "1")]
-    assert "3/commit_success.txt" in names and "3/.jax_cb_ckpt" in names
-    assert os.listdir(tmp_path) == []
 
 
+@THREE_SERVERS
 def test_a_resumed_run_continues_bit_for_bit(remote):
     """Kill nothing, just stop: a run resumed from the bucket equals the plain loop."""
     url = remote.url
@@ -189,6 +216,7 @@ def _first(seed):
     return np.random.default_rng(seed).standard_normal(8 << 20, dtype=np.float32)[0]
 
 
+@THREE_SERVERS_NO_ARRAYS_READ
 def test_listing_and_retention_touch_only_our_steps(remote):
     """Foreign objects under the prefix (a plain Orbax step, a step-named prefix, files)
     are never listed, never restored and never deleted, even by retention."""
@@ -256,7 +284,11 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize(
-    "remote", ["s3", pytest.param("gs", marks=pytest.mark.slow)], indirect=True
+    "remote",
+    # gcp-storage-emulator reports no generation when an object is read: the holder's
+    # heartbeat is seen as a change of the lock's content.
+    ["s3", "gcp-storage-emulator", pytest.param("gs", marks=pytest.mark.slow)],
+    indirect=True,
 )
 def test_a_second_live_writer_is_refused(remote, tmp_path):
     child = start_script(tmp_path, HOLDER, remote.url, ready="holding", env=remote.env)
