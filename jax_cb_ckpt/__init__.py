@@ -27,4 +27,8 @@ from ._stats import Stats as Stats
 from ._tree import same_bits as same_bits
 from ._version import version as _version
 
+# isort: split
+# Names added on branch issue29, kept at the end for an easy merge (sort them in then).
+from ._errors import ForeignStepWarning as ForeignStepWarning
+
 __version__ = _version()

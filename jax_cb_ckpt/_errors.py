@@ -74,3 +74,9 @@ class SaveFailedWarning(CheckpointWarning, RuntimeWarning):
 class UnflushedSaveWarning(CheckpointWarning, RuntimeWarning):
     """Saves were still pending at interpreter exit (or when a Checkpointer was garbage
     collected unclosed); they were written then."""
+
+
+class ForeignStepWarning(CheckpointWarning):
+    """In object storage, an uncommitted step prefix holding a whole step that this
+    library did not provably begin (a step copied there without its commit marker) was
+    found when a Checkpointer opened the location; it was left untouched."""

@@ -44,6 +44,9 @@ class DirectoryLock:
     """Held from construction until `release()` (idempotent)."""
 
     token = ""  # object storage: this writer's identity in the lock and its steps
+    # Object storage: the token of the holder this lock was taken over from (judged
+    # dead): the steps it left uncommitted are removed at the opening, whole or not.
+    taken_over_from = ""
 
     def __init__(self, directory: str, name: str = LOCK_NAME) -> None:
         self.directory = directory
@@ -241,6 +244,8 @@ class ObjectLock(DirectoryLock):
                 "run, or point this run at another location."
             )
         if taken_from is not None:
+            token = taken_from.get("token")
+            self.taken_over_from = token if isinstance(token, str) else ""
             logger.warning(
                 "jax_cb_ckpt: took over the lock of %s from %s: it showed no heartbeat "
                 "for %.0f s (or its process is gone from this host), so its writer is "

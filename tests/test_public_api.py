@@ -10,6 +10,7 @@ PUBLIC = [
     "ConfigError",
     "DirectoryLockedError",
     "DuplicateStepWarning",
+    "ForeignStepWarning",
     "InvalidStateError",
     "NoCheckpointError",
     "RestoreError",
