@@ -15,6 +15,7 @@ from ._errors import ConfigError as ConfigError
 from ._errors import DamagedStepWarning as DamagedStepWarning
 from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import DuplicateStepWarning as DuplicateStepWarning
+from ._errors import ForeignStepWarning as ForeignStepWarning
 from ._errors import InvalidStateError as InvalidStateError
 from ._errors import NoCheckpointError as NoCheckpointError
 from ._errors import RestoreError as RestoreError

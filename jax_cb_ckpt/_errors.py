@@ -81,3 +81,9 @@ class DamagedStepWarning(CheckpointWarning):
     checkpoint but is not whole (a partial copy, a cut or edited file, a folder renamed
     to another step): it is not listed or restored, and never deleted. Issued by
     `all_steps`, `latest_step` and `restore` without `step=`, naming the step."""
+
+
+class ForeignStepWarning(CheckpointWarning):
+    """In object storage, an uncommitted step prefix holding a whole step that this
+    library did not provably begin (a step copied there without its commit marker) was
+    found when a Checkpointer opened the location; it was left untouched."""

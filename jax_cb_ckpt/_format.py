@@ -26,9 +26,13 @@ checkpoint directory is ever touched.
 In object storage (`gs://`, `s3://`: `_remote.py`) there is no rename: a step's objects
 are written under `<step>/` directly, `<step>/.jax_cb_ckpt` first and Orbax's commit
 marker `<step>/commit_success.txt` last, and only a step holding both (and the item
-files) is listed. A step with our first object but no commit marker is a killed write
-of ours, deleted at the next opening; deleting a step removes its commit marker first
-(unlisted at once), our marker last. Objects without our marker are never deleted.
+files) is listed. Deleting a step removes its commit marker first (unlisted at once),
+our marker last. At an opening, an uncommitted step prefix is deleted only when our
+marker names a writer token (`step_writer`) and the prefix either lacks a file of a
+whole step (a write cut short) or was begun by the holder whose lock the opening
+took over (it died at its commit). A prefix without our marker is never deleted, nor
+is a whole step begun by another writer (a step copied here without its commit
+marker): those are reported (`clean_leftovers`), never taken for our own.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ _COMPLETE = frozenset(
         f"{STATE_ITEM}/{STATE_METADATA}",
     }
 )
+# The files every whole step has, wherever it was written (a local step has neither of
+# our markers): a prefix holding them is a step, copied or cut short at its commit.
+_STEP_FILES = _COMPLETE - {OURS_NAME, COMMIT_NAME}
+_TOKEN = re.compile(r"[0-9a-f]{32}", re.ASCII)  # a lock token (`_lock.ObjectLock`)
 
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
 
@@ -436,12 +444,18 @@ def begin_step(temp: str, writer: str = "") -> None:
 
 
 def step_writer(url: str) -> str | None:
-    """Object storage: the writer (lock token) that began step `url`, None if none."""
+    """Object storage: the writer (lock token) that began step `url`; None when there
+    is no marker, or the object under its name is not our marker (our format tag and a
+    token as a lock makes them)."""
     data, _ = _remote.read(f"{url}/{OURS_NAME}")
     try:
-        return json.loads(data or b"{}").get("writer")
-    except (ValueError, AttributeError):
+        marker = json.loads(data or b"{}")
+    except ValueError:
         return None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        return None
+    writer = marker.get("writer")
+    return writer if isinstance(writer, str) and _TOKEN.fullmatch(writer) else None
 
 
 def commit_step(directory: str, temp: str, final: str, nbytes: int, sync: StepSync) -> None:
@@ -516,15 +530,16 @@ def _remove_ours(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_temp(directory: str, name: str) -> None:
+def remove_temp(directory: str, name: str, writer: str = "") -> None:
     """Delete one attempt's temporary directory and Orbax's inside-out temporary of it.
-    In object storage (written under its final name): the step's objects, unless it
-    was committed."""
+    In object storage (written under its final name): the step's objects, if the
+    `writer` (its lock token) began it and it was not committed; a prefix that was
+    there before (a step copied there) or another writer's is never deleted."""
     if _remote.is_url(directory):
         url = f"{directory}/{name}"
         try:
             keys = set(_remote.list_keys(url))
-            if OURS_NAME in keys and COMMIT_NAME not in keys:
+            if OURS_NAME in keys and COMMIT_NAME not in keys and step_writer(url) == writer:
                 _remove_remote_step(url)
         except _remote.StorageError:
             pass  # storage gone: the next opening removes what is left (unlisted)
@@ -575,17 +590,6 @@ def remove_aside(path: str) -> None:
     _remove_ours(path)
 
 
-def _late_write_of_ours(url: str, keys: set[str]) -> bool:
-    """A step prefix without our marker or a commit marker, holding our `meta` item: a
-    writer paused past the lock's stale time wrote it after its step was removed."""
-    if f"{META_ITEM}/{META_FILE}" not in keys:
-        return False
-    try:
-        return json.loads(read_text(f"{url}/{META_ITEM}/{META_FILE}")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _remove_remote_step(url: str) -> None:
     """Delete an unlisted step of ours from object storage: our marker last, so that a
     deletion cut short is still recognised as ours (and finished by the next opening)."""
@@ -593,21 +597,32 @@ def _remove_remote_step(url: str) -> None:
     _remote.delete(f"{url}/{OURS_NAME}")
 
 
-def clean_leftovers(directory: str) -> None:
-    """Remove what a killed writer of ours left: temporaries and half-done deletions
-    (in object storage: steps of ours without a commit marker)."""
+def clean_leftovers(directory: str, dead_writer: str = "") -> list[str]:
+    """Remove what a killed writer of ours left: temporaries and half-done deletions.
+    In object storage: every uncommitted step prefix our marker says a writer of ours
+    began (`step_writer`), if it lacks a file of a whole step (a write cut short) or
+    was begun by `dead_writer` (the token of the lock's holder this opening took over:
+    it died at its commit). Returns the uncommitted prefixes left in place that hold a
+    whole step (copied there without a commit marker, or begun by a writer not known
+    to be dead), for the caller to report: nothing without our marker is deleted."""
     if _remote.is_url(directory):
-        for name, keys in _objects_by_step(directory).items():
+        untouched = []
+        for name, keys in sorted(_objects_by_step(directory).items(), key=lambda x: int(x[0])):
             if COMMIT_NAME in keys:
                 continue
             url = f"{directory}/{name}"
-            if OURS_NAME in keys or _late_write_of_ours(url, keys):
+            writer = step_writer(url) if OURS_NAME in keys else None
+            whole = _STEP_FILES <= keys
+            if writer is not None and (not whole or writer == dead_writer):
                 _remove_remote_step(url)
-        return
+            elif whole:
+                untouched.append(url)
+        return untouched
     _remove_our_temporaries(directory)
     legacy = os.path.join(directory, _LEGACY_DELETED)
     if _is_real_dir(legacy):  # a symlink here is never followed, only ignored
         shutil.rmtree(legacy, ignore_errors=True)
+    return []
 
 
 def step_meta(

@@ -44,6 +44,9 @@ class DirectoryLock:
     """Held from construction until `release()` (idempotent)."""
 
     token = ""  # object storage: this writer's identity in the lock and its steps
+    # Object storage: the token of the holder this lock was taken over from (judged
+    # dead): the steps it left uncommitted are removed at the opening, whole or not.
+    taken_over_from = ""
 
     def __init__(self, directory: str, name: str = LOCK_NAME) -> None:
         self.directory = directory
@@ -213,7 +216,7 @@ class ObjectLock(DirectoryLock):
             holder = _holder(data)
             taken_from = None
             if holder is not None:
-                generation = self._wait_for(holder, generation)
+                generation = self._wait_for(holder, data, generation)
                 taken_from = holder
             written = self._write(generation)
             if written is not None:
@@ -241,6 +244,8 @@ class ObjectLock(DirectoryLock):
                 "run, or point this run at another location."
             )
         if taken_from is not None:
+            token = taken_from.get("token")
+            self.taken_over_from = token if isinstance(token, str) else ""
             logger.warning(
                 "jax_cb_ckpt: took over the lock of %s from %s: it showed no heartbeat "
                 "for %.0f s (or its process is gone from this host), so its writer is "
@@ -274,7 +279,7 @@ class ObjectLock(DirectoryLock):
             "environment (docs/storage.md)."
         )
 
-    def _wait_for(self, holder: dict[str, Any], generation: bytes) -> bytes:
+    def _wait_for(self, holder: dict[str, Any], seen: bytes | None, generation: bytes) -> bytes:
         """The generation to take the lock over from, once its holder is judged dead; a
         `DirectoryLockedError` when it shows a heartbeat."""
         if holder.get("pid_space") == _pid_space() and not _alive(holder.get("pid")):
@@ -283,7 +288,10 @@ class ObjectLock(DirectoryLock):
         while time.monotonic() < deadline:
             time.sleep(min(0.5, self.BEAT_S / 4))
             data, now = self._read()
-            if now == generation:
+            # A heartbeat changes the object: its generation, and its content (the beat
+            # time), which is all there is to see where the server reports no
+            # generation (`_remote.UNKNOWN`).
+            if now == generation and data == seen:
                 continue
             if _holder(data) is None:  # released meanwhile
                 return now

@@ -56,6 +56,8 @@ _DRIVERS = {"gs": "gcs", "s3": "s3"}
 # TensorStore's generation of "no object": a write with this precondition creates the
 # object only if it does not exist (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`).
 ABSENT = b"\x02"
+# TensorStore's "unknown" generation: a write with it as precondition is unconditional.
+UNKNOWN = b""
 
 # Transient errors are retried with exponential backoff, 1 s doubling to 8 s, four
 # times (TensorStore's default, 32 times up to 32 s each, waits ~15 minutes for a server
@@ -227,7 +229,8 @@ def _is_missing_bucket(text: str) -> bool:
 
 
 def read(url: str) -> tuple[bytes | None, bytes]:
-    """(the object's bytes or None when it does not exist, its generation)."""
+    """(the object's bytes or None when it does not exist, its generation; `UNKNOWN`
+    when the server sent none)."""
     store, key = _bucket_store(url)
     try:
         result = store.read(key).result()
@@ -235,7 +238,15 @@ def read(url: str) -> tuple[bytes | None, bytes]:
         raise _failed("reading", url, e) from e
     if result.state != "value":
         return None, ABSENT
-    return bytes(result.value), bytes(result.stamp.generation)
+    generation = bytes(result.stamp.generation)
+    # gcp-storage-emulator sends no generation with an object's bytes (no
+    # x-goog-generation): TensorStore then stamps it with GCS generation 0, which no
+    # object has, and refuses a write conditioned on it ("Malformed StorageGeneration").
+    # Such a generation says nothing: a write after this read cannot be conditioned
+    # on it (that server ignores preconditions anyway; the lock reads back each write).
+    if generation and not generation.strip(b"\x00"):
+        return bytes(result.value), UNKNOWN
+    return bytes(result.value), generation
 
 
 def write(
@@ -274,32 +285,45 @@ def list_keys(url: str) -> list[str]:
     """Every object under the prefix `url/`, as keys relative to it, sorted."""
     store, key = _bucket_store(url)
     prefix = key.rstrip("/") + "/" if key else ""
+    return sorted(k[len(prefix) :] for k in _keys_in(store, prefix, url, "listing"))
+
+
+def _keys_in(store: Any, prefix: str, url: str, what: str) -> list[str]:
+    """The keys of `store` that start with `prefix`, filtered here: a server may answer
+    a range listing with keys outside the range (gcp-storage-emulator ignores GCS's
+    `startOffset`/`endOffset`; S3- and GCS-compatible servers differ), and a key
+    outside it taken as inside is another step's object seen as this one's, or worse,
+    deleted as this one's."""
     try:
         keys = store.list(ts.KvStore.KeyRange(prefix, _after(prefix))).result()
     except Exception as e:
-        raise _failed("listing", url, e) from e
-    return sorted(k.decode()[len(prefix) :] for k in keys)
+        raise _failed(what, url, e) from e
+    return [k for k in (k.decode() for k in keys) if k.startswith(prefix)]
 
 
 def delete(url: str) -> None:
+    """Delete one object (nothing if it does not exist)."""
     store, key = _bucket_store(url)
-    try:
-        store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-    except Exception as e:
-        raise _failed("deleting", url, e) from e
+    _delete_keys(store, [key], url)
 
 
 def delete_prefix(url: str, *, keep: str | None = None) -> None:
     """Delete every object under `url/`, except `url/keep` (deleted last by the caller:
-    it marks the rest as ours while they go)."""
+    it marks the rest as ours while they go). Each key is listed (filtered here) and
+    deleted by name: TensorStore's `delete_range` deletes what the server lists for the
+    range, which on a server that ignores the range is the whole bucket."""
     store, key = _bucket_store(url)
     prefix = key.rstrip("/") + "/"
-    ranges = [(prefix, _after(prefix))]
-    if keep is not None:
-        ranges = [(prefix, prefix + keep), (prefix + keep + "\0", _after(prefix))]
+    keys = _keys_in(store, prefix, url, "deleting")
+    _delete_keys(store, [k for k in keys if keep is None or k != prefix + keep], url)
+
+
+def _delete_keys(store: Any, keys: list[str], url: str) -> None:
+    """Delete `keys` by name, concurrently (a missing one is no error)."""
+    pending = [store.write(k, None) for k in keys]
     try:
-        for start, stop in ranges:
-            store.delete_range(ts.KvStore.KeyRange(start, stop)).result()
+        for future in pending:
+            future.result()
     except Exception as e:
         raise _failed("deleting", url, e) from e
 

@@ -33,7 +33,13 @@ import jax
 import numpy as np
 
 from . import _dtypes, _durable, _format, _remote, _store
-from ._errors import ConfigError, SaveError, SaveFailedWarning, UnflushedSaveWarning
+from ._errors import (
+    ConfigError,
+    ForeignStepWarning,
+    SaveError,
+    SaveFailedWarning,
+    UnflushedSaveWarning,
+)
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
 from ._options import Options
@@ -75,7 +81,9 @@ class Writer:
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
-            _format.clean_leftovers(directory)
+            untouched = _format.clean_leftovers(directory, lock.taken_over_from)
+            if untouched:
+                warnings.warn(_untouched_message(untouched), ForeignStepWarning, stacklevel=3)
         self._store = _store.StoreWriter(compression=options.compression)
         self._thread = threading.Thread(
             target=self._run,
@@ -271,7 +279,7 @@ class Writer:
                     if not _remote.out_of_reach(e):  # (else: the next opening does it)
                         self._unfinished.append(os.path.basename(temp))
                 else:
-                    _format.remove_temp(self.directory, os.path.basename(temp))
+                    _format.remove_temp(self.directory, os.path.basename(temp), self._lock.token)
                 if verdict_due:
                     group.tell(step, "commit", _reason(e))
             return self._failed(step, e)
@@ -383,7 +391,7 @@ class Writer:
         while self._aside:
             _format.remove_aside(self._aside.pop())
         while self._unfinished:  # best effort: else the next opening removes it
-            _format.remove_temp(self.directory, self._unfinished.pop())
+            _format.remove_temp(self.directory, self._unfinished.pop(), self._lock.token)
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):
@@ -450,6 +458,20 @@ def _in_the_way(final: str) -> str:
     return (
         f"{final!r} already exists and is not a checkpoint (a user's file or folder?); "
         "it was left untouched. Fix: move it out of the checkpoint directory"
+    )
+
+
+def _untouched_message(urls: list[str]) -> str:
+    shown = ", ".join(repr(u) for u in urls[:5]) + (", ..." if len(urls) > 5 else "")
+    return (
+        f"jax_cb_ckpt: {shown} hold{'s' if len(urls) == 1 else ''} the files of a whole "
+        "step but no commit marker (commit_success.txt), and no writer of this location "
+        "that is known to have died began it: a step copied there (`aws s3 cp "
+        "--recursive`, `gsutil cp -r`), or one whose writer was cut short at its commit "
+        "and whose lock was released since. It is not a step (never listed, restored "
+        "or deleted) and was left untouched. Fix: remove it (or move it elsewhere); to "
+        "have it as a step here, restore it where it came from and save it with a "
+        "Checkpointer on this location."
     )
 
 

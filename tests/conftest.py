@@ -86,6 +86,20 @@ def gcs_server(tmp_path_factory):
     server.close()
 
 
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    from storage_servers import GCSEmulator
+
+    server = GCSEmulator()
+    yield server
+    server.close()
+
+
+# `remote`'s servers: its default params, and "gcp-storage-emulator" by indirect
+# parametrization (the storage basics run against it too).
+_SERVERS = {"gs": "gcs_server", "s3": "s3_server", "gcp-storage-emulator": "gcs_emulator"}
+
+
 class Remote:
     """A fresh prefix in a bucket of a local server, its environment set for the test."""
 
@@ -99,13 +113,14 @@ class Remote:
 
 @pytest.fixture(params=["gs", "s3"])
 def remote(request, monkeypatch):
-    """`remote.url`: gs://... or s3://... on a local server (one test per scheme)."""
+    """`remote.url`: gs://... or s3://... on a local server (one test per scheme; a test
+    parametrized indirectly with "gcp-storage-emulator" also runs on that server)."""
     from storage_servers import unique
 
-    server = request.getfixturevalue("gcs_server" if request.param == "gs" else "s3_server")
+    server = request.getfixturevalue(_SERVERS[request.param])
     bucket = "bucket-" + unique("t")[2:]
     server.make_bucket(bucket)
-    made = Remote(request.param, server, bucket, unique())
+    made = Remote("s3" if request.param == "s3" else "gs", server, bucket, unique())
     for name, value in made.env.items():
         monkeypatch.setenv(name, value)
     # Set by the library from STORAGE_EMULATOR_HOST: gone again after the test.

@@ -327,6 +327,33 @@ def test_foreign_entries_are_not_steps(make_ckpt, ckpt_dir, tmp_path):
     assert jax_cb_ckpt.all_steps(elsewhere) == [8]
 
 
+def test_a_step_folder_copied_in_is_kept_whole_or_half(make_ckpt, ckpt_dir, tmp_path):
+    """A local step is a folder: one copied in whole (`cp -r other/500 ckpt/`) is a
+    step here, listed and restored; one copied in part (its Orbax step file missing) is
+    not a step but a damaged one, reported (DamagedStepWarning). Opening the directory,
+    retention and a save of the same number delete neither (the object-storage case:
+    test_storage.py)."""
+    elsewhere = tmp_path / "elsewhere"
+    with jax_cb_ckpt.Checkpointer(elsewhere) as other:
+        other.save(state_at(500), 500)
+        other.save(state_at(600), 600)
+    ckpt_dir.mkdir()
+    shutil.copytree(elsewhere / "500", ckpt_dir / "500")
+    shutil.copytree(elsewhere / "600", ckpt_dir / "600")
+    os.remove(ckpt_dir / "600" / "_CHECKPOINT_METADATA")
+    files = sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*"))
+    ckpt = make_ckpt(max_to_keep=1)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"step 600: .*_CHECKPOINT_METADATA"):
+        assert ckpt.all_steps() == [500]
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+        assert int(ckpt.restore(state_at(0))["step"]) == 500
+    ckpt.save(state_at(600), 600)
+    with pytest.raises(SaveError, match=r"'.*/600' already exists and is not a checkpoint"):
+        ckpt.close()
+    left = sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*"))
+    assert left == sorted([*files, ".jax_cb_ckpt.lock"])
+
+
 def test_a_step_blocked_by_a_user_folder_fails_clearly(make_ckpt, ckpt_dir):
     ckpt_dir.mkdir()
     (ckpt_dir / "4").mkdir()

@@ -11,6 +11,7 @@ PUBLIC = [
     "DamagedStepWarning",
     "DirectoryLockedError",
     "DuplicateStepWarning",
+    "ForeignStepWarning",
     "InvalidStateError",
     "NoCheckpointError",
     "RestoreError",
