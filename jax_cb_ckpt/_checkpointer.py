@@ -163,7 +163,10 @@ class Checkpointer:
                 self._group.close()
             if isinstance(e, CheckpointError):
                 raise
-            raise SaveError(f"could not open {path!r} for checkpoints: {e}") from e
+            text = _remote.scrub(str(e))  # storage's answers may echo a credential
+            raise SaveError(f"could not open {path!r} for checkpoints: {text}") from (
+                _remote.scrubbed(e)
+            )
         # Unclosed and garbage collected (a local of `main()`, `del ckpt`): the writer
         # still writes every save handed over, then stops; interpreter exit flushes it.
         self._finalizer = weakref.finalize(self, _collected, self._exchange, self._writer)

@@ -16,8 +16,10 @@ configuration is the standard environment only:
   (set to 6 at import unless set), a failed one retried 4 times (`_RETRIES`).
 
 Credentials never pass through this module: specs name a credential *source*, never a
-key, so no error, log line or metadata can carry one. A URL with user information
-(`s3://key:secret@bucket`) is refused without repeating it.
+key. A server's answer may still echo one (S3's 403 for a wrong secret names the key id
+and repeats what was signed), so every text of TensorStore's that goes into an error is
+scrubbed first (`scrub`). A URL with user information (`s3://key:secret@bucket`) is
+refused without repeating it.
 
 Object stores have no rename, no directories and no locks; what replaces them (a commit
 marker written last, a lock object written under a precondition) is `_format`'s and
@@ -199,7 +201,9 @@ def _context() -> Any:
 
 
 def _failed(what: str, url: str, e: Exception) -> StorageError:
-    text = str(e)
+    """The `StorageError` of an operation TensorStore failed with `e`, its text
+    scrubbed (`scrub`). Raised `from None`: `e` itself holds what the server said."""
+    text = scrub(str(e))
     # A write is refused with 404 only when its bucket is missing.
     if _is_missing_bucket(text) or (what == "writing" and "NOT_FOUND" in text):
         scheme, bucket, _ = split(url)
@@ -208,6 +212,98 @@ def _failed(what: str, url: str, e: Exception) -> StorageError:
             f"credentials ({what} {url})"
         )
     return StorageError(f"{what} {url} failed: {text}")
+
+
+# -- what a server said, without the credentials it may echo ------------------------------
+
+_REMOVED = "(removed)"
+# TensorStore's payload with the server's answer: [http_response_body='...'], the body
+# C-escaped (\' and \" inside) and cut after a few hundred bytes.
+_BODY = re.compile(r"\[http_response_body='((?:[^'\\]|\\.)*)'\]", re.DOTALL)
+# What of a body is kept: S3's <Code> and <Message>; GCS's JSON "code", "reason",
+# "message" (each scrubbed below like the rest of the text).
+_KEPT_XML = re.compile(r"<(Code|Message)>([^<]*)</\1>")
+_KEPT_JSON = re.compile(r'\\?"(code|reason|message)\\?"\s*:\s*(\\?"(?:[^"\\]|\\[^"])*\\?"|\d+)')
+# Anywhere in a text: XML elements that hold credentials or what was signed with them
+# (S3's SignatureDoesNotMatch error echoes these), closed or cut off by the truncation.
+_SECRET_XML = re.compile(
+    r"<(AWSAccessKeyId|AccessKeyId|SecretAccessKey|SessionToken|SecurityToken|Token|"
+    r"StringToSign|StringToSignBytes|SignatureProvided|Signature|CanonicalRequest|"
+    r"CanonicalRequestBytes|Authorization|Credential)>(?:.*?</\1>|[^']*)",
+    re.DOTALL | re.IGNORECASE,
+)
+# URL query parameters and form fields of signed URLs and tokens.
+_SECRET_PARAMETER = re.compile(
+    r"\b(X-Amz-Credential|X-Amz-Signature|X-Amz-Security-Token|X-Goog-Credential|"
+    r"X-Goog-Signature|X-Goog-Security-Token|GoogleAccessId|AWSAccessKeyId|Signature|"
+    r"Credential|access_token|id_token|refresh_token|client_secret|token)=[^&\s'\"<>\\]+",
+    re.IGNORECASE,
+)
+# HTTP headers and JSON fields that carry credentials, and bearer tokens.
+_SECRET_HEADER = re.compile(
+    r"\b(authorization|x-amz-security-token|x-goog-iam-authorization-token|cookie)"
+    r"(\s*:\s*)[^\n'\"<>\]\\]+",
+    re.IGNORECASE,
+)
+_SECRET_JSON = re.compile(
+    r'(\\?"(?:access_token|id_token|refresh_token|token|client_secret|private_key|'
+    r'private_key_id|secret|AccessKeyId|SecretAccessKey|SessionToken)\\?"\s*:\s*)'
+    r'\\?"(?:[^"\\]|\\[^"])*\\?"',
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"\b(Bearer|AWS4-HMAC-SHA256)\s+[^\s'\"<>\\]+", re.IGNORECASE)
+# Credentials of the environment, wherever they appear (the shortest AWS key id has
+# 16 characters; shorter values are too likely to be words of the message).
+_SECRET_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+)
+
+
+def scrub(text: str) -> str:
+    """`text` (an error of TensorStore, what a server answered) without any credential,
+    key id, token or signed URL it may carry: of a server's answer (TensorStore's
+    `http_response_body` payload) only the error's code and message are kept, and
+    everywhere credential-bearing XML elements, query parameters, headers, JSON
+    fields, bearer tokens and the environment's own keys are replaced by
+    "(removed)". The HTTP status and the error's code stay: the message still says
+    what is wrong."""
+    text = _BODY.sub(_kept_of_body, text)
+    text = _SECRET_XML.sub(lambda m: f"<{m.group(1)}>{_REMOVED}</{m.group(1)}>", text)
+    text = _SECRET_PARAMETER.sub(lambda m: f"{m.group(1)}={_REMOVED}", text)
+    text = _SECRET_HEADER.sub(lambda m: f"{m.group(1)}{m.group(2)}{_REMOVED}", text)
+    text = _SECRET_JSON.sub(lambda m: f'{m.group(1)}"{_REMOVED}"', text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)} {_REMOVED}", text)
+    for name in _SECRET_VARIABLES:
+        value = os.environ.get(name, "")
+        if len(value) >= 16:
+            text = text.replace(value, _REMOVED)
+    return text
+
+
+def _kept_of_body(match: re.Match[str]) -> str:
+    body = match.group(1)
+    kept = [f"<{m.group(1)}>{m.group(2)}</{m.group(1)}>" for m in _KEPT_XML.finditer(body)]
+    kept += [f"{m.group(1)}: {m.group(2)}" for m in _KEPT_JSON.finditer(body)]
+    shown = " ".join(kept) + " " if kept else ""
+    return f"[http_response_body='{shown}(the rest not shown: it may echo credentials)']"
+
+
+def scrubbed(e: BaseException) -> BaseException:
+    """`e` itself when neither its text nor that of an exception it was raised from
+    (`__cause__`, `__context__`) needs `scrub`; else a `StorageError` of its scrubbed
+    text, raised from nothing: a traceback prints every exception of the chain."""
+    seen, link = set(), e
+    clean = True
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        clean = clean and scrub(str(link)) == str(link)
+        link = link.__cause__ or link.__context__
+    if clean:
+        return e
+    return StorageError(scrub(f"{type(e).__name__}: {e}"))
 
 
 def out_of_reach(e: BaseException) -> bool:
@@ -235,7 +331,7 @@ def read(url: str) -> tuple[bytes | None, bytes]:
     try:
         result = store.read(key).result()
     except Exception as e:
-        raise _failed("reading", url, e) from e
+        raise _failed("reading", url, e) from None
     if result.state != "value":
         return None, ABSENT
     generation = bytes(result.stamp.generation)
@@ -263,7 +359,7 @@ def write(
     except TimeoutError:
         raise
     except Exception as e:
-        raise _failed("writing", url, e) from e
+        raise _failed("writing", url, e) from None
     generation = bytes(stamp.generation)
     return generation or None
 
@@ -278,7 +374,7 @@ def write_many(objects: dict[str, bytes]) -> None:
         try:
             future.result()
         except Exception as e:
-            raise _failed("writing", url, e) from e
+            raise _failed("writing", url, e) from None
 
 
 def list_keys(url: str) -> list[str]:
@@ -297,7 +393,7 @@ def _keys_in(store: Any, prefix: str, url: str, what: str) -> list[str]:
     try:
         keys = store.list(ts.KvStore.KeyRange(prefix, _after(prefix))).result()
     except Exception as e:
-        raise _failed(what, url, e) from e
+        raise _failed(what, url, e) from None
     return [k for k in (k.decode() for k in keys) if k.startswith(prefix)]
 
 
@@ -325,7 +421,7 @@ def _delete_keys(store: Any, keys: list[str], url: str) -> None:
         for future in pending:
             future.result()
     except Exception as e:
-        raise _failed("deleting", url, e) from e
+        raise _failed("deleting", url, e) from None
 
 
 def _after(prefix: str) -> str:

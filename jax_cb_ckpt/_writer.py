@@ -175,11 +175,13 @@ class Writer:
         there = self._remote or os.path.isdir(self.directory)
         kept = " Earlier checkpoints in it are untouched." if there else ""
         outcome = "ended with an unknown outcome" if isinstance(e, VerdictUnknown) else "failed"
+        # TensorStore's errors of the arrays' writes carry what the server answered,
+        # which may echo a credential: scrubbed, and the cause too (a traceback prints it).
         error = SaveError(
             f"saving step {step} to {self.directory!r} {outcome}: {type(e).__name__}: "
-            f"{str(e).rstrip('.')}.{kept}"
+            f"{_remote.scrub(str(e)).rstrip('.')}.{kept}"
         )
-        error.__cause__ = e
+        error.__cause__ = _remote.scrubbed(e)
         logger.debug("%s", error)  # reported to the user by wait()/close()/exit
         return error
 
@@ -446,7 +448,8 @@ def _merge_sums(sums: dict[str, Any], said: str) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+    """What a process tells the others of its failure (it ends up in their errors)."""
+    return _remote.scrub(f"{type(e).__name__}: {e}")
 
 
 def _in_the_way(final: str) -> str:

@@ -229,16 +229,19 @@ def _fake_gcs_binary():
 class Proxy(_Process):
     """A TCP forwarder from a free port to `target` in a child process (tcp_proxy.py)."""
 
-    def __init__(self, target, flaky=None):
+    def __init__(self, target, flaky=None, deny=None):
         super().__init__()
         self.target = target
         self.flaky = flaky  # (log, period): tcp_proxy.py's flaky mode
+        self.deny = deny  # (log, text): tcp_proxy.py's deny mode
         self.port = free_port()
         self.start()
 
     def start(self, hang=False):
         target = "hang" if hang else str(self.target)
         flaky = [f"flaky:{self.flaky[1]}", self.flaky[0]] if self.flaky else []
+        if self.deny:
+            flaky = [f"deny:{self.deny[1]}", self.deny[0]]
         script = os.path.join(HERE, "tcp_proxy.py")
         self._spawn([sys.executable, script, str(self.port), target, *flaky])
         if hang or flaky:

@@ -9,10 +9,19 @@ reads each request (head and body: HTTP/1.1 without pipelining, so a request sta
 once the previous response is out), and of every N requests one gets a transient fault
 instead of the server, in turn an HTTP 503, an HTTP 429 and a reset connection (RST);
 after a fault the connection is closed. Each fault is a line in the file LOG.
+
+`python tcp_proxy.py LISTEN_PORT TARGET_PORT deny:TEXT LOG` denies, as a server does a
+request signed with a wrong secret, every request whose request line holds TEXT (every
+request when TEXT is empty), and forwards the others: an HTTP 403 whose body echoes
+the credentials the request carried, as real S3 does (its `SignatureDoesNotMatch`
+error names the `<AWSAccessKeyId>` and repeats the string to sign, the signature and
+the canonical request), with a signed URL in the message; to a GCS request (a bearer
+token) a JSON error that repeats the token. Each denied request line is a line in LOG.
 """
 
 import asyncio
 import itertools
+import re
 import socket
 import struct
 import sys
@@ -66,7 +75,63 @@ async def _fault(kind, writer, log):
     writer.close()
 
 
-async def main(listen, target, log=None, period=0):
+def _authorization(request):
+    head = request.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+    for field in head.split("\r\n")[1:]:
+        name, _, value = field.partition(":")
+        if name.strip().lower() == "authorization":
+            return value.strip()
+    return ""
+
+
+def _denial(request):
+    """The 403 a server that checks signatures gives `request`, echoing its secrets."""
+    line = request.split(b"\r\n", 1)[0].decode("latin-1")
+    auth = _authorization(request)
+    path = line.split(" ")[1] if " " in line else "/"
+    bearer = re.match(r"Bearer\s+(\S+)", auth)
+    if bearer:  # GCS
+        token = bearer.group(1)
+        signed = f"https://storage.googleapis.com{path}?GoogleAccessId=sa&Signature={token}"
+        body = (
+            '{"error": {"code": 403, "message": "Permission denied: access_token='
+            + token
+            + " for "
+            + signed
+            + '", "errors": [{"reason": "forbidden", "message": "Authorization: Bearer '
+            + token
+            + '"}], "access_token": "'
+            + token
+            + '"}}'
+        ).encode()
+        kind = "application/json"
+    else:  # S3: AWS4-HMAC-SHA256 Credential=<key id>/<date>/<region>/s3/aws4_request, ...
+        found = re.search(r"Credential=([^/,\s]+)/([^,\s]*)", auth)
+        key_id, scope = found.groups() if found else ("none", "")
+        found = re.search(r"Signature=([0-9a-f]+)", auth)
+        signature = found.group(1) if found else ""
+        signed = (
+            f"https://bucket.s3.amazonaws.com{path}?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+            f"&X-Amz-Credential={key_id}%2F{scope}&X-Amz-Signature={signature}"
+        )
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SignatureDoesNotMatch'
+            "</Code><Message>The request signature we calculated does not match the "
+            f"signature you provided. Check your key and signing method. ({signed})"
+            f"</Message><AWSAccessKeyId>{key_id}</AWSAccessKeyId><StringToSign>"
+            f"AWS4-HMAC-SHA256\n20261202T000000Z\n{scope}\n0f0f</StringToSign>"
+            f"<SignatureProvided>{signature}</SignatureProvided><StringToSignBytes>41 57"
+            f"</StringToSignBytes><CanonicalRequest>{line}\nauthorization:{auth}"
+            "</CanonicalRequest><RequestId>4442587FB7D0A2F9</RequestId></Error>"
+        ).encode()
+        kind = "application/xml"
+    return (
+        f"HTTP/1.1 403 Forbidden\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}"
+        "\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+async def main(listen, target, log=None, period=0, deny=None):
     faults = itertools.cycle([x for kind in KINDS for x in [kind] + [None] * (period - 1)])
 
     async def hang(client_reader, client_writer):
@@ -93,7 +158,15 @@ async def main(listen, target, log=None, period=0):
         back = asyncio.ensure_future(_pipe(server_reader, client_writer))
         try:
             while request := await _request(client_reader):
-                fault = next(faults)
+                line = request.split(b"\r\n", 1)[0].decode("latin-1")
+                if deny is not None and deny in line:
+                    with open(log, "a") as f:  # what was denied, and with what credential
+                        f.write(f"{line}\t{_authorization(request)}\n")
+                    client_writer.write(_denial(request))
+                    await client_writer.drain()
+                    client_writer.close()
+                    break
+                fault = next(faults) if period else None
                 if fault:
                     await _fault(fault, client_writer, log)
                     break
@@ -118,6 +191,9 @@ async def main(listen, target, log=None, period=0):
 
 if __name__ == "__main__":
     target = sys.argv[2]
-    flaky_mode = sys.argv[3].split(":") if len(sys.argv) > 3 else None
-    log, period = (sys.argv[4], int(flaky_mode[1])) if flaky_mode else (None, 0)
-    asyncio.run(main(int(sys.argv[1]), target if target == "hang" else int(target), log, period))
+    mode, _, arg = sys.argv[3].partition(":") if len(sys.argv) > 3 else ("", "", "")
+    log = sys.argv[4] if mode else None
+    period = int(arg) if mode == "flaky" else 0
+    deny = arg if mode == "deny" else None
+    port = target if target == "hang" else int(target)
+    asyncio.run(main(int(sys.argv[1]), port, log, period, deny))

@@ -3,11 +3,14 @@
 guarantees of a local disk, with a commit marker for the rename and a lock object for
 the flock (docs/storage.md)."""
 
+import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import time
+import traceback
 import warnings
 
 import jax
@@ -689,6 +692,102 @@ def test_no_credential_reaches_metadata_errors_or_logs(s3_server, monkeypatch, c
         jax_cb_ckpt.all_steps(f"s3://no-such-{bucket}/run")
     for text in (meta, str(raised.value), caplog.text):
         assert secret not in text and os.environ["AWS_ACCESS_KEY_ID"] not in text
+
+
+def _denying(remote, tmp_path, monkeypatch, text):
+    """A proxy in front of `remote`'s server denying the requests whose request line
+    holds `text` as a server denies a wrong secret, echoing the request's credentials
+    (tcp_proxy.py's deny mode), and an environment pointing at it with credentials of
+    the test's own (GCS: TensorStore keeps the token it read first in the process):
+    (proxy, its log, that environment)."""
+    from storage_servers import Proxy
+
+    log = tmp_path / f"denied-{len(list(tmp_path.iterdir()))}"
+    proxy = Proxy(remote.server.origin_port, deny=(log, text))
+    env = dict(remote.server.env(proxy.port))
+    if remote.scheme == "s3":
+        env.update(AWS_ACCESS_KEY_ID="AKIAECHOED7F3A2KEYID", AWS_SECRET_ACCESS_KEY="echo-9c2e41")
+    else:
+        env.update(GOOGLE_AUTH_TOKEN_FOR_TESTING="ya29.echoed-token-5d1b77")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return proxy, log, env
+
+
+def _secrets(log, env):
+    """The credentials the denied requests carried and the server echoed: the key id
+    and the signature (S3), the bearer token (GCS), and the key pair itself."""
+    sent = [line.split("\t", 1)[1] for line in log.read_text().splitlines()]
+    assert sent, "no request was denied"
+    found = {env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")}
+    for auth in sent:
+        found.update(re.findall(r"Credential=([^/]+)/|Signature=([0-9a-f]+)|Bearer (\S+)", auth))
+    # (GCS: the token TensorStore sends is the one it read first in this process,
+    # "emulator" when an earlier test used the emulator; it is what the proxy echoed.)
+    return {x for item in found for x in (item if isinstance(item, tuple) else [item]) if x}
+
+
+def _full_text(error):
+    """An exception as a traceback prints it, with its causes and contexts."""
+    return "".join(traceback.format_exception(error))
+
+
+@pytest.mark.parametrize("remote", ["s3", "gs"], indirect=True)
+def test_no_credential_a_server_echoes_reaches_an_error_a_log_or_the_cli(
+    remote, tmp_path, monkeypatch, caplog
+):
+    """A server that denies every request as S3 denies a wrong secret: a 403 whose body
+    echoes `<AWSAccessKeyId>`, the string to sign, the signature, the canonical request
+    (with the Authorization header) and a signed URL (GCS: the bearer token, as
+    `access_token` and in an Authorization header). The errors of opening and listing
+    (tracebacks with their causes), the CLI's output and every log line still say 403
+    and what the server answered, and none of the credentials. (Before, the key id and
+    the signed URL were in the ConfigError and in the CLI's output.)"""
+    proxy, log, env = _denying(remote, tmp_path, monkeypatch, "")
+    caplog.set_level(logging.DEBUG)
+    try:
+        with pytest.raises(jax_cb_ckpt.ConfigError) as opening:
+            jax_cb_ckpt.Checkpointer(remote.url)
+        # TensorStore's gcs driver answers a listing refused with 403 as an empty one
+        # (no error to scrub there: all_steps is [] and `ls` finds no steps).
+        with (
+            pytest.raises(jax_cb_ckpt.ConfigError)
+            if remote.scheme == "s3"
+            else (contextlib.nullcontext()) as listing
+        ):
+            jax_cb_ckpt.all_steps(remote.url)
+        cli = run_child(["python", "-m", "jax_cb_ckpt", "ls", remote.url], env=env, timeout=120)
+    finally:
+        proxy.kill()
+    errors = [_full_text(opening.value)]
+    if remote.scheme == "s3":
+        assert cli.returncode != 0
+        errors += [_full_text(listing.value), cli.stderr]
+    what = "SignatureDoesNotMatch" if remote.scheme == "s3" else "PERMISSION_DENIED"
+    for text in errors:
+        assert "403" in text and what in text, text
+    for secret in _secrets(log, env):
+        for text in [*errors, cli.stdout, cli.stderr, caplog.text]:
+            assert secret not in text, (secret, text)
+
+
+@pytest.mark.parametrize("remote", ["s3", "gs"], indirect=True)
+def test_no_credential_a_server_echoes_reaches_a_save_error(remote, tmp_path, monkeypatch, caplog):
+    """The same server denies only the writes of a step's arrays (TensorStore's own
+    requests, not the library's object operations): the SaveError (with its causes)
+    and the log lines name the step and the 403, and no credential."""
+    proxy, log, env = _denying(remote, tmp_path, monkeypatch, "state")
+    caplog.set_level(logging.DEBUG)
+    try:
+        with pytest.raises(jax_cb_ckpt.SaveError, match="step 1") as raised:
+            with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+                ckpt.save({"w": jnp.arange(8.0)}, 1)
+    finally:
+        proxy.kill()
+    text = _full_text(raised.value)
+    assert "403" in text, text
+    for secret in _secrets(log, env):
+        assert secret not in text and secret not in caplog.text, secret
 
 
 def test_s3_credentials_from_a_profile_and_the_generic_endpoint(s3_server, tmp_path):
