@@ -140,6 +140,11 @@ def _meta(directory: str, step: int | None) -> tuple[dict[str, Any], _format.Ste
         step = steps[-1]
     elif step not in _format.examine_all(directory):
         raise NoCheckpointError(f"no step {step} in {directory}")
+    return _step_meta(directory, step)
+
+
+def _step_meta(directory: str, step: int) -> tuple[dict[str, Any], _format.StepMeta]:
+    """`_meta` of a step known to be there (`ls` lists each step once)."""
     try:
         meta = _format.load_meta(os.path.join(directory, str(step)), step)
         return meta, _format.StepMeta.parse(meta)
@@ -150,7 +155,7 @@ def _meta(directory: str, step: int | None) -> tuple[dict[str, Any], _format.Ste
 def _listed(directory: str, step: int) -> dict[str, Any] | None:
     path = os.path.join(directory, str(step))
     try:
-        saved_at = _meta(directory, step)[1].saved_at or _mtime(path)
+        saved_at = _step_meta(directory, step)[1].saved_at or _mtime(path)
     except (CheckpointError, OSError):
         if not _format.exists(path):  # removed by retention meanwhile
             return None
@@ -254,9 +259,10 @@ def _sharding(described: dict[str, Any]) -> str:
 def _verify(directory: str, args: argparse.Namespace) -> int:
     from ._restore import verify  # reading arrays needs TensorStore (and JAX, for now)
 
-    damaged = _format.damaged_steps(directory)
+    found = _format.examine_all(directory)
+    damaged = {step: f.why for step, f in found.items() if f.kind == "damaged"}
     if args.step is None:
-        steps = sorted(set(_format.list_steps(directory)) | set(damaged))
+        steps = sorted(step for step, f in found.items() if f.kind != "foreign")
     else:
         steps = [args.step]
     if not steps:
@@ -269,7 +275,8 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
         try:
             if step in damaged:
                 raise _format.DamagedStep(damaged[step])
-            result["checksums"] = bool(_meta(directory, step)[1].checksums)
+            read = _step_meta if step in found else _meta  # (_meta says it is not there)
+            result["checksums"] = bool(read(directory, step)[1].checksums)
             with warnings.catch_warnings():  # a damaged step is its own line here
                 warnings.simplefilter("ignore", DamagedStepWarning)
                 verify(directory, step=step)

@@ -30,6 +30,7 @@ from etils import epath
 
 from . import _dtypes, _format, _remote, _store, _tree, _verify
 from ._errors import (
+    CheckpointError,
     ConfigError,
     DamagedStepWarning,
     NoCheckpointError,
@@ -221,6 +222,19 @@ def _still_there(path: str, step: int, seen: tuple[int, int]) -> bool:
         return _format.is_checkpoint(step_dir) and _format.identity(step_dir) == seen
     except OSError:
         return False
+
+
+def _read_failure(
+    e: Exception, path: str, step: int, seen: Any, where: str, what: str
+) -> CheckpointError:
+    """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
+    raised `e`: a stored layout unlike the step's description; the step removed while it
+    was read; or the read's own failure."""
+    if isinstance(e, _verify.LayoutError):
+        return RestoreError(f"{where}: {e}. Fix: restore another step.")
+    if not _still_there(path, step, seen):
+        return _removed(path, step, where)
+    return RestoreError(f"{where}: cannot read {what}: {e}")
 
 
 def _removed(path: str, step: int, where: str) -> NoCheckpointError:
@@ -466,12 +480,8 @@ def restore(
             placed[spec.name] = sharding
     try:
         _verify.check_layouts(os.path.join(path, str(step)), saved_specs)
-    except _verify.LayoutError as e:
-        raise RestoreError(f"{where}: {e}. Fix: restore another step.") from e
     except Exception as e:
-        if not _still_there(path, step, seen):
-            raise _removed(path, step, where) from e
-        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {e}") from e
+        raise _read_failure(e, path, step, seen, where, "the checkpoint's arrays") from e
     if _remote.is_url(path):
         tree = _read_state_directly(path, step, where, seen, saved_specs, placed)
     else:
@@ -579,9 +589,7 @@ def _restore_member(
         except RestoreError:
             raise
         except Exception as e:
-            if not _still_there(path, step, seen):
-                raise _removed(path, step, where) from e
-            raise RestoreError(f"{where}: cannot read leaf {saved.path}: {e}") from e
+            raise _read_failure(e, path, step, seen, where, f"leaf {saved.path}") from e
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     if not _still_there(path, step, seen):
         raise _removed(path, step, where)
@@ -717,12 +725,8 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
                 continue  # described, not stored
             try:
                 array = _verify.read_leaf(os.path.join(path, str(one)), saved)
-            except _verify.LayoutError as e:
-                raise RestoreError(f"{where}: {e}. Fix: restore another step.") from e
             except Exception as e:
-                if not _still_there(path, one, seen):
-                    raise _removed(path, one, where) from e
-                raise RestoreError(f"{where}: cannot read leaf {saved.path}: {e}") from e
+                raise _read_failure(e, path, one, seen, where, f"leaf {saved.path}") from e
             if check is not None:
                 check(saved, array)
     return steps
