@@ -116,3 +116,22 @@ def test_gpu_cost_runs_each_xla_configuration_in_a_process_of_its_own(tmp_path):
             assert set(w["x_bare"]) == {"bare", "maybe_save_never", "maybe_save", "ckpt_scan"}
             assert all(v > 0 for v in w["train_s"].values())
     assert (out / "results.md").read_text() in printed
+
+
+@pytest.mark.slow  # ~20 s
+def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
+    out, disk = tmp_path / "restore", tmp_path / "disk"
+    disk.mkdir()
+    args = ("--only", "tiny", "--reps", "1", "--dir", str(disk), "--out", str(out))
+    printed = _run("benchmarks.restore", *args, timeout=300).stdout
+    report = json.loads((out / "results.json").read_text())
+    assert report["machine"]["jax"] and isinstance(report["cold"], bool)
+    [case] = report["results"]
+    assert case["case"] == "tiny" and case["dir"] == str(disk)
+    modes = ["warm", "cold"] if report["cold"] else ["warm"]
+    for method in ("restore", "restore, verify=False", "plain Orbax", "plain read"):
+        for mode in modes:
+            assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
+    assert not os.listdir(disk)  # cleaned up
+    markdown = (out / "results.md").read_text()
+    assert markdown in printed and "x Orbax" in markdown
