@@ -8,6 +8,7 @@ warning types are imported at once: they need nothing.
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from . import _exit  # noqa: F401  (the exit hook: registered at import, _exit.py)
 from ._errors import CheckpointerClosedError as CheckpointerClosedError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointWarning as CheckpointWarning

@@ -19,7 +19,6 @@ so. With one process every "says so" is a no-op.
 
 from __future__ import annotations
 
-import concurrent.futures.thread
 import json
 import logging
 import os
@@ -29,10 +28,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
-from . import _dtypes, _durable, _format, _remote, _store
+from . import _dtypes, _durable, _exit, _format, _remote, _store
 from ._errors import (
     ConfigError,
     ForeignStepWarning,
@@ -89,10 +87,10 @@ class Writer:
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
             # Daemon so that a thread blocked elsewhere never hangs interpreter exit; the
-            # exit hook below drains and stops every writer first (see _flush_at_exit).
+            # exit hook drains and stops every writer first (_exit.py).
             daemon=True,
         )
-        _LIVE.add(self)
+        _exit.LIVE.add(self)
         self._thread.start()
 
     def flush_at_exit(self) -> None:
@@ -139,7 +137,7 @@ class Writer:
                 self._sweep()
         finally:
             self._sweep()
-            _LIVE.discard(self)
+            _exit.LIVE.discard(self)
             self._group.close()
             self._lock.release()
             self._report_unclaimed()
@@ -482,52 +480,3 @@ def emit_notes(exchange: Exchange, *, stacklevel: int) -> None:
     """Issue the warnings the callback side and the writer noted, in this thread."""
     for category, message in exchange.take_notes():
         warnings.warn(message, category, stacklevel=stacklevel + 1)
-
-
-# -- interpreter exit ------------------------------------------------------------------
-
-# Every writer whose thread runs, held strongly: a Checkpointer that was garbage
-# collected unclosed still has its saves written (weak references here lost them).
-_LIVE: set[Writer] = set()
-
-
-def _flush_at_exit() -> None:
-    """Write what every unclosed Checkpointer was handed, before the interpreter ends.
-
-    Threads that are still training (non-daemon, not the main thread) are waited for
-    first, whether or not they hold a Checkpointer yet: theirs must not be closed under
-    them, and one they create later must still be able to write (Orbax needs the thread
-    pools that shut down after this hook). Python joins those threads at exit anyway;
-    this only does it before the pools go. Thread-pool workers are not waited for (they
-    end only when their pools shut down, after this hook): a save that reaches a
-    Checkpointer after this hook closed it warns (`UnflushedSaveWarning`) and raises.
-    """
-    pools = set(getattr(concurrent.futures.thread, "_threads_queues", {}))
-    me = threading.current_thread()
-    while True:
-        training = [
-            t
-            for t in threading.enumerate()
-            if t is not me and not t.daemon and t.is_alive() and t not in pools
-        ]
-        if not training:
-            break
-        for thread in training:
-            thread.join()
-    if not _LIVE:
-        return
-    try:
-        jax.effects_barrier()  # saves of jitted code still running reach the queue
-    except BaseException as e:  # never raise during interpreter shutdown
-        logger.error("jax_cb_ckpt: waiting for running callbacks at exit failed: %s", e)
-    for writer in list(_LIVE):
-        try:
-            writer.flush_at_exit()
-        except BaseException as e:
-            logger.error("jax_cb_ckpt: flushing %s at exit failed: %s", writer.directory, e)
-
-
-# threading's exit hooks run before concurrent.futures shuts its executors down (they run
-# in reverse order of registration, and orbax imported concurrent.futures before us), so
-# Orbax can still write. Plain atexit runs after that shutdown: too late.
-threading._register_atexit(_flush_at_exit)  # type: ignore[attr-defined]
