@@ -288,8 +288,10 @@ def stopped_before_commit(mesh):
     from jax._src import distributed
 
     if PID == 0:
+        from jax_cb_ckpt import _format  # (the package imports it on first use)
+
         commits = []
-        commit_step = jax_cb_ckpt._format.commit_step
+        commit_step = _format.commit_step
 
         def stopping(*args):
             commits.append(args)
@@ -297,7 +299,7 @@ def stopped_before_commit(mesh):
                 os.kill(os.getpid(), signal.SIGSTOP)
             return commit_step(*args)
 
-        jax_cb_ckpt._format.commit_step = stopping
+        _format.commit_step = stopping
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
     state, save = _small_saver(mesh, ckpt)
     start = time.perf_counter()
