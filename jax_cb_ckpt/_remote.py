@@ -393,8 +393,23 @@ def _keys_in(store: Any, prefix: str, url: str, what: str) -> list[str]:
     try:
         keys = store.list(ts.KvStore.KeyRange(prefix, _after(prefix))).result()
     except Exception as e:
-        raise _failed(what, url, e) from None
+        raise _failed(what, url, _listing_refusal(store, prefix, e)) from None
     return [k for k in (k.decode() for k in keys) if k.startswith(prefix)]
+
+
+def _listing_refusal(store: Any, prefix: str, e: Exception) -> Exception:
+    """The error that says why a listing failed. TensorStore < 0.1.86 reads any S3 error
+    answer to a listing (a 403 for a wrong secret as much as a missing bucket's 404) as
+    "missing <ListBucketResult>", without the status or the server's message: the same
+    request for one object then gets the server's own answer. A read that succeeds (a
+    404 on a missing bucket is read as a missing object) leaves `e` as it was."""
+    if "missing <ListBucketResult>" not in str(e):
+        return e
+    try:
+        store.read(prefix).result()
+    except Exception as refusal:
+        return refusal
+    return e
 
 
 def delete(url: str) -> None:
