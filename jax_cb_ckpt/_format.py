@@ -173,6 +173,9 @@ class Examined:
 
 
 COMPLETE = Examined("complete")
+# A step-named entry that went away (renamed aside or deleted) while it was examined:
+# `examine_all` leaves it out, as a listing made a moment later would.
+GONE = Examined("foreign", "removed while it was being examined")
 # Bounds on what a step's description files may hold: nothing is read (or parsed)
 # beyond them. A meta item is ~150 B per leaf and ~30 B per checksummed chunk: 64 MiB
 # is ~400,000 leaves. The writer refuses to write more (`write_meta`).
@@ -203,26 +206,34 @@ def examine(path: str, keys: set[str] | None = None) -> Examined:
             missing = sorted(_COMPLETE - keys)
             return Examined("damaged", f"committed, but {', '.join(missing)} missing")
         return Examined("foreign", "not a complete jax_cb_ckpt checkpoint")
-    meta = os.path.join(path, META_ITEM, META_FILE)
-    step_file = os.path.join(path, ORBAX_STEP_FILE)
-    if not _is_real_dir(path):
+    try:  # every file is looked at through this descriptor: one directory throughout,
+        # even if the step is renamed meanwhile (retention sets steps aside)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return GONE
+    except OSError:
         return Examined("foreign", "not a directory")
     try:
-        st_meta = os.lstat(meta)
-    except OSError:
-        st_meta = None
-    try:
-        st_step = os.lstat(step_file)
-    except OSError:
-        st_step = None
+        return _examine_dir(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _examine_dir(path: str, fd: int) -> Examined:
+    meta = f"{META_ITEM}/{META_FILE}"
+    st_meta, st_step = _lstat_in(fd, meta), _lstat_in(fd, ORBAX_STEP_FILE)
     seen = tuple(_stat_key(st) for st in (st_meta, st_step))
-    known = _TAGS.get(meta)
+    key = os.path.join(path, META_ITEM, META_FILE)
+    known = _TAGS.get(key)
     if known is not None and known[0] == seen:
         return known[1]
-    found = _examine_files(path, int(os.path.basename(path)), st_meta, st_step)
+    found = _examine_files(fd, int(os.path.basename(path)), st_meta, st_step)
+    if found.kind != "complete" and not _still_at(path, fd):
+        # Removed or set aside while it was examined: say nothing of it.
+        return GONE
     if len(_TAGS) >= 4096:
         _TAGS.clear()
-    _TAGS[meta] = (seen, found)
+    _TAGS[key] = (seen, found)
     return found
 
 
@@ -233,35 +244,66 @@ def examine(path: str, keys: set[str] | None = None) -> Examined:
 _TAGS: dict[str, tuple[tuple[Any, ...], Examined]] = {}
 
 
+def _lstat_in(fd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.lstat(name, dir_fd=fd)
+    except OSError:
+        return None
+
+
+def _still_at(path: str, fd: int) -> bool:
+    """The directory open as `fd` is still the one named `path`."""
+    try:
+        now, then = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+
 def _stat_key(st: os.stat_result | None) -> tuple[int, ...] | None:
     if st is None:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
 
 
+def _read_in(fd: int, name: str, limit: int) -> bytes:
+    """`read_bytes` of the file `name` in the directory open as `fd` (not a link)."""
+    file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+    with os.fdopen(file, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise DamagedStep(f"'{name}' is larger than {limit} bytes, more than the library writes")
+    return data
+
+
+def _is_in(fd: int, name: str, kind: Any) -> bool:
+    st = _lstat_in(fd, name)
+    return st is not None and kind(st.st_mode)
+
+
 def _examine_files(
-    path: str, step: int, st_meta: os.stat_result | None, st_step: os.stat_result | None
+    fd: int, step: int, st_meta: os.stat_result | None, st_step: os.stat_result | None
 ) -> Examined:
+    """What the step directory open as `fd` is, from its files (`examine`)."""
     record = None
     if st_step is not None and stat.S_ISREG(st_step.st_mode):
-        step_file = os.path.join(path, ORBAX_STEP_FILE)
         try:
-            record = _record_of(read_bytes(step_file, SMALL_FILE_MAX_BYTES))
+            record = _record_of(_read_in(fd, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES))
         except (OSError, ValueError):
             record = None
     if st_meta is None and record is None:
         return Examined("foreign", f"no '{META_ITEM}' item of jax_cb_ckpt")
     for item in (STATE_ITEM, META_ITEM):
-        if not _is_real_dir(os.path.join(path, item)):
+        if not _is_in(fd, item, stat.S_ISDIR):
             return Examined("damaged", f"its '{item}' item is missing")
     if st_step is None or not stat.S_ISREG(st_step.st_mode):
         return Examined("damaged", f"Orbax's step file {ORBAX_STEP_FILE} is missing")
-    if not _is_real_file(os.path.join(path, STATE_ITEM, STATE_METADATA)):
+    if not _is_in(fd, f"{STATE_ITEM}/{STATE_METADATA}", stat.S_ISREG):
         return Examined("damaged", f"'{STATE_ITEM}/{STATE_METADATA}' is missing")
     if st_meta is None or not stat.S_ISREG(st_meta.st_mode):
         return Examined("damaged", f"'{META_ITEM}/{META_FILE}' is missing")
     try:
-        text = read_bytes(os.path.join(path, META_ITEM, META_FILE), META_MAX_BYTES)
+        text = _read_in(fd, f"{META_ITEM}/{META_FILE}", META_MAX_BYTES)
         check_meta_bytes(text, step, record)
     except DamagedStep as e:
         return Examined(e.kind, str(e))
@@ -390,7 +432,8 @@ def examine_all(path: str) -> dict[int, Examined]:
         return {}
     except OSError as e:
         raise ConfigError(f"cannot list the checkpoint directory {path!r}: {e}") from e
-    return {int(n): examine(os.path.join(path, n)) for n in names if is_step_name(n)}
+    found = {int(n): examine(os.path.join(path, n)) for n in names if is_step_name(n)}
+    return {step: f for step, f in found.items() if f is not GONE}
 
 
 def foreign_steps(path: str) -> list[int]:
@@ -648,7 +691,7 @@ def step_meta(
       "spec": [[mesh axes] per dimension]}};
     - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
       members asked for the save;
-    - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_verify.py`).
+    - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_read.py`).
     """
     meta: dict[str, Any] = dict(
         versions,

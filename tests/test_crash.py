@@ -80,9 +80,12 @@ def test_sigkill_many_points(tmp_path, uninterrupted):
 def test_preemption_saves_stops_and_resumes(tmp_path, uninterrupted, sig, flag):
     directory = tmp_path / "ckpt"
     child = start_worker(directory, *flag)
-    wait_for_step(directory, 4 * crash_worker.EVERY, child)
-    child.send_signal(sig)
-    out, err = child.communicate(timeout=120)
+    try:
+        wait_for_step(directory, 4 * crash_worker.EVERY, child)
+        child.send_signal(sig)
+        out, err = child.communicate(timeout=120)
+    finally:  # a failure here leaves no child running into the next test
+        kill_group(child)
     assert child.returncode == 128 + sig, err
     assert "done" not in out
     latest = jax_cb_ckpt.latest_step(directory)
