@@ -1,10 +1,12 @@
 """Reading checkpoints back: which steps exist, and one step into the types of `like`.
 
-Runs in the caller's thread and blocks it until the arrays are in memory. Reads go
-through Orbax (a read-only checkpointer), so anything Orbax can read, we can; and the
-JSON `meta` item says how each leaf was stored, so nothing is unpickled and no code
-runs. A checkpoint is trusted no further than its files: a `meta` item that does not
-match the arrays (hand-edited, corrupt, another program's) is a `RestoreError`.
+Runs in the caller's thread and blocks it until the arrays are in memory. The arrays
+are read by the one read path (`_read.StepArrays`: TensorStore on the layout the
+writer writes, checked against the checksums while it reads), not by Orbax; plain
+Orbax still reads every step (tests/test_orbax_reads.py). The JSON `meta` item says how
+each leaf was stored, so nothing is unpickled and no code runs. A checkpoint is
+trusted no further than its files: a `meta` item that does not match the arrays
+(hand-edited, corrupt, another program's) is a `RestoreError`.
 
 A step may be removed while it is read (`max_to_keep` retention of a writer running in
 another thread or process, or a replacing save): the read then fails the way a corrupt
@@ -16,19 +18,15 @@ reading and checked after: a step that is gone, or is another directory now, is 
 from __future__ import annotations
 
 import dataclasses
-import logging
+import math
 import os
-import sys
-import threading
 import warnings
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 
-from . import _dtypes, _format, _remote, _store, _tree, _verify
+from . import _dtypes, _format, _read, _store, _tree
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -120,92 +118,6 @@ def _pick_step(path: str, step: int | None, what: str) -> int:
     )
 
 
-def _is_stale_wakeup(unraisable: Any) -> bool:
-    """The report a failed Orbax read leaves behind, and nothing else: Orbax runs each
-    read in a fresh asyncio loop and closes it as soon as one TensorStore read fails,
-    while the other reads of the same restore are still in flight; when one of those
-    finishes, TensorStore's thread calls `loop.call_soon_threadsafe` on the closed loop
-    to wake a task nobody waits for any more. The RuntimeError ("Event loop is closed")
-    has nowhere to go and Python prints it as a traceback, long after our RestoreError
-    was raised. Recognised by its exact shape: raised by asyncio's own
-    `call_soon_threadsafe`, called from native code (no Python caller), with no object."""
-    exc = unraisable.exc_value
-    if unraisable.object is not None or not isinstance(exc, RuntimeError):
-        return False
-    tb = exc.__traceback__
-    return (
-        str(exc) == "Event loop is closed"
-        and tb is not None
-        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
-        and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("asyncio.")
-    )
-
-
-_quiet_lock = threading.Lock()
-_quiet = False
-
-
-def _quiet_stale_wakeups() -> None:
-    """Drop the stale wake-ups of `_is_stale_wakeup` from `sys.unraisablehook` (every
-    other report goes to the hook that was there). Installed before the first read,
-    not after a failure: the wake-ups can come before the RestoreError is raised, and
-    as late as any time after it. Process-wide, and kept: the loop they aim at is gone,
-    so dropping them loses nothing, and the failure itself is raised as our error."""
-    global _quiet
-    with _quiet_lock:
-        if _quiet:
-            return
-        previous = sys.unraisablehook
-
-        def hook(unraisable: Any) -> None:
-            if not (_is_stale_wakeup(unraisable) or _is_orphaned_read(unraisable)):
-                previous(unraisable)
-
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(_orphaned_read_failure)
-        _quiet = True
-
-
-def _is_orphaned_read(unraisable: Any) -> bool:
-    """The other report a failed Orbax read can leave: one of the same restore's reads,
-    a coroutine of Orbax's that nobody awaits once the first failure was raised, closed
-    when it is garbage collected; its own read failure ("Encountered error while
-    reading array index") then has nowhere to go. Recognised by the coroutine's name
-    and module (Orbax's `_read_array_index_and_device_put`)."""
-    code = getattr(unraisable.object, "cr_code", None)
-    return (
-        code is not None
-        and code.co_name == "_read_array_index_and_device_put"
-        and "orbax" in code.co_filename
-        and "Encountered error while reading" in str(unraisable.exc_value)
-    )
-
-
-def _orphaned_read_failure(record: logging.LogRecord) -> bool:
-    """A logging filter for asyncio's logger: False (drop) for its "exception was never
-    retrieved" report of a TensorStore read that failed in the same Orbax restore as
-    another one (Orbax raised the first failure, which we raise as a RestoreError, and
-    left the other reads' futures unread). Every other record passes."""
-    exc = record.exc_info[1] if record.exc_info else None
-    return not (
-        isinstance(exc, ValueError)
-        and "tensorstore_spec" in str(exc)
-        and "exception was never retrieved" in record.getMessage()
-    )
-
-
-def _read_item(handler: Any, path: str, step: int, item: str, args: Any) -> Any:
-    """One item of a checkpoint, read by its Orbax handler directly. Not through an
-    Orbax `Checkpointer`: in a multi-process run its restore ends in a device barrier
-    of every process, which hangs a process that reads alone (process 0 reading
-    metadata, say) and waits on devices a running program holds."""
-    _quiet_stale_wakeups()
-    try:
-        return handler.restore(epath.Path(path) / str(step) / item, args=args)
-    finally:
-        handler.close()
-
-
 def _identify(path: str, step: int, where: str) -> tuple[int, int]:
     """(device, inode) of checkpoint `step`, taken before reading it."""
     try:
@@ -230,7 +142,7 @@ def _read_failure(
     """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
     raised `e`: a stored layout unlike the step's description; the step removed while it
     was read; or the read's own failure."""
-    if isinstance(e, _verify.LayoutError):
+    if isinstance(e, _read.LayoutError):
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
     if not _still_there(path, step, seen):
         return _removed(path, step, where)
@@ -308,29 +220,6 @@ def _parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
         ) from e
 
 
-def _restore_args(
-    saved_specs: tuple[_tree.LeafSpec, ...], placed: dict[tuple[str, ...], Any]
-) -> dict[str, Any]:
-    """Orbax restore arguments for every stored leaf: a sharded `jax.Array` (each device
-    reads only its slices) where `placed` gives a sharding, a numpy array otherwise."""
-    args: dict[str, Any] = {}
-    for saved in saved_specs:
-        shape = saved.stored_shape
-        if 0 in shape:
-            continue  # not stored
-        sharding = placed.get(saved.name)
-        if sharding is not None:
-            arg = ocp.ArrayRestoreArgs(
-                sharding=sharding, global_shape=shape, dtype=np.dtype(saved.dtype)
-            )
-        else:
-            arg = ocp.RestoreArgs(restore_type=np.ndarray)
-        _tree.put(args, saved.name, arg)
-    if not args:
-        args[_tree.EMPTY_NAME] = ocp.RestoreArgs(restore_type=np.ndarray)
-    return args
-
-
 def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> Any:
     """The sharding to read a leaf with, when `like` places it on devices and the
     stored data can be read as is (not a PRNG key, a widened dtype or a number)."""
@@ -343,87 +232,6 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
     if _dtypes.storage_dtype(dtype) != dtype or 0 in saved.shape:
         return None
     return sharding
-
-
-def _read_state(
-    path: str, step: int, where: str, seen: tuple[int, int], restore_args: dict[str, Any]
-) -> dict[str, Any]:
-    args = ocp.args.PyTreeRestore(restore_args=restore_args)
-    return _read_arrays(
-        path,
-        step,
-        where,
-        seen,
-        lambda: _read_item(ocp.PyTreeCheckpointHandler(), path, step, STATE_ITEM, args),
-    )
-
-
-def _read_arrays(path: str, step: int, where: str, seen: Any, read: Any) -> dict[str, Any]:
-    """`read()` the step's arrays; a failure, or a step that went away meanwhile, is
-    our error. (Read without error, but perhaps while the step was renamed away:
-    TensorStore reads a missing file as an absent key, and zarr an absent chunk as its
-    fill value; so the step is checked after the read too.)"""
-    try:
-        tree = read()
-    except Exception as e:
-        if not _still_there(path, step, seen):
-            raise _removed(path, step, where) from e
-        raise RestoreError(f"{where}: cannot read the checkpoint's arrays: {_readable(e)}") from e
-    if not _still_there(path, step, seen):
-        raise _removed(path, step, where)
-    return tree
-
-
-_SPEC_DUMP = "See full TensorStore details:"  # Orbax's text, then a repr of the store
-
-
-def _readable(e: BaseException) -> str:
-    """A read failure as a message: Orbax's "Encountered error while reading array
-    index: ... See full TensorStore details: <bound method ... of TensorStore({...})>"
-    loses the dump (a page of a spec's repr, not its content) and gains the TensorStore
-    error it wraps (its first line), which says what was wrong (a truncated file, a
-    missing key)."""
-    text = str(e)
-    if _SPEC_DUMP not in text:
-        return text
-    text = text.split(_SPEC_DUMP)[0].rstrip(" .")
-    cause = e.__cause__
-    if cause is not None:
-        text += f" ({type(cause).__name__}: {str(cause).splitlines()[0][:300]})"
-    return text
-
-
-def _read_state_directly(
-    path: str,
-    step: int,
-    where: str,
-    seen: Any,
-    saved_specs: tuple[_tree.LeafSpec, ...],
-    placed: dict[tuple[str, ...], Any],
-) -> dict[str, Any]:
-    """The arrays of a step in object storage, read with TensorStore (Orbax cannot read
-    s3://): the nested dict Orbax's handler returns. A leaf `placed` gives a sharding
-    becomes a `jax.Array` whose devices each read only their slices."""
-    step_dir = os.path.join(path, str(step))
-
-    def read() -> dict[str, Any]:
-        tree: dict[str, Any] = {}
-        for saved in saved_specs:
-            shape = saved.stored_shape
-            if 0 in shape:
-                continue  # not stored
-            store = _verify.open_leaf(step_dir, saved)
-            sharding = placed.get(saved.name)
-            if sharding is not None:
-                array = jax.make_array_from_callback(
-                    shape, sharding, lambda index, s=store: s[index].read().result()
-                )
-            else:
-                array = store.read().result()
-            _tree.put(tree, saved.name, array)
-        return tree
-
-    return _read_arrays(path, step, where, seen, read)
 
 
 def restore(
@@ -473,26 +281,124 @@ def restore(
         _check_batched_like(like_specs, saved_specs, batch, where)
     _tree.check_like(like_specs, saved_specs, where)
     by_name = {spec.name: spec for spec in saved_specs}
-    placed = {}
-    for leaf, spec in zip(like_leaves, like_specs, strict=True):
-        sharding = _placement(leaf, spec, by_name[spec.name])
-        if sharding is not None:
-            placed[spec.name] = sharding
-    try:
-        _verify.check_layouts(os.path.join(path, str(step)), saved_specs)
-    except Exception as e:
-        raise _read_failure(e, path, step, seen, where, "the checkpoint's arrays") from e
-    if _remote.is_url(path):
-        tree = _read_state_directly(path, step, where, seen, saved_specs, placed)
-    else:
-        tree = _read_state(path, step, where, seen, _restore_args(saved_specs, placed))
-    checks = _checksums(meta, os.path.join(path, str(step)), where) if verify else None
+    saved_of = [by_name[spec.name] for spec in like_specs]
+    stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
+    sums = _sums(meta, stored, verify, where)
+    arrays = _open_arrays(path, step, seen, where, meta, stored)
+    requests: list[tuple[_tree.LeafSpec, _read.Box | None]] = []
+    placements = []  # per like leaf: (sharding, {box: index into results}) or None
+    for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
+        sharding = _placement(leaf, spec, saved)
+        if 0 in saved.stored_shape:
+            placements.append(None)
+        elif sharding is None:
+            placements.append(len(requests))
+            requests.append((saved, None))
+        else:  # each device reads its own block (each process: its devices' blocks)
+            shape = saved.stored_shape
+            boxes = {}
+            for index in sharding.addressable_devices_indices_map(shape).values():
+                box = _box(index, shape)
+                if box not in boxes:
+                    boxes[box] = len(requests)
+                    requests.append((saved, box))
+            placements.append((sharding, boxes))
+    results = _read_leaves(arrays, requests, sums, path, step, seen, where)
     leaves = []
-    for leaf, spec in zip(like_leaves, like_specs, strict=True):
-        saved = by_name[spec.name]
-        array = _stored_array(tree, saved, where, checks)
+    together = zip(like_leaves, like_specs, saved_of, placements, strict=True)
+    for leaf, spec, saved, placed in together:
+        shape = saved.stored_shape
+        if placed is None:  # zero-size leaves are described, not stored
+            array = np.zeros(shape, np.dtype(saved.dtype))
+        elif isinstance(placed, int):
+            array = _as_described(results[placed], saved, shape, where)
+        else:
+            sharding, boxes = placed
+            blocks = {box: results[i] for box, i in boxes.items()}
+            array = jax.make_array_from_callback(
+                shape, sharding, lambda index, b=blocks, n=shape: b[_box(index, n)]
+            )
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     return treedef.unflatten(leaves)
+
+
+def _box(index: Any, shape: tuple[int, ...]) -> _read.Box:
+    """A device's index into a leaf (a tuple of slices) as a box."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _open_arrays(
+    path: str,
+    step: int,
+    seen: Any,
+    where: str,
+    meta: _format.StepMeta,
+    specs: list[_tree.LeafSpec],
+) -> _read.StepArrays:
+    """The step's arrays, opened, with the stored layouts of `specs` checked against
+    their descriptions before anything of them is read."""
+    try:
+        arrays = _read.StepArrays(os.path.join(path, str(step)), meta.leaves)
+        arrays.check_layouts(specs)
+    except _read.LeafReadError as e:
+        what = f"leaf {e.leaf.path}"
+        raise _read_failure(e.cause, path, step, seen, where, what) from e.cause
+    except Exception as e:
+        raise _read_failure(e, path, step, seen, where, "the checkpoint's arrays") from e
+    return arrays
+
+
+def _sums(
+    meta: _format.StepMeta, specs: list[_tree.LeafSpec], verify: bool, where: str
+) -> dict[str, Any] | None:
+    """The checksums to check the stored leaves `specs` against, or None to read them
+    unchecked (`verify=False`, or a step written before checksums were kept). A step
+    with checksums that lacks a leaf's was edited: an error, before anything is read."""
+    if not verify or meta.checksums is None:
+        return None
+    for saved in specs:
+        _leaf_sums(meta.checksums, saved, where)
+    return meta.checksums
+
+
+def _read_leaves(
+    arrays: _read.StepArrays,
+    requests: list[tuple[_tree.LeafSpec, _read.Box | None]],
+    sums: dict[str, Any] | None,
+    path: str,
+    step: int,
+    seen: Any,
+    where: str,
+) -> list[np.ndarray]:
+    """`arrays.read(requests)`, its failures as our errors; and the step checked to
+    be the one the read began on (TensorStore reads a file removed meanwhile as an
+    absent key, and zarr an absent chunk as its fill value)."""
+    step_dir = os.path.join(path, str(step))
+    try:
+        results = arrays.read(requests, sums)
+    except _read.ChecksumMismatch as e:
+        if not _still_there(path, step, seen):
+            raise _removed(path, step, where) from e
+        name = _store.param_name(e.leaf.name)
+        raise _mismatch(where, name, e.leaf.path, e.region, step_dir) from None
+    except _read.LeafReadError as e:
+        what = f"leaf {e.leaf.path}"
+        raise _read_failure(e.cause, path, step, seen, where, what) from e.cause
+    if not _still_there(path, step, seen):
+        raise _removed(path, step, where)
+    return results
+
+
+def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> RestoreError:
+    region = f"elements [{key.replace(',', ', ')}]" if key else "its value"
+    return RestoreError(
+        f"{where}: leaf {leaf} is corrupted: the checksum of {region} does not match "
+        f"the one recorded when it was written (stored as zarr array '{name}' in "
+        f"{os.path.join(step_dir, STATE_ITEM)!r}). A file of the step was changed on "
+        "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
+        "Nothing was returned. Fix: restore another step (all_steps()); "
+        "jax_cb_ckpt.verify(directory) checks every step."
+    )
 
 
 def _member_index(member: Any, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
@@ -579,51 +485,28 @@ def _restore_member(
                 "jax.tree.map(lambda x: x[0], like)), or restore without member=."
             )
     _tree.check_like(like_specs, one, where)
-    step_dir = os.path.join(path, str(step))
-    sums = meta.checksums if verify else None
+    full = {s.name: s for s in meta.leaves}
+    stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
+    sums = _sums(meta, stored, verify, where)
+    arrays = _open_arrays(path, step, seen, where, meta, stored)
+    requests = []
+    for saved in stored:
+        if saved.name in batched:  # only the chunks holding the member are read
+            box = tuple((i, i + 1) for i in index) + _read.whole(saved.stored_shape[n:])
+            requests.append((saved, box))
+        else:
+            requests.append((saved, None))
+    results = iter(_read_leaves(arrays, requests, sums, path, step, seen, where))
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
-        try:
-            array = _member_leaf(step_dir, saved, batch, index, saved.name in batched, sums, where)
-        except RestoreError:
-            raise
-        except Exception as e:
-            raise _read_failure(e, path, step, seen, where, f"leaf {saved.path}") from e
+        shape = saved.stored_shape
+        if 0 in full[spec.name].stored_shape:
+            array = np.zeros(shape, np.dtype(saved.dtype))
+        else:
+            array = _as_described(next(results).reshape(shape), saved, shape, where)
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
-    if not _still_there(path, step, seen):
-        raise _removed(path, step, where)
     return treedef.unflatten(leaves)
-
-
-def _member_leaf(
-    step_dir: str,
-    saved: _tree.LeafSpec,
-    batch: tuple[int, ...],
-    index: tuple[int, ...],
-    batched: bool,
-    sums: dict[str, Any] | None,
-    where: str,
-) -> Any:
-    """One leaf of one member (`saved`: its description without the batch axes)."""
-    stored = saved.stored_shape
-    dtype = np.dtype(saved.dtype)
-    if 0 in stored or 0 in batch:
-        return np.zeros(stored, dtype)
-    name = _store.param_name(saved.name)
-    leaf_sums = None if sums is None else _leaf_sums(sums, saved, where)
-
-    def report(key: str) -> RestoreError:
-        return _verify.mismatch(where, name, saved.path, key, step_dir)
-
-    if batched:
-        full = batch + stored
-        array = _verify.read_member(step_dir, saved, full, index, leaf_sums, report)
-    else:
-        array = _verify.read_leaf(step_dir, saved)
-        if leaf_sums is not None:
-            _verify.check_host(array, leaf_sums, report)
-    return _as_described(array, saved, stored, where)
 
 
 def _as_described(array: Any, saved: _tree.LeafSpec, shape: tuple[int, ...], where: str) -> Any:
@@ -652,48 +535,6 @@ def _leaf_sums(sums: dict[str, Any], saved: _tree.LeafSpec, where: str) -> dict[
     return leaf_sums
 
 
-def _checksums(meta: _format.StepMeta, step_dir: str, where: str) -> Any:
-    """`check(saved, array)`: verifies a leaf's stored data against its checksums."""
-    sums = meta.checksums
-    if sums is None:  # written before checksums were recorded
-        return None
-
-    def check(saved: _tree.LeafSpec, array: Any) -> None:
-        name = _store.param_name(saved.name)
-        leaf_sums = _leaf_sums(sums, saved, where)
-
-        def report(key: str) -> RestoreError:
-            return _verify.mismatch(where, name, saved.path, key, step_dir)
-
-        def read_host() -> np.ndarray:
-            return _verify.read_leaf(step_dir, saved)
-
-        _verify.check_leaf(array, leaf_sums, read_host, report)
-
-    return check
-
-
-def _stored_array(
-    tree: dict[str, Any], saved: _tree.LeafSpec, where: str, check: Any = None
-) -> Any:
-    """The data of one leaf, checked against its description (and its checksums)."""
-    shape = saved.stored_shape
-    dtype = np.dtype(saved.dtype)
-    if 0 in shape:  # zero-size leaves are described, not stored (Orbax cannot store them)
-        return np.zeros(shape, dtype)
-    array = _tree.unnest(tree, saved)
-    if array is None:
-        raise RestoreError(
-            f"{where}: leaf {saved.path} is described in the checkpoint but has no data; "
-            "the checkpoint was edited or corrupted. Fix: restore another step."
-        )
-    if not isinstance(array, jax.Array):  # read sharded: never gathered here
-        array = np.asarray(array)
-    if check is not None and array.shape == shape:
-        check(saved, array)
-    return _as_described(array, saved, shape, where)
-
-
 def _short(steps: list[int]) -> str:
     if len(steps) <= 10:
         return str(steps)
@@ -716,17 +557,31 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         where = f"verify(step={one}) of {path!r}"
         seen = _identify(path, one, where)
         meta = _parsed(_read_meta(path, one, where, seen), where)
+        stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
         # Without checksums (an older version's step) every byte is still read: a cut
         # or missing file fails here, where it would fail a restore.
-        check = _checksums(meta, os.path.join(path, str(one)), where)
-        for saved in meta.leaves:
-            shape = saved.stored_shape
-            if 0 in shape:
-                continue  # described, not stored
-            try:
-                array = _verify.read_leaf(os.path.join(path, str(one)), saved)
-            except Exception as e:
-                raise _read_failure(e, path, one, seen, where, f"leaf {saved.path}") from e
-            if check is not None:
-                check(saved, array)
+        sums = _sums(meta, stored, True, where)
+        arrays = _open_arrays(path, one, seen, where, meta, stored)
+        for group in _by_size(stored, _VERIFY_GROUP_BYTES):
+            _read_leaves(arrays, [(saved, None) for saved in group], sums, path, one, seen, where)
     return steps
+
+
+# verify reads leaves in groups of about this many bytes at once (concurrently), so
+# that its memory stays bounded whatever the step's size.
+_VERIFY_GROUP_BYTES = 256 << 20
+
+
+def _by_size(specs: list[_tree.LeafSpec], limit: int) -> list[list[_tree.LeafSpec]]:
+    """`specs` in consecutive groups of at most `limit` stored bytes (a larger leaf
+    alone)."""
+    groups: list[list[_tree.LeafSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = np.dtype(spec.dtype).itemsize * math.prod(spec.stored_shape)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    return [g for g in groups if g]

@@ -26,7 +26,7 @@ written as raw chunk bytes (no zarr driver), and not compressed.
 
 Checksums: a CRC-32 of every chunk's bytes as written (C order, the stored dtype),
 computed in this thread from the host copy while TensorStore writes it (zlib releases
-the GIL), kept in the `meta` item and checked on restore (`_verify.py`).
+the GIL), kept in the `meta` item and checked on restore (`_read.py`).
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ import json
 import math
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
+
+try:  # ISA-L's CRC-32 (SIMD): zlib's checksum, ~19 GB/s here where zlib's runs at ~2.5
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without its wheels: the same checksum, slower
+    from zlib import crc32 as _crc32
 
 from . import _remote
 from ._format import PROCESS_PREFIX, STATE_METADATA, write_text
@@ -83,7 +87,7 @@ def region_key(region: Region) -> str:
 def checksum(array: np.ndarray) -> int:
     """CRC-32 of an array's bytes in C order."""
     array = np.ascontiguousarray(array)
-    return zlib.crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
+    return _crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
 
 
 def base_spec(path: str) -> dict[str, Any]:

@@ -421,8 +421,10 @@ def _number_kind(dtype: str) -> str:
     return "i" if kind == "u" else kind
 
 
-def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, where: str) -> Any:
-    """One restored leaf, of the same type as the `like` leaf."""
+def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: str) -> Any:
+    """One restored leaf, of the same type as the `like` leaf, from `array`: the leaf's
+    data as saved, a numpy array the caller gives up (it is returned as it is where
+    `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
         cast = array.astype(spec.dtype)
         if cast.astype(saved.dtype) != array:
@@ -446,7 +448,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: np.ndarray, 
     if isinstance(like_leaf, np.generic):
         return np.dtype(spec.dtype).type(array.item() if array.shape == () else array)
     if isinstance(like_leaf, np.ndarray):
-        return np.array(array, dtype=spec.dtype, copy=True)
+        return np.asarray(array, dtype=spec.dtype)
     value = jnp.asarray(array, dtype=spec.dtype)
     if getattr(like_leaf, "weak_type", False):
         value = _weakly_typed(value)

@@ -104,6 +104,12 @@ def reference(step, shardings):
     return state
 
 
+def bytes_read():
+    """Bytes this process has read from files so far, counted by the kernel."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
 def local_bytes(tree):
     """This process's blocks of every leaf, in device order, as bytes."""
     out = {}
@@ -538,7 +544,10 @@ def main():
     )
     state_dir = os.path.join(DIRECTORY, "4", "state")
     findings["shard_dirs"] = sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt"))
-    restored = ckpt.restore(place(host_initial(), shardings), step=4)
+    like = place(host_initial(), shardings)
+    before = bytes_read()
+    restored = ckpt.restore(like, step=4)
+    findings["restore_read_mib"] = (bytes_read() - before) / 2**20  # its own slices only
     findings["exact"] = local_bytes(restored) == local_bytes(final)
     # Plain Orbax, every process reading its own slices of the same checkpoint.
     target = jax.tree.map(

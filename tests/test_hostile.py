@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +232,33 @@ def test_verify_reads_every_byte_of_a_step_without_checksums(tmp_path):
     run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "step 1: FAILED" in run.stdout and "step 2: readable, NOT verified" in run.stdout
+
+
+def test_a_step_set_aside_while_listed_is_never_reported_damaged(tmp_path):
+    """Retention renames a step aside while another process lists the directory: the
+    step is there (complete) or not, never "damaged" because its files vanished under
+    the examination (a resumed run's `latest_step` warned of a damaged step in CI)."""
+    directory = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        for step in (1, 2):
+            ckpt.save(state_at(step), step)
+    step_dir, aside = directory / "2", directory / "2.jax_cb_ckpt-deleting-0"
+    stop = threading.Event()
+
+    def rename_back_and_forth():
+        while not stop.is_set():
+            os.rename(step_dir, aside)
+            os.rename(aside, step_dir)
+
+    mover = threading.Thread(target=rename_back_and_forth)
+    mover.start()
+    try:
+        seen = set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DamagedStepWarning)
+            for _ in range(3000):
+                seen.add(tuple(jax_cb_ckpt.all_steps(directory)))
+    finally:
+        stop.set()
+        mover.join()
+    assert seen <= {(1,), (1, 2)}, seen

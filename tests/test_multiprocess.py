@@ -5,7 +5,8 @@ the work and reports what it found as one JSON line per process):
 
 - both processes list the same steps, and each wrote its own shard files;
 - the checkpoint is the final state bit for bit, read back by `restore(like)` on both
-  processes and by plain Orbax's multi-process reader;
+  processes (each reading only its own devices' blocks: bytes counted by the kernel)
+  and by plain Orbax's multi-process reader;
 - a single process with 8 or with 2 devices restores it exactly;
 - a process killed mid-run makes the other fail with our error within `peer_timeout`,
   and the last complete checkpoint still restores exactly;
@@ -33,6 +34,7 @@ import jax_cb_ckpt
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT = 240  # a 2-process run takes ~15 s here; a hang never ends
 PEER_TIMEOUT = 8  # the kill case's wait for the dead process
+MIB = 32  # the state's size (multiprocess_worker.MIB)
 
 
 class Group(ProcessGroup):
@@ -95,6 +97,9 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
         # process 0's arrays are in the root database, process 1's in its own
         assert found["shard_dirs"] == ["ocdbt.process_1"], found
         assert found["exact"] is True, found
+        # Each process read its own half of the 32 MiB state (its 4 devices' blocks),
+        # not the whole of it.
+        assert 0.4 * MIB <= found["restore_read_mib"] <= 0.6 * MIB, found
         assert found["plain_orbax_exact"] is True, found
         assert found["plain_orbax_sharding"] == ["d"], found
     # Process 0 read metadata and a step alone, while process 1 went on.

@@ -56,25 +56,10 @@ def big_state(seed=0, mib=32):
 
 
 # The storage basics run on a third server as well: gcp-storage-emulator (conftest's
-# `remote`), which ignores the key range of a listing. It also sends no generation with
-# an object's bytes (no x-goog-generation header), and TensorStore's OCDBT reader,
-# rechecking its cached manifest, then fails with "Malformed StorageGeneration"
-# (plain Orbax, which opens arrays without rechecking, reads them): reading arrays
-# there needs `recheck_cached_data="open"` in `_verify.open_leaf` (a committed step
-# never changes). Until then a restore there is expected to fail, with a RestoreError
-# (any other error, e.g. a save refused, fails the test); saving, listing, metadata
-# and retention are checked before it.
-EMULATOR_CANNOT_READ_ARRAYS = pytest.mark.xfail(
-    raises=jax_cb_ckpt.RestoreError,
-    strict=True,
-    reason="gcp-storage-emulator sends no object generation; _verify.open_leaf rechecks",
-)
+# `remote`), which ignores the key range of a listing and sends no generation with an
+# object's bytes (no x-goog-generation header): the read path reads a step's manifest
+# once, so no conditional re-read asks that server what it cannot answer.
 THREE_SERVERS = pytest.mark.parametrize(
-    "remote",
-    ["gs", "s3", pytest.param("gcp-storage-emulator", marks=EMULATOR_CANNOT_READ_ARRAYS)],
-    indirect=True,
-)
-THREE_SERVERS_NO_ARRAYS_READ = pytest.mark.parametrize(
     "remote", ["gs", "s3", "gcp-storage-emulator"], indirect=True
 )
 
@@ -227,7 +212,7 @@ def copy_prefix(source, target, skip=()):
             put(f"{target}/{key}", _remote.read(f"{source}/{key}")[0])
 
 
-@THREE_SERVERS_NO_ARRAYS_READ
+@THREE_SERVERS
 @pytest.mark.parametrize("copied", ["local step", "bucket step", "foreign marker"])
 def test_a_step_copied_into_the_prefix_is_never_deleted(remote, tmp_path, copied):
     """Objects someone put under `<prefix>/500/` without a commit marker: a step saved
@@ -319,7 +304,7 @@ def _first(seed):
     return np.random.default_rng(seed).standard_normal(8 << 20, dtype=np.float32)[0]
 
 
-@THREE_SERVERS_NO_ARRAYS_READ
+@THREE_SERVERS
 def test_listing_and_retention_touch_only_our_steps(remote):
     """Foreign objects under the prefix (a plain Orbax step, a step-named prefix, files)
     are never listed, never restored and never deleted, even by retention."""
