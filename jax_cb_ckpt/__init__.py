@@ -31,24 +31,24 @@ from ._version import version as _version
 if _TYPE_CHECKING:
     from ._checkpointer import Checkpointer as Checkpointer
     from ._preempt import Preempted as Preempted
-    from ._restore import all_steps as all_steps
-    from ._restore import latest_step as latest_step
-    from ._restore import metadata as metadata
     from ._restore import restore as restore
-    from ._restore import verify as verify
     from ._stats import SaveRecord as SaveRecord
     from ._stats import Stats as Stats
+    from ._steps import all_steps as all_steps
+    from ._steps import latest_step as latest_step
+    from ._steps import metadata as metadata
+    from ._steps import verify as verify
     from ._tree import same_bits as same_bits
 
 # {public name: the private module it comes from}, imported on first use.
 _LAZY = {
     "Checkpointer": "_checkpointer",
     "Preempted": "_preempt",
-    "all_steps": "_restore",
-    "latest_step": "_restore",
-    "metadata": "_restore",
+    "all_steps": "_steps",
+    "latest_step": "_steps",
+    "metadata": "_steps",
     "restore": "_restore",
-    "verify": "_restore",
+    "verify": "_steps",
     "SaveRecord": "_stats",
     "Stats": "_stats",
     "same_bits": "_tree",

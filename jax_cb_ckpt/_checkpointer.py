@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from . import _format, _processes, _remote, _restore, _route, _run, _scan, _traced, _tree
+from . import _format, _processes, _remote, _restore, _route, _run, _scan, _steps, _traced, _tree
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -643,11 +643,11 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps with a complete checkpoint on disk, ascending (pending saves excluded)."""
-        return _restore.all_steps(self.directory)
+        return _steps.all_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest complete step on disk, or None."""
-        return _restore.latest_step(self.directory)
+        return _steps.latest_step(self.directory)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON description saved with `step` (default: the latest).
@@ -656,7 +656,7 @@ class Checkpointer:
         `library_version`, and for saves made under `vmap`: `batch_shape` and `members`
         (which batch members' predicate held). Does not wait for pending saves.
         """
-        return _restore.metadata(self.directory, step=step)
+        return _steps.metadata(self.directory, step=step)
 
     def restore(
         self,

@@ -257,7 +257,7 @@ def _sharding(described: dict[str, Any]) -> str:
 
 
 def _verify(directory: str, args: argparse.Namespace) -> int:
-    from ._restore import verify  # reading arrays needs TensorStore (and JAX, for now)
+    from ._steps import verify  # reading arrays needs TensorStore, not JAX
 
     found = _format.examine_all(directory)
     damaged = {step: f.why for step, f in found.items() if f.kind == "damaged"}

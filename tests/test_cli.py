@@ -155,8 +155,9 @@ def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
 
 def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
     """`ls`, `show` and `--help` read JSON files: they import neither JAX (~1.8 s) nor
-    Orbax nor TensorStore. Their start time is printed (pytest -s); a timed
-    assertion would fail on a loaded machine, the imports are what is checked."""
+    Orbax nor TensorStore; `verify` reads arrays with TensorStore, never JAX or Orbax.
+    Their start time is printed (pytest -s); a timed assertion would fail on a loaded
+    machine, the imports are what is checked."""
     import time
 
     probe = (
@@ -166,11 +167,12 @@ def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
         "heavy = [m for m in ('jax', 'orbax.checkpoint', 'tensorstore') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    for args in (["ls", str(saved)], ["show", str(saved)], ["--help"]):
+    needs = {"ls": "[]", "show": "[]", "verify": "['tensorstore']"}
+    for args in (["ls", str(saved)], ["show", str(saved)], ["verify", str(saved)], ["--help"]):
         run = run_child([sys.executable, "-c", probe, *args], timeout=120)
         if args != ["--help"]:
             assert run.returncode == 0, run.stderr
-            assert "HEAVY []" in run.stdout, run.stdout
+            assert f"HEAVY {needs[args[0]]}" in run.stdout, run.stdout
         start = time.perf_counter()
         cli(*args)
         print(f"jax-cb-ckpt {args[0]}: {time.perf_counter() - start:.2f} s")

@@ -1,0 +1,349 @@
+"""Which steps a checkpoint directory holds, what a step says of itself, and reading
+its arrays without a `like`: `all_steps`, `latest_step`, `metadata`, `verify`, and the
+steps every read takes (pick a step, identify it, read and check its description, open
+its arrays, read them, make sure it was not removed meanwhile), which `restore`
+(`_restore.py`) builds on.
+
+Needs numpy and TensorStore, not JAX: `jax-cb-ckpt verify` starts without importing it.
+Runs in the caller's thread and blocks it until the read is done.
+
+A step may be removed while it is read (`max_to_keep` retention of a writer running in
+another thread or process, or a replacing save): the read then fails the way a corrupt
+file would, or could even return a mix. So a step is identified (device, inode; in a
+bucket, its commit marker's generation) before reading and checked after: a step that
+is gone, or is another directory now, is a `NoCheckpointError` that says so, whatever
+the read gave.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+
+from . import _format, _read, _store
+from ._errors import (
+    CheckpointError,
+    ConfigError,
+    DamagedStepWarning,
+    NoCheckpointError,
+    RestoreError,
+)
+from ._format import META_ITEM, STATE_ITEM
+from ._spec import LeafSpec
+
+
+def all_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """Steps with a complete checkpoint in `directory`, ascending.
+
+    Only checkpoints written by jax_cb_ckpt count (see docs/usage.md, "What is in the
+    directory"): other folders, even with integer names, are ignored. A step listed
+    here is complete and restores. Does not wait for pending saves.
+    """
+    return _listed(_format.resolve(directory, "all_steps"), "all_steps")
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest complete step in `directory`, or None when there is none. A damaged
+    step is never the latest: it is reported (`DamagedStepWarning`)."""
+    steps = _listed(_format.resolve(directory, "latest_step"), "latest_step")
+    return steps[-1] if steps else None
+
+
+def _listed(path: str, what: str) -> list[int]:
+    """The complete steps of `path`; a `DamagedStepWarning` naming the damaged ones, so
+    that a run never silently goes back to an older step."""
+    found = _format.examine_all(path)
+    damaged = {step: f.why for step, f in sorted(found.items()) if f.kind == "damaged"}
+    if damaged:
+        listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
+        warnings.warn(
+            f"{what}: {len(damaged)} step folder(s) of {path!r} claim to be jax_cb_ckpt "
+            f"checkpoints but are damaged and are not listed ({listed}). Nothing was "
+            "deleted. Fix: restore the folder from a good copy, or move it out of the "
+            "directory; `jax-cb-ckpt verify` checks every step.",
+            DamagedStepWarning,
+            stacklevel=3,
+        )
+    return sorted(step for step, f in found.items() if f.kind == "complete")
+
+
+def check_step_arg(step: Any, what: str) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ConfigError(
+            f"{what}(step={step!r}): step must be a non-negative int (a step listed by "
+            "all_steps()) or None for the latest."
+        )
+    return int(step)
+
+
+def pick_step(path: str, step: int | None, what: str) -> int:
+    steps = _listed(path, what) if step is None else _format.list_steps(path)
+    if step is not None and step in steps:
+        return step
+    if step is not None:
+        damaged = _format.damaged_steps(path)
+        if step in damaged:
+            raise RestoreError(
+                f"{what}: step {step} in {path!r} is damaged ({damaged[step]}); nothing "
+                "was read from it. Fix: restore another step (all_steps()), or the "
+                "folder from a good copy."
+            )
+    foreign = _format.foreign_steps(path)
+    other = (
+        f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
+        f"complete jax_cb_ckpt checkpoints ({short(foreign)}): a plain Orbax "
+        "checkpoint, a copy in progress, or an interrupted write. Read a plain Orbax "
+        "checkpoint with orbax.checkpoint directly."
+        if foreign
+        else ""
+    )
+    if not steps:
+        raise NoCheckpointError(
+            f"{what}: no checkpoint in {path!r}.{other} Fix: check the directory, or "
+            "start from the initial state when latest_step() is None."
+        )
+    if step is None:
+        return steps[-1]
+    raise NoCheckpointError(
+        f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
+        f"{short(steps)}.{other}"
+    )
+
+
+def identify(path: str, step: int, where: str) -> tuple[int, int]:
+    """(device, inode) of checkpoint `step`, taken before reading it."""
+    try:
+        return _format.identity(os.path.join(path, str(step)))
+    except OSError as e:
+        raise removed(path, step, where) from e
+
+
+def still_there(path: str, step: int, seen: tuple[int, int]) -> bool:
+    """Checkpoint `step` is still a checkpoint of ours, the same directory it was when
+    the read began (not renamed aside by retention, nor replaced under its name)."""
+    step_dir = os.path.join(path, str(step))
+    try:
+        return _format.is_checkpoint(step_dir) and _format.identity(step_dir) == seen
+    except OSError:
+        return False
+
+
+def read_failure(
+    e: Exception, path: str, step: int, seen: Any, where: str, what: str
+) -> CheckpointError:
+    """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
+    raised `e`: a stored layout unlike the step's description; the step removed while it
+    was read; or the read's own failure."""
+    if isinstance(e, _read.LayoutError):
+        return RestoreError(f"{where}: {e}. Fix: restore another step.")
+    if not still_there(path, step, seen):
+        return removed(path, step, where)
+    return RestoreError(f"{where}: cannot read {what}: {e}")
+
+
+def removed(path: str, step: int, where: str) -> NoCheckpointError:
+    try:
+        steps = _format.list_steps(path)
+    except ConfigError:
+        steps = []
+    now = f"the steps there now are {short(steps)}" if steps else "no step is there now"
+    return NoCheckpointError(
+        f"{where}: step {step} was removed while it was being read ({now}); nothing "
+        "read from it is returned. A writer running on the directory deletes old steps "
+        "(max_to_keep, or a save with on_existing='replace'). Fix: read another step, "
+        "e.g. the latest (restore() without step=, after latest_step()), and retry on "
+        "this error; to read an old step at leisure, raise max_to_keep or copy the "
+        "step's folder first."
+    )
+
+
+def read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[str, Any]:
+    links = _format.symlinks_inside(os.path.join(path, str(step)))
+    if links:
+        raise RestoreError(
+            f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
+            "make reading it read files outside the directory; the library never writes "
+            "them, so it was altered. Fix: restore another step, or replace the links by "
+            "the files they point to if you trust them."
+        )
+    try:
+        meta = _format.load_meta(os.path.join(path, str(step)), step)
+    except _format.DamagedStep as e:
+        if not still_there(path, step, seen):
+            raise removed(path, step, where) from e
+        raise RestoreError(
+            f"{where}: the step is damaged: {e}. Fix: restore another step "
+            "(all_steps()), or the folder from a good copy."
+        ) from e
+    except Exception as e:
+        if not still_there(path, step, seen):
+            raise removed(path, step, where) from e
+        raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
+    return meta
+
+
+def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
+    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
+    return _metadata(directory, step)[0]
+
+
+def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict[str, Any], str]:
+    path = _format.resolve(directory, "metadata")
+    step = pick_step(path, check_step_arg(step, "metadata"), "metadata")
+    where = f"metadata(step={step}) from {path!r}"
+    return read_meta(path, step, where, identify(path, step, where)), where
+
+
+def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
+    """The fields of a step's `meta` item, or a RestoreError saying which is wrong."""
+    try:
+        return _format.StepMeta.parse(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise RestoreError(
+            f"{where}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
+            f"{e}); it was edited or corrupted. Fix: restore another step."
+        ) from e
+
+
+def open_arrays(
+    path: str,
+    step: int,
+    seen: Any,
+    where: str,
+    meta: _format.StepMeta,
+    specs: list[LeafSpec],
+) -> _read.StepArrays:
+    """The step's arrays, opened, with the stored layouts of `specs` checked against
+    their descriptions before anything of them is read."""
+    try:
+        arrays = _read.StepArrays(os.path.join(path, str(step)), meta.leaves)
+        arrays.check_layouts(specs)
+    except _read.LeafReadError as e:
+        what = f"leaf {e.leaf.path}"
+        raise read_failure(e.cause, path, step, seen, where, what) from e.cause
+    except Exception as e:
+        raise read_failure(e, path, step, seen, where, "the checkpoint's arrays") from e
+    return arrays
+
+
+def sums_to_check(
+    meta: _format.StepMeta, specs: list[LeafSpec], verify: bool, where: str
+) -> dict[str, Any] | None:
+    """The checksums to check the stored leaves `specs` against, or None to read them
+    unchecked (`verify=False`, or a step written before checksums were kept). A step
+    with checksums that lacks a leaf's was edited: an error, before anything is read."""
+    if not verify or meta.checksums is None:
+        return None
+    for saved in specs:
+        _leaf_sums(meta.checksums, saved, where)
+    return meta.checksums
+
+
+def read_leaves(
+    arrays: _read.StepArrays,
+    requests: list[tuple[LeafSpec, _read.Box | None]],
+    sums: dict[str, Any] | None,
+    path: str,
+    step: int,
+    seen: Any,
+    where: str,
+) -> list[np.ndarray]:
+    """`arrays.read(requests)`, its failures as our errors; and the step checked to
+    be the one the read began on (TensorStore reads a file removed meanwhile as an
+    absent key, and zarr an absent chunk as its fill value)."""
+    step_dir = os.path.join(path, str(step))
+    try:
+        results = arrays.read(requests, sums)
+    except _read.ChecksumMismatch as e:
+        if not still_there(path, step, seen):
+            raise removed(path, step, where) from e
+        name = _store.param_name(e.leaf.name)
+        raise _mismatch(where, name, e.leaf.path, e.region, step_dir) from None
+    except _read.LeafReadError as e:
+        what = f"leaf {e.leaf.path}"
+        raise read_failure(e.cause, path, step, seen, where, what) from e.cause
+    if not still_there(path, step, seen):
+        raise removed(path, step, where)
+    return results
+
+
+def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> RestoreError:
+    region = f"elements [{key.replace(',', ', ')}]" if key else "its value"
+    return RestoreError(
+        f"{where}: leaf {leaf} is corrupted: the checksum of {region} does not match "
+        f"the one recorded when it was written (stored as zarr array '{name}' in "
+        f"{os.path.join(step_dir, STATE_ITEM)!r}). A file of the step was changed on "
+        "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
+        "Nothing was returned. Fix: restore another step (all_steps()); "
+        "jax_cb_ckpt.verify(directory) checks every step."
+    )
+
+
+def _leaf_sums(sums: dict[str, Any], saved: LeafSpec, where: str) -> dict[str, int]:
+    """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
+    leaf_sums = sums.get(_store.param_name(saved.name))
+    if leaf_sums is None:
+        raise RestoreError(
+            f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
+            f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
+            "or pass verify=False to read it unchecked."
+        )
+    return leaf_sums
+
+
+def short(steps: list[int]) -> str:
+    if len(steps) <= 10:
+        return str(steps)
+    return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-3:]))}]"
+
+
+def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
+    """Check every stored byte of `step` (default: every step) against the checksums
+    recorded when it was written, without a `like`: each leaf is read whole into host
+    memory, one at a time, once its stored layout is the described one. A step written
+    without checksums (an older version) is read whole too, so a cut or missing file
+    fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
+    the steps checked; raises `RestoreError` naming the first corrupted leaf (its step,
+    region and directory), or a damaged step named by `step=`. Blocks while reading."""
+    path = _format.resolve(directory, "verify")
+    steps = _format.list_steps(path)
+    if step is not None:
+        steps = [pick_step(path, check_step_arg(step, "verify"), "verify")]
+    for one in steps:
+        where = f"verify(step={one}) of {path!r}"
+        seen = identify(path, one, where)
+        meta = parsed(read_meta(path, one, where, seen), where)
+        stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
+        # Without checksums (an older version's step) every byte is still read: a cut
+        # or missing file fails here, where it would fail a restore.
+        sums = sums_to_check(meta, stored, True, where)
+        arrays = open_arrays(path, one, seen, where, meta, stored)
+        for group in _by_size(stored, _VERIFY_GROUP_BYTES):
+            read_leaves(arrays, [(saved, None) for saved in group], sums, path, one, seen, where)
+    return steps
+
+
+# verify reads leaves in groups of about this many bytes at once (concurrently), so
+# that its memory stays bounded whatever the step's size.
+_VERIFY_GROUP_BYTES = 256 << 20
+
+
+def _by_size(specs: list[LeafSpec], limit: int) -> list[list[LeafSpec]]:
+    """`specs` in consecutive groups of at most `limit` stored bytes (a larger leaf
+    alone)."""
+    groups: list[list[LeafSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = np.dtype(spec.dtype).itemsize * math.prod(spec.stored_shape)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    return [g for g in groups if g]
