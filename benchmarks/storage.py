@@ -40,7 +40,9 @@ from .run import machine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _servers(root: str) -> tuple[Any, Any]:
+def servers(root: str) -> tuple[Any, Any]:
+    """fake-gcs-server (objects under `root`) and moto's S3 server, each with a bucket
+    "bench", their environment set in this process."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from storage_servers import GCSServer, S3Server  # the tests' servers
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/storage")
     args = parser.parse_args(argv)
     scratch = tempfile.mkdtemp(dir=args.dir)
-    gcs, s3 = _servers(os.path.join(scratch, "gcs-objects"))
+    gcs, s3 = servers(os.path.join(scratch, "gcs-objects"))
     try:
         report = _measure(args, scratch)
     finally:

@@ -323,7 +323,9 @@ class DamagedStep(ValueError):
 
 def read_bytes(path: str, limit: int) -> bytes:
     """A small file of a step (or an object), refused (`DamagedStep`) when larger than
-    `limit`: read no further than that. `FileNotFoundError` when absent."""
+    `limit`: a file is read no further than that; an object is read whole first
+    (TensorStore refuses a byte range past an object's end, and lists no sizes).
+    `FileNotFoundError` when absent."""
     if _remote.is_url(path):
         data, _ = _remote.read(path)
         if data is None:
@@ -331,6 +333,10 @@ def read_bytes(path: str, limit: int) -> bytes:
     else:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
+    return _within(path, data, limit)
+
+
+def _within(path: str, data: bytes, limit: int) -> bytes:
     if len(data) > limit:
         name = "/".join(path.rsplit("/", 2)[-2:])
         raise DamagedStep(f"'{name}' is larger than {limit} bytes, more than the library writes")
@@ -396,9 +402,31 @@ def check_meta_bytes(text: bytes, step: int, record: dict[str, Any] | None) -> d
 def load_meta(step_dir: str, step: int) -> dict[str, Any]:
     """The `meta` item of checkpoint `step` (its folder `step_dir`), read within
     `META_MAX_BYTES` and checked as `examine` checks it (`DamagedStep`)."""
-    record = _record_of(read_bytes(os.path.join(step_dir, ORBAX_STEP_FILE), SMALL_FILE_MAX_BYTES))
-    text = read_bytes(os.path.join(step_dir, META_ITEM, META_FILE), META_MAX_BYTES)
-    return check_meta_bytes(text, step, record)
+    return open_step(step_dir, step)[1]
+
+
+def open_step(step_dir: str, step: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(`identity` of checkpoint `step`, its `meta` item as `load_meta` reads it),
+    taken before its arrays are read. In object storage the commit marker, Orbax's step
+    file and the meta item are read at once (one round trip); `FileNotFoundError`
+    when the step is not (or no longer) committed."""
+    step_file = os.path.join(step_dir, ORBAX_STEP_FILE)
+    meta = os.path.join(step_dir, META_ITEM, META_FILE)
+    if _remote.is_url(step_dir):
+        marker, (step_bytes, _), (text, _) = _remote.read_many(
+            [f"{step_dir}/{COMMIT_NAME}", step_file, meta]
+        )
+        if marker[0] is None:
+            raise FileNotFoundError(f"{step_dir} is not a complete step")
+        for path, data in ((step_file, step_bytes), (meta, text)):
+            if data is None:
+                raise FileNotFoundError(f"{path} does not exist")
+        seen = ("object", marker[1])
+        record = _record_of(_within(step_file, step_bytes or b"", SMALL_FILE_MAX_BYTES))
+        return seen, check_meta_bytes(_within(meta, text or b"", META_MAX_BYTES), step, record)
+    seen = identity(step_dir)
+    record = _record_of(read_bytes(step_file, SMALL_FILE_MAX_BYTES))
+    return seen, check_meta_bytes(read_bytes(meta, META_MAX_BYTES), step, record)
 
 
 def symlinks_inside(path: str) -> list[str]:

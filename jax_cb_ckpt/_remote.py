@@ -326,10 +326,23 @@ def _is_missing_bucket(text: str) -> bool:
 
 def read(url: str) -> tuple[bytes | None, bytes]:
     """(the object's bytes or None when it does not exist, its generation; `UNKNOWN`
-    when the server sent none)."""
-    store, key = _bucket_store(url)
+    when the server sent none). The whole object: TensorStore refuses a byte range
+    that reaches past an object's end, so "at most n bytes" is no request of its own."""
+    return read_many([url])[0]
+
+
+def read_many(urls: list[str]) -> list[tuple[bytes | None, bytes]]:
+    """`read` of each of `urls`, all at once (concurrent requests: one round trip)."""
+    pending = []
+    for url in urls:
+        store, key = _bucket_store(url)
+        pending.append((url, store.read(key)))
+    return [_read_result(url, future) for url, future in pending]
+
+
+def _read_result(url: str, future: Any) -> tuple[bytes | None, bytes]:
     try:
-        result = store.read(key).result()
+        result = future.result()
     except Exception as e:
         raise _failed("reading", url, e) from None
     if result.state != "value":

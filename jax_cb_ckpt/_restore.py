@@ -75,8 +75,8 @@ def restore(
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    seen = _steps.identify(path, step, where)
-    meta = _steps.parsed(_steps.read_meta(path, step, where, seen), where)
+    seen, described = _steps.open_step(path, step, where)
+    meta = _steps.parsed(described, where)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
         index = _member_index(member, meta, where)

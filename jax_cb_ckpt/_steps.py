@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _format, _read, _store
+from . import _format, _read, _remote, _store
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -116,21 +116,15 @@ def pick_step(path: str, step: int | None, what: str) -> int:
     )
 
 
-def identify(path: str, step: int, where: str) -> tuple[int, int]:
-    """(device, inode) of checkpoint `step`, taken before reading it."""
-    try:
-        return _format.identity(os.path.join(path, str(step)))
-    except OSError as e:
-        raise removed(path, step, where) from e
-
-
 def still_there(path: str, step: int, seen: tuple[int, int]) -> bool:
     """Checkpoint `step` is still a checkpoint of ours, the same directory it was when
     the read began (not renamed aside by retention, nor replaced under its name)."""
     step_dir = os.path.join(path, str(step))
     try:
+        if _remote.is_url(step_dir):  # its commit marker, the same object: committed once
+            return _format.identity(step_dir) == seen
         return _format.is_checkpoint(step_dir) and _format.identity(step_dir) == seen
-    except OSError:
+    except (OSError, _remote.StorageError):
         return False
 
 
@@ -140,10 +134,10 @@ def read_failure(
     """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
     raised `e`: a stored layout unlike the step's description; the step removed while it
     was read; or the read's own failure."""
+    if not still_there(path, step, seen):  # files vanish under a read as it goes
+        return removed(path, step, where)
     if isinstance(e, _read.LayoutError):
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
-    if not still_there(path, step, seen):
-        return removed(path, step, where)
     return RestoreError(f"{where}: cannot read {what}: {e}")
 
 
@@ -163,8 +157,12 @@ def removed(path: str, step: int, where: str) -> NoCheckpointError:
     )
 
 
-def read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[str, Any]:
-    links = _format.symlinks_inside(os.path.join(path, str(step)))
+def open_step(path: str, step: int, where: str) -> tuple[Any, dict[str, Any]]:
+    """(the identity of checkpoint `step`, its `meta` item), read and checked before
+    its arrays are read (`_format.open_step`); errors say whether it was removed
+    meanwhile or is damaged."""
+    step_dir = os.path.join(path, str(step))
+    links = _format.symlinks_inside(step_dir)
     if links:
         raise RestoreError(
             f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
@@ -173,19 +171,18 @@ def read_meta(path: str, step: int, where: str, seen: tuple[int, int]) -> dict[s
             "the files they point to if you trust them."
         )
     try:
-        meta = _format.load_meta(os.path.join(path, str(step)), step)
+        return _format.open_step(step_dir, step)
     except _format.DamagedStep as e:
-        if not still_there(path, step, seen):
+        if not _format.is_checkpoint(step_dir):
             raise removed(path, step, where) from e
         raise RestoreError(
             f"{where}: the step is damaged: {e}. Fix: restore another step "
             "(all_steps()), or the folder from a good copy."
         ) from e
     except Exception as e:
-        if not still_there(path, step, seen):
+        if not _format.is_checkpoint(step_dir):
             raise removed(path, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
-    return meta
 
 
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
@@ -197,7 +194,7 @@ def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict
     path = _format.resolve(directory, "metadata")
     step = pick_step(path, check_step_arg(step, "metadata"), "metadata")
     where = f"metadata(step={step}) from {path!r}"
-    return read_meta(path, step, where, identify(path, step, where)), where
+    return open_step(path, step, where)[1], where
 
 
 def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
@@ -317,8 +314,8 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         steps = [pick_step(path, check_step_arg(step, "verify"), "verify")]
     for one in steps:
         where = f"verify(step={one}) of {path!r}"
-        seen = identify(path, one, where)
-        meta = parsed(read_meta(path, one, where, seen), where)
+        seen, described = open_step(path, one, where)
+        meta = parsed(described, where)
         stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
         # Without checksums (an older version's step) every byte is still read: a cut
         # or missing file fails here, where it would fail a restore.

@@ -118,7 +118,7 @@ def test_gpu_cost_runs_each_xla_configuration_in_a_process_of_its_own(tmp_path):
     assert (out / "results.md").read_text() in printed
 
 
-@pytest.mark.slow  # ~20 s
+@pytest.mark.slow  # ~30 s
 def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
     out, disk = tmp_path / "restore", tmp_path / "disk"
     disk.mkdir()
@@ -133,5 +133,15 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
         for mode in modes:
             assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
     assert not os.listdir(disk)  # cleaned up
+    # The object-storage rows (the test extra installs the servers): restore from gs://
+    # and s3:// next to one GET and ranged GETs of as many bytes.
+    assert [(b["dir"], b["case"]) for b in report["buckets"]] == [
+        ("gs://", "tiny"),
+        ("s3://", "tiny"),
+    ]
+    for bucket in report["buckets"]:
+        assert bucket["bytes"] > 0
+        for method in ("restore", "restore, verify=False", "one GET", "ranged GETs"):
+            assert bucket["ms"][method] > 0, (bucket["dir"], method)
     markdown = (out / "results.md").read_text()
-    assert markdown in printed and "x Orbax" in markdown
+    assert markdown in printed and "x Orbax" in markdown and "x GET" in markdown
