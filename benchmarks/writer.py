@@ -85,6 +85,15 @@ def single_leaf(mib: int) -> Callable[[], dict[str, np.ndarray]]:
     return make
 
 
+# What happens to the files of earlier repetitions, for the library and its ceilings
+# alike: "keep" keeps them all (every save writes new blocks), "retain" deletes the one
+# before once the next is durable (the library with max_to_keep=1: the disk reuses the
+# blocks it frees). These VMs' disks run several times faster on reused blocks than on
+# new ones, so a ratio means something only against a ceiling of the same pattern.
+Pattern = str
+PATTERNS: tuple[Pattern, ...] = ("keep", "retain")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     key: str  # what --only selects
@@ -92,13 +101,14 @@ class Case:
     make: Callable[[], dict[str, np.ndarray]]
     compressions: tuple[bool, ...]  # full profile; quick keeps the first unless large
     large: bool = False
+    patterns: tuple[Pattern, ...] = ("keep",)
 
 
 CASES = (
     Case("tiny", "tiny, 4 leaves", tiny_state, (False, True)),
     Case("leaves80", "80 leaves, 1 MiB in all", leaves80_state, (False, True)),
-    Case("64MiB", "one 64 MiB leaf", single_leaf(64), (False, True)),
-    Case("256MiB", "one 256 MiB leaf", single_leaf(256), (False, True), large=True),
+    Case("64MiB", "one 64 MiB leaf", single_leaf(64), (False, True), patterns=PATTERNS),
+    Case("256MiB", "one 256 MiB leaf", single_leaf(256), (False, True), True, PATTERNS),
 )
 
 
@@ -114,13 +124,18 @@ def save_and_wait(ckpt: jax_cb_ckpt.Checkpointer, state: Any, step: int) -> tupl
     return handed, time.perf_counter() - start
 
 
-# The ceilings' files stay until the case's directory is removed, as the checkpoints do:
-# a deletion inside the timed repetitions would hand its cost (ext4 mounted with
-# `discard` trims at the next journal commit) to whichever fsync comes next.
+# The ceilings' files follow the case's pattern, as the checkpoints do: "keep" keeps
+# them until the case's directory is removed; "retain" deletes the previous one inside
+# the timed repetition, after the new one is durable (the library's retention deletes
+# its previous step after the commit, and the cost of a deletion, which ext4 mounted
+# with `discard` trims at the next journal commit, lands on whichever fsync comes next).
 
 
-def write_fsync(leaves: list[np.ndarray], directory: str, name: str) -> float:
-    """Ceiling (a): the same bytes written into one new file and fsynced."""
+def write_fsync(
+    leaves: list[np.ndarray], directory: str, name: str, previous: str | None = None
+) -> float:
+    """Ceiling (a): the same bytes written into one new file and fsynced; then the
+    file `previous` deleted (the "retain" pattern)."""
     start = time.perf_counter()
     with open(os.path.join(directory, name), "wb", buffering=0) as f:
         for leaf in leaves:
@@ -128,12 +143,15 @@ def write_fsync(leaves: list[np.ndarray], directory: str, name: str) -> float:
             while view:  # an unbuffered write may write less than asked
                 view = view[f.write(view) or 0 :]
         os.fsync(f.fileno())
+    if previous is not None and os.path.exists(os.path.join(directory, previous)):
+        os.unlink(os.path.join(directory, previous))
     return time.perf_counter() - start
 
 
-def durable_commit(directory: str, name: str) -> float:
+def durable_commit(directory: str, name: str, previous: str | None = None) -> float:
     """Ceiling (b): 3 small files written and fsynced, their directory fsynced, renamed
-    into place, the parent fsynced (the least a crash-safe checkpoint can cost)."""
+    into place, the parent fsynced (the least a crash-safe checkpoint can cost); then
+    the commit `previous` deleted (the "retain" pattern)."""
     tmp, final = os.path.join(directory, name + ".tmp"), os.path.join(directory, name)
     start = time.perf_counter()
     os.mkdir(tmp)
@@ -144,6 +162,8 @@ def durable_commit(directory: str, name: str) -> float:
     _fsync_dir(tmp)
     os.rename(tmp, final)
     _fsync_dir(directory)
+    if previous is not None:
+        shutil.rmtree(os.path.join(directory, previous), ignore_errors=True)
     return time.perf_counter() - start
 
 
@@ -164,13 +184,18 @@ def checksum_cost(records: list[Any]) -> float | None:
 # -- one eager case --------------------------------------------------------------------
 
 
-def measure_case(case: Case, compression: bool, reps: int, root: str) -> dict[str, Any]:
+def measure_case(
+    case: Case, compression: bool, reps: int, root: str, pattern: Pattern = "keep"
+) -> dict[str, Any]:
     host = case.make()
     leaves = list(host.values())
     nbytes = sum(x.nbytes for x in leaves)
     state = jax.device_put(host)
     directory = tempfile.mkdtemp(dir=root, prefix=f"{case.key}_")
-    ckpt = jax_cb_ckpt.Checkpointer(os.path.join(directory, "ckpt"), compression=compression)
+    retain = pattern == "retain"
+    ckpt = jax_cb_ckpt.Checkpointer(
+        os.path.join(directory, "ckpt"), compression=compression, max_to_keep=1 if retain else None
+    )
     handed: list[float] = []
 
     def ours(step: int) -> float:
@@ -178,10 +203,15 @@ def measure_case(case: Case, compression: bool, reps: int, root: str) -> dict[st
         handed.append(h)
         return total
 
+    def before(name: str, i: int) -> str | None:
+        return f"{name}-{i - 1}" if retain else None
+
     timers: dict[str, Callable[[int], float]] = {
         "save": ours,
-        "write_fsync": lambda i: write_fsync(leaves, directory, f"ceiling-{i}.bin"),
-        "commit": lambda i: durable_commit(directory, f"commit-{i}"),
+        "write_fsync": lambda i: write_fsync(
+            leaves, directory, f"ceiling-{i}", before("ceiling", i)
+        ),
+        "commit": lambda i: durable_commit(directory, f"commit-{i}", before("commit", i)),
     }
     try:
         for timer in timers.values():
@@ -199,6 +229,8 @@ def measure_case(case: Case, compression: bool, reps: int, root: str) -> dict[st
     return {
         "case": case.key,
         "label": case.label,
+        "dir": root,
+        "pattern": pattern,
         "compression": compression,
         "leaves": len(leaves),
         "bytes": nbytes,
@@ -485,13 +517,20 @@ def markdown(report: dict[str, Any]) -> str:
         "medians; ceilings measured in the same repetitions. x write+fsync = our GB/s / "
         "the ceiling's (1.0 = disk speed); x commit = our time / a 3-file durable commit's.",
         "",
-        "| state | bytes | zstd | save+wait (ms) | GB/s | write+fsync (ms) | GB/s | "
-        "x write+fsync | commit (ms) | x commit | writer write_s (ms) | checksum (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Files: keep = every save's files kept (new blocks each time), retain = the "
+        "previous save deleted once the next is durable (`max_to_keep=1`; the ceilings "
+        "delete theirs the same way). tmpfs rows have no disk: the CPU's share.",
+        "",
+        "| dir | state | files | bytes | zstd | save+wait (ms) | GB/s | write+fsync (ms) | "
+        "GB/s | x write+fsync | commit (ms) | x commit | writer write_s (ms) | "
+        "checksum (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cases"]:
+        where = "tmpfs" if c.get("dir") == report.get("tmpfs") else "disk"
         lines.append(
-            f"| {c['label']} | {_size(c['bytes'])} | {'on' if c['compression'] else 'off'} | "
+            f"| {where} | {c['label']} | {c.get('pattern', 'keep')} | {_size(c['bytes'])} | "
+            f"{'on' if c['compression'] else 'off'} | "
             f"{_ms(c['save_s'])} | {c['save_gb_s']:.3f} | {_ms(c['write_fsync_s'])} | "
             f"{c['write_fsync_gb_s']:.3f} | {c['x_write_fsync']:.2f}x | {_ms(c['commit_s'])} | "
             f"{c['x_commit']:.1f}x | {_ms(c['writer_write_s'])} | {_ms(c['checksum_s'])} |"
@@ -563,8 +602,8 @@ def _load(avg: Any) -> str:
 PARTS = (*(c.key for c in CASES), "devices", "loops", "newest")
 
 
-def plan(quick: bool, only: set[str]) -> list[tuple[Case, bool]]:
-    """(case, compression) pairs: quick compresses only the large leaf."""
+def plan(quick: bool, only: set[str]) -> list[tuple[Case, bool, Pattern]]:
+    """(case, compression, file pattern) triples: quick compresses only the large leaf."""
     chosen = []
     for case in CASES:
         if case.key not in only:
@@ -572,7 +611,7 @@ def plan(quick: bool, only: set[str]) -> list[tuple[Case, bool]]:
         for compression in case.compressions:
             if quick and compression and not case.large:
                 continue
-            chosen.append((case, compression))
+            chosen += [(case, compression, pattern) for pattern in case.patterns]
     return chosen
 
 
@@ -585,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where checkpoints and ceiling files are written (its filesystem is measured); "
         "default: a new temporary directory under $TMPDIR or /tmp",
+    )
+    parser.add_argument(
+        "--tmpfs",
+        default="/dev/shm" if os.path.isdir("/dev/shm") else "",
+        help="a tmpfs directory where the large uncompressed cases run again (no disk: "
+        "the writer's CPU share; not in --quick); empty: none. Default /dev/shm",
     )
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "writer"))
     parser.add_argument(
@@ -608,9 +653,19 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_writer_", dir=args.dir) as root:
         report: dict[str, Any] = {"machine": describe(root), "quick": args.quick, "cases": []}
-        for case, compression in plan(args.quick, only):
-            print(f"== {case.label}, compression {'on' if compression else 'off'}", flush=True)
-            report["cases"].append(measure_case(case, compression, reps, root))
+        for case, compression, pattern in plan(args.quick, only):
+            print(
+                f"== {case.label}, compression {'on' if compression else 'off'}, {pattern}",
+                flush=True,
+            )
+            report["cases"].append(measure_case(case, compression, reps, root, pattern))
+        if args.tmpfs and not args.quick:
+            with tempfile.TemporaryDirectory(prefix="jax_cb_ckpt_writer_", dir=args.tmpfs) as shm:
+                report["tmpfs"] = shm
+                for case, compression, pattern in plan(args.quick, only):
+                    if len(case.patterns) > 1 and not compression:  # the large leaves
+                        print(f"== {case.label} on tmpfs, {pattern}", flush=True)
+                        report["cases"].append(measure_case(case, compression, reps, shm, pattern))
         if "devices" in only:
             print(f"== 80 leaves on {N_DEV} devices", flush=True)
             report["devices"] = measure_devices(reps, root)

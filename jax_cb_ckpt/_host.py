@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from . import _assembly, _cuda, _format, _shards, _tree
 from ._errors import (
@@ -407,8 +408,9 @@ class HostSide:
 
     def eager(self, signature: Signature, step: int, hosts: list[Any]) -> None:
         """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
-        or jax arrays, read here). Copied into staging buffers before returning, so a
-        caller that mutates its numpy arrays afterwards does not change the save."""
+        or jax arrays, read here). Numpy arrays are copied into staging buffers before
+        returning, so a caller that mutates them afterwards does not change the save; a
+        jax.Array on the CPU is kept as it is (`_immutable_view`), with no copy."""
         start = time.perf_counter()
         self._check_open()
         self._hand_over(
@@ -422,8 +424,17 @@ class HostSide:
         )
 
     def _staged(self, arrays: Sequence[Any]) -> Callable[[], Taken]:
-        """A `take` that copies `arrays` into staging buffers."""
-        return lambda: Taken(*self._pool.copy_in(arrays))
+        """A `take` that copies `arrays` into staging buffers, but for those it may keep
+        as they are (`_immutable_view`)."""
+
+        def take() -> Taken:
+            views = [_immutable_view(a) for a in arrays]
+            owned = [a for a, v in zip(arrays, views, strict=True) if v is None]
+            copies, release = self._pool.copy_in(owned)
+            copied = iter(copies)
+            return Taken([next(copied) if v is None else v for v in views], release)
+
+        return take
 
     def _refuse_if_failed(self) -> None:
         """Raise (in a callback: fail the running computation, so no hours of training
@@ -565,6 +576,22 @@ class HostSide:
             step, describe, nbytes, blocking_s, end - taken, release, plan.replace, ready
         )
         self._stats.in_flight(self._exchange.submit(item))
+
+
+def _immutable_view(array: Any) -> np.ndarray | None:
+    """A jax.Array on one CPU device as numpy without a copy (its own buffer), or None
+    for anything else. A save may keep such a view instead of a copy: nothing writes a
+    buffer an array holds, and while a view of it lives JAX neither frees it (`delete()`
+    leaves the memory to the view) nor donates it (a jit given it donated copies it
+    instead, silently: tests/test_values.py checks both on every JAX we test). The
+    256 MiB eager save spends ~20 ms less (one copy at the memory's speed)."""
+    if not isinstance(array, jax.Array) or isinstance(array, Tracer):
+        return None
+    devices = array.sharding.device_set
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return None
+    view = np.asarray(array)
+    return view if view.ctypes.data == array.unsafe_buffer_pointer() else None
 
 
 class Taken(NamedTuple):

@@ -50,17 +50,33 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
 @pytest.mark.slow
 def test_writer_benchmark_smallest_run_reports_save_and_ceilings(tmp_path):
     out, disk = tmp_path / "writer", tmp_path / "disk"
-    args = ("--only", "tiny,devices", "--reps", "1", "--dir", str(disk), "--out", str(out))
-    printed = _run("benchmarks.writer", *args, timeout=300).stdout
+    shm = tmp_path / "tmpfs"  # any directory will do for the test
+    shm.mkdir()
+    args = ("--only", "tiny,64MiB,devices", "--reps", "1", "--dir", str(disk), "--out", str(out))
+    printed = _run("benchmarks.writer", *args, "--tmpfs", str(shm), timeout=300).stdout
     report = json.loads((out / "results.json").read_text())
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["cpu_model"] and machine["jax"]
     assert machine["orbax"] != "?" and machine["filesystem"]["type"] != "unknown"
     assert machine["dir"].startswith(str(disk)) and not os.listdir(disk)  # cleaned up
     cases = report["cases"]
-    assert [(c["case"], c["compression"]) for c in cases] == [("tiny", False), ("tiny", True)]
+    # The large leaves with their files kept and with the previous one deleted (as
+    # max_to_keep=1 does; the ceilings the same), and again on the tmpfs directory.
+    assert [
+        (c["case"], c["compression"], c["pattern"], c["dir"] == report["tmpfs"]) for c in cases
+    ] == [
+        ("tiny", False, "keep", False),
+        ("tiny", True, "keep", False),
+        ("64MiB", False, "keep", False),
+        ("64MiB", False, "retain", False),
+        ("64MiB", True, "keep", False),
+        ("64MiB", True, "retain", False),
+        ("64MiB", False, "keep", True),
+        ("64MiB", False, "retain", True),
+    ]
+    assert not os.listdir(shm)  # cleaned up
     for c in cases:
-        assert c["leaves"] == 4 and c["bytes"] == 2048 and c["reps"] == 1
+        assert c["reps"] == 1 and (c["leaves"], c["bytes"]) in ((4, 2048), (1, 64 << 20))
         for key in ("save_s", "write_fsync_s", "commit_s", "writer_write_s", "x_write_fsync"):
             assert c[key] > 0, key
         assert c["checksum_s"] is None or c["checksum_s"] >= 0

@@ -39,6 +39,49 @@ def test_eager_numpy_save_is_a_snapshot(make_ckpt, dtype):
         assert (big_saved == step).all()
 
 
+def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
+    """An eager save keeps a CPU jax.Array's own buffer (a numpy view, no copy): JAX
+    neither frees it on delete() nor donates it to a jit while the view lives (the jit
+    copies instead). Checked here on every JAX the tests run on: if a version freed or
+    reused such a buffer, saves would hold garbage."""
+    from jax_cb_ckpt._host import _immutable_view
+
+    x, y = jnp.arange(1 << 20, dtype=jnp.float32), jnp.arange(1 << 20, dtype=jnp.float32)
+    xv, yv = _immutable_view(x), _immutable_view(y)
+    assert xv is not None and yv is not None and not xv.flags.writeable
+    x.delete()
+    twice = jax.jit(lambda a: a * 2, donate_argnums=0)
+    out = [twice(y) for _ in range(2)] if not y.is_deleted() else []
+    garbage = [jnp.full(1 << 20, -1.0) for _ in range(8)]  # reuse any freed memory
+    expected = np.arange(1 << 20, dtype=np.float32)
+    np.testing.assert_array_equal(xv, expected)
+    np.testing.assert_array_equal(yv, expected)
+    assert len(out) == 2 and len(garbage) == 8
+    # numpy, and arrays on another platform or on several devices, are copied instead
+    assert _immutable_view(np.arange(3)) is None
+
+
+@pytest.mark.parametrize("how", ["delete", "donate"])
+def test_an_eager_save_of_jax_arrays_is_a_snapshot(make_ckpt, how):
+    """The same, end to end: saves kept without a copy, then deleted or donated by the
+    caller while the writer is still busy, restore as saved."""
+    ckpt = make_ckpt(queue_size=4)
+    big = {"obs": np.zeros(1 << 24, np.float32)}  # 64 MB: the writer stays busy
+    step_fn = jax.jit(lambda a: a + 100, donate_argnums=0)
+    for step in range(3):
+        obs = jnp.full(1 << 22, step, jnp.float32)
+        ckpt.save(big, 2 * step)
+        ckpt.save({"obs": obs}, 2 * step + 1)
+        if how == "delete":
+            obs.delete()
+        else:
+            obs = step_fn(obs)
+    ckpt.wait()
+    for step in range(3):
+        saved = ckpt.restore({"obs": np.zeros(1 << 22, np.float32)}, step=2 * step + 1)
+        np.testing.assert_array_equal(saved["obs"], np.full(1 << 22, step, np.float32))
+
+
 def test_traced_numpy_constant_is_copied_when_traced(make_ckpt):
     ckpt = make_ckpt()
     table = np.arange(8, dtype=np.int64) + 2**40
