@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 import weakref
 from typing import Any
 
 import jax
 
-from . import _format, _processes, _remote, _restore, _route, _run, _scan, _steps, _traced, _tree
+from . import (
+    _format,
+    _processes,
+    _remote,
+    _restore,
+    _route,
+    _run,
+    _scan,
+    _steps,
+    _traced,
+    _tree,
+    _warn,
+)
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -349,7 +360,7 @@ class Checkpointer:
             # No JAX callback: every leaf is copied into host memory the library keeps,
             # with its exact dtype, before this call returns.
             self._host.eager(route.signature, route.step, route.hosts)
-            self._raise_writer_error(depth=2)  # user -> save -> _cross -> here
+            self._raise_writer_error()
             return
         fast = self._options.crossing == "buffer" or (
             self._options.crossing == "auto" and _traced.buffer_by_default()
@@ -385,24 +396,20 @@ class Checkpointer:
             )
         # A writer failure surfaces at the next hand-off; in the user's thread when the
         # call happens here (eagerly or while tracing).
-        self._raise_writer_error(depth=2)  # user -> save -> _check_usable -> here
+        self._raise_writer_error()
 
-    def _raise_writer_error(self, depth: int) -> None:
-        """Issue pending warnings and raise (or warn about) the first writer error.
-
-        `depth`: how many frames of ours lie between the user's line and this function
-        (the user's call included, this function excluded), so that warnings point at
-        the user's line."""
-        emit_notes(self._exchange, stacklevel=depth + 2)
+    def _raise_writer_error(self) -> None:
+        """Issue pending warnings (at the user's line, `_warn`) and raise (or warn
+        about) the first writer error."""
+        emit_notes(self._exchange)
         error = self._exchange.take_error()
         if error is None:
             return
         if self.on_error == "continue" and is_failed_write(error):
-            warnings.warn(
+            _warn.warn(
                 f"jax_cb_ckpt: {self._stats.snapshot().failed} save(s) failed so far and "
                 f"training continued (on_error='continue'); the first: {error}",
                 SaveFailedWarning,
-                stacklevel=depth + 2,
             )
             return
         raise error
@@ -416,9 +423,9 @@ class Checkpointer:
         so call it from your own thread, never from inside a callback. When it returns,
         every checkpoint written so far is fsynced: it survives a crash or power loss.
         """
-        self._wait(depth=1)
+        self._wait()
 
-    def _wait(self, depth: int) -> None:
+    def _wait(self) -> None:
         failure = None
         if not self._closed:
             try:
@@ -433,7 +440,7 @@ class Checkpointer:
             # another thread started since the barrier may be filling them.)
             self._host.settle_failed_assemblies()
         try:
-            self._raise_writer_error(depth + 1)
+            self._raise_writer_error()
         except CheckpointError as error:
             if failure is not None and error.__cause__ is None:
                 raise error from failure
@@ -442,17 +449,17 @@ class Checkpointer:
     def close(self) -> None:
         """`wait()`, then stop the writer thread and release the directory. Idempotent;
         blocks the calling thread."""
-        self._close(depth=1)
+        self._close()
 
-    def _close(self, depth: int) -> None:
+    def _close(self) -> None:
         if self._closed:
             # Idempotent; but a close cut short (Ctrl-C while it waited) left the
             # writer's error for the next close() or wait().
-            self._raise_writer_error(depth + 1)
+            self._raise_writer_error()
             return
         cut_short: BaseException | None = None
         try:
-            self._wait(depth + 1)
+            self._wait()
         except CheckpointError:
             raise
         except BaseException as e:  # Ctrl-C: the writer still finishes what it was given
@@ -494,10 +501,10 @@ class Checkpointer:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc is None:
-            self._close(depth=1)
+            self._close()
             return
         try:
-            self._close(depth=1)
+            self._close()
         except CheckpointError as error:
             if isinstance(exc, jax.errors.JaxRuntimeError) and type(error).__name__ in str(exc):
                 # The body failed *because* a callback raised our error, which JAX wrapped:

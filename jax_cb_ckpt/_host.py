@@ -27,7 +27,6 @@ import functools
 import importlib.metadata
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,7 +34,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _assembly, _cuda, _format, _shards, _tree
+from . import _assembly, _cuda, _format, _shards, _tree, _warn
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -450,12 +449,11 @@ class HostSide:
             if closed is Closed.AT_EXIT:
                 # Raised in a thread nobody may be listening to (a pool worker still
                 # training after interpreter exit began): say it where it is seen.
-                warnings.warn(
+                _warn.warn(
                     f"jax_cb_ckpt: a save reached the Checkpointer on {self.directory!r} "
                     "after interpreter exit closed it and was not written. Fix: wait for "
                     "your training threads and futures before the main thread returns.",
                     UnflushedSaveWarning,
-                    stacklevel=2,
                 )
             raise CheckpointerClosedError(
                 f"a save reached the Checkpointer on {self.directory!r}, which "

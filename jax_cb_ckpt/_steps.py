@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any
 
 import numpy as np
 
-from . import _format, _read, _remote, _store
+from . import _format, _read, _remote, _store, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -60,13 +59,12 @@ def _listed(path: str, what: str) -> list[int]:
     damaged = {step: f.why for step, f in sorted(found.items()) if f.kind == "damaged"}
     if damaged:
         listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
-        warnings.warn(
+        _warn.warn(
             f"{what}: {len(damaged)} step folder(s) of {path!r} claim to be jax_cb_ckpt "
             f"checkpoints but are damaged and are not listed ({listed}). Nothing was "
             "deleted. Fix: restore the folder from a good copy, or move it out of the "
             "directory; `jax-cb-ckpt verify` checks every step.",
             DamagedStepWarning,
-            stacklevel=3,
         )
     return sorted(step for step, f in found.items() if f.kind == "complete")
 

@@ -24,13 +24,12 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _durable, _exit, _format, _remote, _store
+from . import _dtypes, _durable, _exit, _format, _remote, _store, _warn
 from ._errors import (
     ConfigError,
     ForeignStepWarning,
@@ -81,7 +80,7 @@ class Writer:
         if self._group.primary:  # the primary cleans up after killed writers
             untouched = _format.clean_leftovers(directory, lock.taken_over_from)
             if untouched:
-                warnings.warn(_untouched_message(untouched), ForeignStepWarning, stacklevel=3)
+                _warn.warn(_untouched_message(untouched), ForeignStepWarning)
         self._store = _store.StoreWriter(compression=options.compression)
         self._thread = threading.Thread(
             target=self._run,
@@ -99,12 +98,11 @@ class Writer:
         self._on_exit()
         pending = self._exchange.pending
         if pending:
-            warnings.warn(
+            _warn.warn(
                 f"jax_cb_ckpt: {pending} save(s) to {self.directory!r} were still "
                 "pending at interpreter exit and were written now. Fix: call "
                 "ckpt.close() or use `with ckpt:` to flush explicitly.",
                 UnflushedSaveWarning,
-                stacklevel=2,
             )
         self.stop()  # the thread reports what is left as it ends (_report_unclaimed)
 
@@ -146,10 +144,10 @@ class Writer:
         """A writer that ends while warnings or an error are still pending was finished
         by garbage collection or interpreter exit (close() takes them first): nobody will
         ask any more, so report them now rather than lose them."""
-        emit_notes(self._exchange, stacklevel=1)
+        emit_notes(self._exchange)
         error = self._exchange.take_error()
         if error is not None:
-            warnings.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning, stacklevel=1)
+            _warn.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning)
 
     def _make_room(self, item: SaveItem, final: str) -> None:
         """Before a step is written: the directory is still ours, the other run's steps
@@ -476,7 +474,8 @@ def _untouched_message(urls: list[str]) -> str:
     )
 
 
-def emit_notes(exchange: Exchange, *, stacklevel: int) -> None:
-    """Issue the warnings the callback side and the writer noted, in this thread."""
+def emit_notes(exchange: Exchange) -> None:
+    """Issue the warnings the callback side and the writer noted, in this thread (at
+    the caller's first line outside the package, `_warn`)."""
     for category, message in exchange.take_notes():
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        _warn.warn(message, category)

@@ -1,0 +1,101 @@
+"""Every warning the library issues points at the user's line, whichever public call
+issues it (issue 29 item 5: a DuplicateStepWarning issued through `ckpt.restore()`
+pointed at _checkpointer.py, through `ckpt.wait()` at the user's line: stack levels
+were counted by hand)."""
+
+import os
+import shutil
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import jax_cb_ckpt
+from jax_cb_ckpt import DamagedStepWarning, DuplicateStepWarning
+
+STATE = {"w": np.arange(4, dtype=np.float32)}
+
+
+def _issued(call):
+    """The warnings `call()` issued (every one recorded, none raised)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call()
+    return record
+
+
+def _points_at_this_file(record, category):
+    found = [w for w in record if issubclass(w.category, category)]
+    assert found, [str(w.message) for w in record]
+    assert all(w.filename == __file__ for w in found), [(w.filename, w.lineno) for w in found]
+
+
+# Each one issues the DuplicateStepWarning noted when step 1 was handed over again.
+CHECKPOINTER_CALLS = {
+    "wait": lambda ckpt: ckpt.wait(),
+    "restore": lambda ckpt: ckpt.restore(STATE),
+    "close": lambda ckpt: ckpt.close(),
+    "save": lambda ckpt: ckpt.save(STATE, 2),
+    "maybe_save": lambda ckpt: ckpt.maybe_save(STATE, 3, when=True),
+    "with": lambda ckpt: ckpt.__exit__(None, None, None),
+}
+
+
+@pytest.mark.parametrize("call", list(CHECKPOINTER_CALLS))
+def test_a_noted_warning_points_at_the_user_s_call(tmp_path, call):
+    ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt")
+
+    @jax.jit
+    def twice(w):
+        ckpt.save({"w": w}, 1)
+        ckpt.save({"w": w}, 1)  # dropped in the callback: noted for the user's thread
+        return w
+
+    try:
+        jax.block_until_ready(twice(STATE["w"]))
+        jax.effects_barrier()
+        _points_at_this_file(_issued(lambda: CHECKPOINTER_CALLS[call](ckpt)), DuplicateStepWarning)
+    finally:
+        ckpt.close()
+
+
+def _with_a_damaged_step(directory):
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        ckpt.save(STATE, 1)
+        ckpt.save(STATE, 2)
+    shutil.rmtree(os.path.join(directory, "2", "state"))
+
+
+MODULE_CALLS = {
+    "all_steps": lambda d: jax_cb_ckpt.all_steps(d),
+    "latest_step": lambda d: jax_cb_ckpt.latest_step(d),
+    "restore": lambda d: jax_cb_ckpt.restore(d, STATE),
+    "verify": lambda d: jax_cb_ckpt.verify(d),
+    "metadata": lambda d: jax_cb_ckpt.metadata(d),
+}
+
+
+@pytest.mark.parametrize("call", list(MODULE_CALLS))
+def test_a_damaged_step_is_reported_at_the_user_s_call(tmp_path, call):
+    directory = tmp_path / "ckpt"
+    _with_a_damaged_step(directory)
+    record = _issued(lambda: MODULE_CALLS[call](directory))
+    if call == "verify":  # it checks every complete step, and reports a damaged one
+        # named by step= as an error
+        assert not [w for w in record if issubclass(w.category, DamagedStepWarning)]
+        return
+    _points_at_this_file(record, DamagedStepWarning)
+
+
+@pytest.mark.parametrize("call", ["all_steps", "latest_step", "restore"])
+def test_a_damaged_step_is_reported_at_the_user_s_checkpointer_call(tmp_path, call):
+    directory = tmp_path / "ckpt"
+    _with_a_damaged_step(directory)
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        calls = {
+            "all_steps": ckpt.all_steps,
+            "latest_step": ckpt.latest_step,
+            "restore": lambda: ckpt.restore(STATE),
+        }
+        _points_at_this_file(_issued(calls[call]), DamagedStepWarning)
