@@ -24,6 +24,7 @@ from ._errors import SaveError as SaveError
 from ._errors import SaveFailedWarning as SaveFailedWarning
 from ._errors import SkippedSaveWarning as SkippedSaveWarning
 from ._errors import StepExistsError as StepExistsError
+from ._errors import StepOrderWarning as StepOrderWarning
 from ._errors import StructureMismatchError as StructureMismatchError
 from ._errors import UnflushedSaveWarning as UnflushedSaveWarning
 from ._version import version as _version

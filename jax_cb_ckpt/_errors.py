@@ -67,6 +67,12 @@ class DuplicateStepWarning(CheckpointWarning):
     """A step handed over again by the same Checkpointer was dropped (the first is kept)."""
 
 
+class StepOrderWarning(CheckpointWarning):
+    """A step lower than one this Checkpointer already handed over was saved (a counter
+    that restarted): it is written, but it is not the latest, and `max_to_keep`
+    retention deletes it at once. Issued once per Checkpointer."""
+
+
 class SaveFailedWarning(CheckpointWarning, RuntimeWarning):
     """With `on_error="continue"`: saves failed and training went on without them."""
 

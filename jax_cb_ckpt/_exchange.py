@@ -11,7 +11,9 @@ queue, the pending count, the steps handed over, the first writer error and the 
 
 Which saves may be written is decided here, in memory (the callback never touches the
 disk): a step already handed over by this Checkpointer is dropped with a warning (a
-repeated call); a step at or below a step another run left in
+repeated call); a step below one already handed over is written, with a warning once
+(a counter that restarted: retention would delete it at once); a step at or below a
+step another run left in
 the directory is a conflict (an error by default, or a replace of those steps when the
 user asked for it), so two runs never mix silently. A step that was skipped or whose
 write failed was never written: it is forgotten, and a later save of it is written.
@@ -34,7 +36,13 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ._errors import CheckpointError, DuplicateStepWarning, SaveError, StepExistsError
+from ._errors import (
+    CheckpointError,
+    DuplicateStepWarning,
+    SaveError,
+    StepExistsError,
+    StepOrderWarning,
+)
 
 OnExisting = Literal["raise", "replace"]
 
@@ -116,6 +124,11 @@ class HandedSteps:
         self._runs.clear()
         self._odd.clear()
 
+    def highest(self) -> int | None:
+        """The highest step held (None when empty)."""
+        ends = [run[0] + run[1] * (run[2] - 1) for run in self._runs[-1:]]
+        return max([*ends, *self._odd], default=None)
+
     def _find(self, step: int) -> int | None:
         i = bisect.bisect_right(self._runs, step, key=lambda run: run[0]) - 1
         if i < 0:
@@ -178,6 +191,7 @@ class Exchange:
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
+        self._order_noted = False  # a step below one handed over: said once
         self.closed: Closed | None = None  # set: saves handed over from then on fail
 
     # -- callback side --------------------------------------------------------------
@@ -214,6 +228,10 @@ class Exchange:
                     f"step {step} on, create the Checkpointer with on_existing='replace'."
                 )
             del self._old[cut:]
+            highest = self._handed.highest()
+            if highest is not None and step < highest and not self._order_noted:
+                self._order_noted = True
+                self._note(StepOrderWarning, self._order_message(step, highest))
             self._handed.add(step, owner)
             if owner is not None:
                 self._arrived.add((owner, step))
@@ -255,6 +273,21 @@ class Exchange:
             f"jax_cb_ckpt: step {step} was handed over again by the same Checkpointer "
             f"on {self.directory!r} (a repeated save, or a remat recomputation); the "
             "first save of it is kept, this one was dropped."
+        )
+
+    def _order_message(self, step: int, highest: int) -> str:
+        return (
+            f"jax_cb_ckpt: step {step} was saved after step {highest} by the same "
+            f"Checkpointer on {self.directory!r}. It is written, but it is not the latest "
+            f"checkpoint (restore() and latest_step() give step {highest} or later), and "
+            f"max_to_keep retention, which keeps the highest steps, deletes it as soon as "
+            "it is written. A step counts the updates of the whole run (checkpoint k = "
+            "the state after k updates); a counter that restarts (a second jitted call "
+            "whose scan index starts at 0 again) saves lower steps. Fix: pass the "
+            "updates done in the whole run (`start + i + 1` for a scan that continues a "
+            f"run, or a TrainState.step); to start over from step {step}, close this "
+            "Checkpointer and create one with on_existing='replace' (it deletes the "
+            f"steps from {step} on). Said once per Checkpointer."
         )
 
     def _unclaim(self, step: int, replace: tuple[int, ...]) -> None:
@@ -376,4 +409,5 @@ class Exchange:
             self._handed.clear()
             self._arrived.clear()
             self._skipped.clear()
+            self._order_noted = False
             self._old = sorted(steps_on_disk)

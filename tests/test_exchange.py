@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError
+from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError, StepOrderWarning
 from jax_cb_ckpt._exchange import Exchange, HandedSteps, Plan, is_failed_write
 
 
@@ -28,6 +28,38 @@ def test_a_step_is_claimed_once_then_a_repeat_is_a_noted_duplicate():
     [(category, message)] = ex.take_notes()
     assert category is DuplicateStepWarning and "step 5" in message
     assert ex.take_notes() == []
+
+
+def test_a_step_below_one_handed_over_is_claimed_and_noted_once():
+    """A counter that restarted (issue 29 item 4): 100, 200, then 5 and 6. Step 5 is
+    written, but said once, naming both steps and the fix; a restore starts over."""
+    ex = exchange()
+    assert ex.claim(100) == () and ex.claim(200) == () and ex.take_notes() == []
+    assert ex.claim(5) == ()
+    assert ex.claim(6) == ()  # said once per Checkpointer
+    [(category, message)] = ex.take_notes()
+    assert category is StepOrderWarning
+    assert "step 5 was saved after step 200" in message
+    assert "start + i + 1" in message and "on_existing='replace'" in message
+    ex.unclaim(200)  # a step that was not written after all is not the highest
+    ex.forget([])  # after a restore the run goes on from there: said again if it happens
+    assert ex.claim(300) == () and ex.claim(7) == ()
+    assert [c for c, _ in ex.take_notes()] == [StepOrderWarning]
+
+
+def test_handed_steps_know_their_highest():
+    steps = HandedSteps()
+    assert steps.highest() is None
+    for step in (10, 20, 30, 5):
+        steps.add(step, "a")
+    assert steps.highest() == 30
+    steps.pop(30)
+    assert steps.highest() == 20
+    steps.add(40, "b")
+    steps.pop(40)
+    steps.pop(20)
+    steps.pop(10)
+    assert steps.highest() == 5
 
 
 def test_copies_from_one_crossing_are_replicas_and_mark_ends_the_run():

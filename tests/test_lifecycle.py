@@ -165,3 +165,28 @@ def test_memory_does_not_grow_with_the_number_of_saves(tmp_path):
     per_save = (min(readings[-5:]) - min(readings[:5])) / 1500
     shown = [(r - readings[0]) // 1024 for r in readings]
     assert per_save < 4096, f"memory grew {per_save:.0f} B/save; readings (KiB): {shown}"
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_lower_step_after_higher_ones_is_said_not_discarded_in_silence(make_ckpt, traced):
+    """Issue 29 item 4: max_to_keep=2, steps 100, 200, then 5 (a counter that
+    restarted) wrote step 5 and deleted it in the same breath, without a word. It is
+    said once (StepOrderWarning, both steps and the fix, at the user's line)."""
+    ckpt = make_ckpt(max_to_keep=2)
+
+    def save(state, step):
+        ckpt.save(state, step)
+        return state
+
+    run = jax.jit(save) if traced else save
+    for step in (100, 200):
+        run(state_at(step), jnp.int32(step) if traced else step)
+    ckpt.wait()
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning) as record:
+        run(state_at(5), jnp.int32(5) if traced else 5)
+        run(state_at(6), jnp.int32(6) if traced else 6)  # said once
+        ckpt.wait()
+    assert len(record) == 1 and record[0].filename == __file__
+    assert "step 5 was saved after step 200" in str(record[0].message)
+    assert "max_to_keep retention" in str(record[0].message)
+    assert ckpt.all_steps() == [100, 200]  # as it said: retention keeps the highest

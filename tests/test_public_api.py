@@ -22,6 +22,7 @@ PUBLIC = [
     "SkippedSaveWarning",
     "Stats",
     "StepExistsError",
+    "StepOrderWarning",
     "StructureMismatchError",
     "UnflushedSaveWarning",
     "all_steps",
