@@ -45,6 +45,7 @@ import numpy as np
 from . import _dtypes, _remote
 from ._format import SMALL_FILE_MAX_BYTES, STATE_ITEM, read_bytes
 from ._spec import LeafSpec
+from ._staging import empty_aligned
 from ._store import CHUNK_BYTES, SMALL_BYTES, base_spec, checksum, param_name
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension; () for a scalar
@@ -280,10 +281,11 @@ class StepArrays:
 class _ZarrBox:
     """A box of a leaf read through the zarr driver, widened to `outer` (whole
     checksummed regions): one read, whose chunks TensorStore reads in parallel and
-    decodes straight into the one array it returns; then each region's checksum, on
-    every core (one read into a single new array was steadier here than a read per
-    chunk into a preallocated one, which halved or doubled with the allocator's state:
-    95-530 ms for 256 MiB against 100-135 ms)."""
+    decodes straight into one new 64-byte-aligned array (JAX adopts such an array on a
+    CPU without a copy, `_tree.rebuild`); then each region's checksum, on every core.
+    (One read of the box was steadier here than a read per chunk into the same array,
+    which halved or doubled with the allocator's state: 95-530 ms for 256 MiB against
+    100-135 ms.)"""
 
     def __init__(
         self,
@@ -295,10 +297,13 @@ class _ZarrBox:
         sums: dict[str, int],
     ) -> None:
         self.saved, self.box, self.outer, self.hit, self.sums = saved, box, outer, hit, sums
-        self.future = (store[_slices(outer)] if outer else store).read()
+        source = (store[_slices(outer)] if outer else store).translate_to[0]
+        self.data = empty_aligned(tuple(b - a for a, b in outer), store.dtype.numpy_dtype)
+        self.future = _ts().array(self.data, copy=False, write=True).write(source)
 
     def finish(self) -> np.ndarray:
-        data = self.future.result()
+        self.future.result()
+        data = self.data
         regions = [data[_slices(region, self.outer)] for _, region in self.hit]
         crcs = _checksums(regions)
         for (key, _), crc in zip(self.hit, crcs, strict=True):
@@ -347,7 +352,7 @@ class _RawLeaf:
 
     def finish(self) -> np.ndarray:
         layout = self.layout
-        dest = np.empty(layout.shape, layout.dtype)
+        dest = empty_aligned(layout.shape, layout.dtype)
         size = layout.dtype.itemsize * math.prod(layout.chunks)
         for chunk, future in zip(self.chunks, self.futures, strict=True):
             result = future.result()

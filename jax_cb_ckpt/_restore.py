@@ -118,10 +118,14 @@ def restore(
             array = _as_described(results[placed], saved, shape, where)
         else:
             sharding, boxes = placed
-            blocks = {box: results[i] for box, i in boxes.items()}
-            array = jax.make_array_from_callback(
-                shape, sharding, lambda index, b=blocks, n=shape: b[_box(index, n)]
-            )
+            # Each block put on its device with device_put, which on a CPU adopts the
+            # aligned block the read allocated without a copy.
+            indices = sharding.addressable_devices_indices_map(shape)
+            blocks = [
+                jax.device_put(results[boxes[_box(index, shape)]], device)
+                for device, index in indices.items()
+            ]
+            array = jax.make_array_from_single_device_arrays(shape, sharding, blocks)
         leaves.append(_tree.rebuild(leaf, spec, saved, array, where))
     return treedef.unflatten(leaves)
 
