@@ -145,7 +145,8 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
     [case] = report["results"]
     assert case["case"] == "tiny" and case["dir"] == str(disk)
     modes = ["warm", "cold"] if report["cold"] else ["warm"]
-    for method in ("restore", "restore, verify=False", "plain Orbax", "plain read"):
+    methods = ("restore", "restore, verify=False", "restore, jax.Arrays", "plain Orbax")
+    for method in (*methods, "plain read"):
         for mode in modes:
             assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
     assert not os.listdir(disk)  # cleaned up
