@@ -90,6 +90,11 @@ def checksum(array: np.ndarray) -> int:
     return _crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
 
 
+def checksum_bytes(data: bytes) -> int:
+    """`checksum` of an array whose bytes these are."""
+    return _crc32(data) if data else 0
+
+
 def base_spec(path: str) -> dict[str, Any]:
     """The key-value store under directory `path`: local files, or a prefix in a
     bucket (`_remote.py`)."""
