@@ -52,6 +52,7 @@ from . import _remote
 from ._format import PROCESS_PREFIX, STATE_METADATA, write_text
 
 CHUNK_BYTES = 16 << 20  # larger leaves are split, so chunks are copied in parallel
+DATA_FILE_BYTES = 32 << 20  # values are spread over data files of about this size
 SMALL_BYTES = 64 << 10  # smaller leaves: raw chunk bytes, never compressed
 
 # Orbax's OCDBT settings, so that what we write is what Orbax would have written and
@@ -116,6 +117,11 @@ def ocdbt_spec(path: str) -> dict[str, Any]:
         "base": plain,
         "manifest": plain,
         "config": dict(_OCDBT_CONFIG),
+        # Values go into data files of about this size, which TensorStore writes in
+        # parallel (one file per thread): one 256 MiB leaf on tmpfs 103 -> 70 ms, on
+        # ext4 with its files kept 1.7x a plain write+fsync of one file. Orbax's
+        # option of the same name; any reader of OCDBT reads any number of files.
+        "target_data_file_size": DATA_FILE_BYTES,
         "assume_config": True,
         "cache_pool": "cache_pool#ocdbt",
     }
