@@ -19,6 +19,7 @@ from . import (
     _run,
     _scan,
     _steps,
+    _storage,
     _traced,
     _tree,
     _warn,
@@ -133,10 +134,10 @@ class Checkpointer:
         )
         path = options.directory
         self._options = options
+        self._storage = _storage.at(path)  # where the steps live: chosen once
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
-            if not _remote.is_url(path):  # a prefix in a bucket needs no making
-                os.makedirs(path, exist_ok=True)
+            self._storage.make()
         except OSError as e:
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): cannot create the directory: {e}. "
@@ -150,9 +151,9 @@ class Checkpointer:
         lock = open_lock(path, _lock_name())
         self._group = None
         try:
-            list_steps = functools.partial(_format.list_steps, path)
+            list_steps = self._storage.list_steps
             self._group = _processes.current(path, options.peer_timeout, list_steps)
-            old_steps = _format.list_steps(path) if self._group is None else self._group.old_steps
+            old_steps = list_steps() if self._group is None else self._group.old_steps
             self._exchange = Exchange(
                 path, queue_size=options.slots, on_existing=options.on_existing, old_steps=old_steps
             )
@@ -684,7 +685,7 @@ class Checkpointer:
         restored = _restore.restore(self.directory, like, step=step, verify=verify, member=member)
         # The run goes on from the restored step: every step on disk now belongs to the
         # past, and saving at or below one of them is a conflict (see `on_existing`).
-        self._exchange.forget(_format.list_steps(self.directory))
+        self._exchange.forget(self._storage.list_steps())
         return restored
 
 

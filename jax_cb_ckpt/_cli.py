@@ -14,15 +14,15 @@ terminal escape code reaches the terminal.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
 import warnings
 from typing import Any
 
-from . import _format, _remote, _spec
+from . import _format, _spec, _storage
 from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
+from ._storage import Storage
 
 _FAILED = 1
 _UNUSABLE = 2
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        directory = _format.resolve(args.directory, f"jax-cb-ckpt {args.command}")
-        if not _remote.is_url(directory) and not os.path.isdir(directory):
+        storage = _storage.at(_format.resolve(args.directory, f"jax-cb-ckpt {args.command}"))
+        if not storage.is_directory():
             raise FileNotFoundError(f"{args.directory!r} is not a directory")
-        return args.run(directory, args)
+        return args.run(storage, args)
     except (CheckpointError, OSError) as e:
         prefix = f"jax-cb-ckpt {args.command}: "
         text = str(e)
@@ -92,19 +92,24 @@ def _parser() -> argparse.ArgumentParser:
 # -- ls ----------------------------------------------------------------------------------
 
 
-def _ls(directory: str, args: argparse.Namespace) -> int:
-    rows = [_listed(directory, step) for step in _format.list_steps(directory)]
+def _ls(storage: Storage, args: argparse.Namespace) -> int:
+    directory = storage.path
+    rows = [_listed(storage, step) for step in storage.list_steps()]
     rows += [
-        {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
-        for step, path in _format.unfinished_steps(directory)
+        {
+            "step": step,
+            "saved_at": None,
+            "bytes": storage.entry_bytes(os.path.basename(path)),
+            "complete": False,
+        }
+        for step, path in storage.unfinished_steps()
     ]
     others = []
-    for step, found in sorted(_format.examine_all(directory).items()):
+    for step, found in sorted(storage.examine_all().items()):
         if found.kind != "complete":
-            path = os.path.join(directory, str(step))
             others.append(
-                {"step": step, "saved_at": None, "bytes": _bytes(path), "complete": False}
-                | {found.kind: found.why}
+                {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
+                | {"complete": False, found.kind: found.why}
             )
     rows = sorted(
         (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
@@ -130,71 +135,48 @@ def _ls(directory: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _meta(directory: str, step: int | None) -> tuple[dict[str, Any], _format.StepMeta]:
+def _meta(storage: Storage, step: int | None) -> tuple[dict[str, Any], _format.StepMeta]:
     """A step's `meta` item (default: the latest step), checked and parsed, read with
-    the format's own functions (no JAX, no TensorStore: `ls` and `show` start at once)."""
+    the storage's own verbs (no JAX, no TensorStore: `ls` and `show` start at once)."""
     if step is None:
-        steps = _format.list_steps(directory)
+        steps = storage.list_steps()
         if not steps:
-            raise NoCheckpointError(f"no checkpoints in {directory}")
+            raise NoCheckpointError(f"no checkpoints in {storage.path}")
         step = steps[-1]
-    elif step not in _format.examine_all(directory):
-        raise NoCheckpointError(f"no step {step} in {directory}")
-    return _step_meta(directory, step)
+    elif step not in storage.examine_all():
+        raise NoCheckpointError(f"no step {step} in {storage.path}")
+    return _step_meta(storage, step)
 
 
-def _step_meta(directory: str, step: int) -> tuple[dict[str, Any], _format.StepMeta]:
+def _step_meta(storage: Storage, step: int) -> tuple[dict[str, Any], _format.StepMeta]:
     """`_meta` of a step known to be there (`ls` lists each step once)."""
     try:
-        meta = _format.load_meta(os.path.join(directory, str(step)), step)
+        meta = storage.open_step(step)[1]
         return meta, _format.StepMeta.parse(meta)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise RestoreError(f"step {step} of {directory} is damaged: {e}") from e
+        raise RestoreError(f"step {step} of {storage.path} is damaged: {e}") from e
 
 
-def _listed(directory: str, step: int) -> dict[str, Any] | None:
-    path = os.path.join(directory, str(step))
+def _listed(storage: Storage, step: int) -> dict[str, Any] | None:
     try:
-        saved_at = _step_meta(directory, step)[1].saved_at or _mtime(path)
+        saved_at = _step_meta(storage, step)[1].saved_at or storage.entry_time(str(step))
     except (CheckpointError, OSError):
-        if not _format.exists(path):  # removed by retention meanwhile
+        if not storage.exists(str(step)):  # removed by retention meanwhile
             return None
-        saved_at = _mtime(path)
-    return {"step": step, "saved_at": saved_at, "bytes": _bytes(path), "complete": True}
-
-
-def _bytes(path: str) -> int | None:
-    """Bytes on disk under `path`; None in object storage (listing gives no sizes)."""
-    if _remote.is_url(path):
-        return None
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:  # removed meanwhile
-                pass
-    return total
-
-
-def _mtime(path: str) -> str | None:
-    if _remote.is_url(path):
-        return None
-    try:
-        seconds = os.stat(path).st_mtime
-    except OSError:
-        return None
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
+        saved_at = storage.entry_time(str(step))
+    bytes_ = storage.entry_bytes(str(step))
+    return {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": True}
 
 
 # -- show --------------------------------------------------------------------------------
 
 
-def _show(directory: str, args: argparse.Namespace) -> int:
+def _show(storage: Storage, args: argparse.Namespace) -> int:
+    directory = storage.path
     if args.json:
-        _print_json({"directory": directory, **_meta(directory, args.step)[0]})
+        _print_json({"directory": directory, **_meta(storage, args.step)[0]})
         return 0
-    meta = _meta(directory, args.step)[1]
+    meta = _meta(storage, args.step)[1]
     _say(f"step {meta.step} of {directory}")
     _say(f"  saved at      {meta.saved_at or 'not recorded (older version)'}")
     written = ", ".join(
@@ -209,7 +191,7 @@ def _show(directory: str, args: argparse.Namespace) -> int:
         if key in meta.versions
     )
     _say(f"  written by    {written}")
-    _say(f"  size on disk  {_size(_bytes(os.path.join(directory, str(meta.step))))}")
+    _say(f"  size on disk  {_size(storage.entry_bytes(str(meta.step)))}")
     if meta.batch_shape:
         _say(f"  vmap batch    {_batch(meta)}")
     checked = "yes" if meta.checksums else "no (written before checksums were kept)"
@@ -256,10 +238,11 @@ def _sharding(described: dict[str, Any]) -> str:
 # -- verify ------------------------------------------------------------------------------
 
 
-def _verify(directory: str, args: argparse.Namespace) -> int:
+def _verify(storage: Storage, args: argparse.Namespace) -> int:
     from ._steps import verify  # reading arrays needs TensorStore, not JAX
 
-    found = _format.examine_all(directory)
+    directory = storage.path
+    found = storage.examine_all()
     damaged = {step: f.why for step, f in found.items() if f.kind == "damaged"}
     if args.step is None:
         steps = sorted(step for step, f in found.items() if f.kind != "foreign")
@@ -276,7 +259,7 @@ def _verify(directory: str, args: argparse.Namespace) -> int:
             if step in damaged:
                 raise _format.DamagedStep(damaged[step])
             read = _step_meta if step in found else _meta  # (_meta says it is not there)
-            result["checksums"] = bool(read(directory, step)[1].checksums)
+            result["checksums"] = bool(read(storage, step)[1].checksums)
             with warnings.catch_warnings():  # a damaged step is its own line here
                 warnings.simplefilter("ignore", DamagedStepWarning)
                 verify(directory, step=step)

@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from . import _format, _remote
+from . import _format, _remote, _storage
 from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
@@ -274,7 +274,7 @@ class Group:
     def committed(self, directory: str) -> None:
         """The primary committed a step: no process writes an earlier attempt now
         (each wrote its part of this step after them), so what is left of them goes."""
-        _format.remove_run_temps(directory, self.run)
+        _storage.at(directory).remove_run_temps(self.run)
 
     def tell(self, step: int, name: str, value: str) -> None:
         try:

@@ -3,9 +3,10 @@ writes (`_store.py`), checked while they are read.
 
 `restore`, `restore(member=)`, `verify` and the command line read through `StepArrays`:
 
-1. `StepArrays(step_dir, meta)` opens the state item's OCDBT database once (local
-   files or a bucket prefix: `_store.base_spec`), with a context of its own (no data
-   cached across reads: a step replaced under its name is never read from a cache).
+1. `StepArrays(storage, step, leaves)` opens the state item's OCDBT database once
+   (where the step lives decides how: `_storage.Local.database`, `Bucket.database`),
+   with a context of its own (no data cached across reads: a step replaced under its
+   name is never read from a cache).
 2. `check_layouts()` reads every stored leaf's `.zarray` at once (raw bytes, each
    within 64 KiB) and checks it against the step's description (`LeafSpec`: dtype,
    shape, chunks) before anything is allocated on a file's claim (`LayoutError`).
@@ -45,38 +46,16 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _remote
-from ._format import SMALL_FILE_MAX_BYTES, STATE_ITEM, read_bytes
+from . import _dtypes
 from ._spec import LeafSpec
 from ._staging import empty_aligned
-from ._store import (
-    CHUNK_BYTES,
-    SMALL_BYTES,
-    base_spec,
-    checksum,
-    checksum_bytes,
-    param_name,
-    region_key,
-)
+from ._store import SMALL_BYTES, checksum, checksum_bytes, param_name, region_key
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension; () for a scalar
 
 _ZARRAY_MAX_BYTES = 64 << 10  # the writer's are ~200 B
-_MANIFEST = "manifest.ocdbt"  # the OCDBT database's root (`_store.ocdbt_spec`)
 # A step's OCDBT B-tree nodes and manifest, cached for the reads of one StepArrays only.
 _NODE_CACHE_BYTES = 64 << 20
-
-
-# In a bucket, reads of values near each other in one data file (small leaves' chunks,
-# written one after the other) issued within a millisecond are merged into one read:
-# one request instead of one per chunk (80 leaves from moto: 181 -> 30 ms). Local
-# files gain nothing from it (each read is a system call, not a round trip) and lose
-# the millisecond.
-_COALESCING = {
-    "experimental_read_coalescing_threshold_bytes": 1 << 20,
-    "experimental_read_coalescing_merged_bytes": CHUNK_BYTES,  # large chunks: in parallel
-    "experimental_read_coalescing_interval": "1ms",
-}
 
 
 class LayoutError(ValueError):
@@ -173,9 +152,9 @@ class StepArrays:
     """The arrays of one step (its `state` item), opened for reading; one per read
     of a step, used by one thread."""
 
-    def __init__(self, step_dir: str, leaves: tuple[LeafSpec, ...]) -> None:
+    def __init__(self, storage: Any, step: int, leaves: tuple[LeafSpec, ...]) -> None:
+        """`storage`: where the step lives (`_storage.at`), which opens its database."""
         ts = _ts()
-        self.step_dir = step_dir
         self.leaves = {spec.name: spec for spec in leaves}
         self._context = ts.Context(
             ts.Context.Spec(
@@ -186,23 +165,7 @@ class StepArrays:
             ),
             _threads(),
         )
-        state = os.path.join(step_dir, STATE_ITEM)
-        spec: dict[str, Any] = {
-            "driver": "ocdbt",
-            "base": base_spec(state),
-            "cache_pool": "cache_pool#nodes",
-        }
-        if _remote.is_url(state):
-            spec.update(_COALESCING)
-            # A committed step never changes: its manifest is read once, here, and the
-            # database reads it from memory. Else every batch of reads would first ask
-            # the server whether it changed (a round trip), a question a server that
-            # sends no generation (gcp-storage-emulator) cannot answer.
-            manifest = read_bytes(f"{state}/{_MANIFEST}", SMALL_FILE_MAX_BYTES)
-            memory = ts.KvStore.open({"driver": "memory"}, context=self._context).result()
-            memory.write(_MANIFEST, manifest).result()
-            spec["manifest"] = {"driver": "memory"}
-        self._kv = ts.KvStore.open(spec, context=self._context).result()
+        self._kv = storage.database(step, ts, self._context)
         self.layouts: dict[tuple[str, ...], Layout] = {}
 
     # -- layouts -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _format, _read, _steps, _tree
+from . import _dtypes, _format, _read, _steps, _storage, _tree
 from ._errors import ConfigError, RestoreError, StructureMismatchError
 
 
@@ -69,18 +69,18 @@ def restore(
         RestoreError: the checkpoint cannot be read, or its description does not match
             its data.
     """
-    path = _format.resolve(directory, "restore")
-    step = _steps.pick_step(path, _steps.check_step_arg(step, "restore"), "restore")
-    where = f"restore(step={step}) from {path!r}"
+    storage = _storage.at(_format.resolve(directory, "restore"))
+    step = _steps.pick_step(storage, _steps.check_step_arg(step, "restore"), "restore")
+    where = f"restore(step={step}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    seen, described = _steps.open_step(path, step, where)
+    seen, described = _steps.open_step(storage, step, where)
     meta = _steps.parsed(described, where)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
         index = _member_index(member, meta, where)
-        return _restore_member(path, step, seen, meta, like, index, verify)
+        return _restore_member(storage, step, seen, meta, like, index, verify)
     if batch:
         _check_batched_like(like_specs, saved_specs, batch, where)
     _tree.check_like(like_specs, saved_specs, where)
@@ -88,7 +88,7 @@ def restore(
     saved_of = [by_name[spec.name] for spec in like_specs]
     stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(path, step, seen, where, meta, stored)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored)
     requests: list[tuple[_tree.LeafSpec, _read.Box | None]] = []
     placements = []  # per like leaf: (sharding, {box: index into results}) or None
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
@@ -107,7 +107,7 @@ def restore(
                     boxes[box] = len(requests)
                     requests.append((saved, box))
             placements.append((sharding, boxes))
-    results = _steps.read_leaves(arrays, requests, sums, path, step, seen, where)
+    results = _steps.read_leaves(arrays, requests, sums, storage, step, seen, where)
     leaves = []
     together = zip(like_leaves, like_specs, saved_of, placements, strict=True)
     for leaf, spec, saved, placed in together:
@@ -188,7 +188,7 @@ def _check_batched_like(
 
 
 def _restore_member(
-    path: str,
+    storage: _storage.Storage,
     step: int,
     seen: tuple[int, int],
     meta: _format.StepMeta,
@@ -198,7 +198,7 @@ def _restore_member(
 ) -> Any:
     """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
     shown = index[0] if len(index) == 1 else index
-    where = f"restore(step={step}, member={shown}) from {path!r}"
+    where = f"restore(step={step}, member={shown}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
@@ -222,7 +222,7 @@ def _restore_member(
     full = {s.name: s for s in meta.leaves}
     stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(path, step, seen, where, meta, stored)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored)
     requests = []
     for saved in stored:
         if saved.name in batched:  # only the chunks holding the member are read
@@ -230,7 +230,7 @@ def _restore_member(
             requests.append((saved, box))
         else:
             requests.append((saved, None))
-    results = iter(_steps.read_leaves(arrays, requests, sums, path, step, seen, where))
+    results = iter(_steps.read_leaves(arrays, requests, sums, storage, step, seen, where))
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _format, _read, _remote, _store, _warn
+from . import _format, _read, _storage, _store, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -33,6 +33,7 @@ from ._errors import (
 )
 from ._format import META_ITEM, STATE_ITEM
 from ._spec import LeafSpec
+from ._storage import Storage
 
 
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
@@ -42,20 +43,20 @@ def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     directory"): other folders, even with integer names, are ignored. A step listed
     here is complete and restores. Does not wait for pending saves.
     """
-    return _listed(_format.resolve(directory, "all_steps"), "all_steps")
+    return _listed(_storage.at(_format.resolve(directory, "all_steps")), "all_steps")
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The newest complete step in `directory`, or None when there is none. A damaged
     step is never the latest: it is reported (`DamagedStepWarning`)."""
-    steps = _listed(_format.resolve(directory, "latest_step"), "latest_step")
+    steps = _listed(_storage.at(_format.resolve(directory, "latest_step")), "latest_step")
     return steps[-1] if steps else None
 
 
-def _listed(path: str, what: str) -> list[int]:
-    """The complete steps of `path`; a `DamagedStepWarning` naming the damaged ones, so
-    that a run never silently goes back to an older step."""
-    found = _format.examine_all(path)
+def _listed(storage: Storage, what: str) -> list[int]:
+    """The complete steps of `storage`; a `DamagedStepWarning` naming the damaged ones,
+    so that a run never silently goes back to an older step."""
+    path, found = storage.path, storage.examine_all()
     damaged = {step: f.why for step, f in sorted(found.items()) if f.kind == "damaged"}
     if damaged:
         listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
@@ -80,19 +81,20 @@ def check_step_arg(step: Any, what: str) -> int | None:
     return int(step)
 
 
-def pick_step(path: str, step: int | None, what: str) -> int:
-    steps = _listed(path, what) if step is None else _format.list_steps(path)
+def pick_step(storage: Storage, step: int | None, what: str) -> int:
+    path = storage.path
+    steps = _listed(storage, what) if step is None else storage.list_steps()
     if step is not None and step in steps:
         return step
     if step is not None:
-        damaged = _format.damaged_steps(path)
+        damaged = storage.damaged_steps()
         if step in damaged:
             raise RestoreError(
                 f"{what}: step {step} in {path!r} is damaged ({damaged[step]}); nothing "
                 "was read from it. Fix: restore another step (all_steps()), or the "
                 "folder from a good copy."
             )
-    foreign = _format.foreign_steps(path)
+    foreign = storage.foreign_steps()
     other = (
         f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
         f"complete jax_cb_ckpt checkpoints ({short(foreign)}): a plain Orbax "
@@ -114,34 +116,22 @@ def pick_step(path: str, step: int | None, what: str) -> int:
     )
 
 
-def still_there(path: str, step: int, seen: tuple[int, int]) -> bool:
-    """Checkpoint `step` is still a checkpoint of ours, the same directory it was when
-    the read began (not renamed aside by retention, nor replaced under its name)."""
-    step_dir = os.path.join(path, str(step))
-    try:
-        if _remote.is_url(step_dir):  # its commit marker, the same object: committed once
-            return _format.identity(step_dir) == seen
-        return _format.is_checkpoint(step_dir) and _format.identity(step_dir) == seen
-    except (OSError, _remote.StorageError):
-        return False
-
-
 def read_failure(
-    e: Exception, path: str, step: int, seen: Any, where: str, what: str
+    e: Exception, storage: Storage, step: int, seen: Any, where: str, what: str
 ) -> CheckpointError:
     """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
     raised `e`: a stored layout unlike the step's description; the step removed while it
     was read; or the read's own failure."""
-    if not still_there(path, step, seen):  # files vanish under a read as it goes
-        return removed(path, step, where)
+    if not storage.still_there(step, seen):  # files vanish under a read as it goes
+        return removed(storage, step, where)
     if isinstance(e, _read.LayoutError):
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
     return RestoreError(f"{where}: cannot read {what}: {e}")
 
 
-def removed(path: str, step: int, where: str) -> NoCheckpointError:
+def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
     try:
-        steps = _format.list_steps(path)
+        steps = storage.list_steps()
     except ConfigError:
         steps = []
     now = f"the steps there now are {short(steps)}" if steps else "no step is there now"
@@ -155,12 +145,11 @@ def removed(path: str, step: int, where: str) -> NoCheckpointError:
     )
 
 
-def open_step(path: str, step: int, where: str) -> tuple[Any, dict[str, Any]]:
+def open_step(storage: Storage, step: int, where: str) -> tuple[Any, dict[str, Any]]:
     """(the identity of checkpoint `step`, its `meta` item), read and checked before
-    its arrays are read (`_format.open_step`); errors say whether it was removed
+    its arrays are read (`Storage.open_step`); errors say whether it was removed
     meanwhile or is damaged."""
-    step_dir = os.path.join(path, str(step))
-    links = _format.symlinks_inside(step_dir)
+    links = storage.symlinks_inside(step)
     if links:
         raise RestoreError(
             f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
@@ -169,17 +158,17 @@ def open_step(path: str, step: int, where: str) -> tuple[Any, dict[str, Any]]:
             "the files they point to if you trust them."
         )
     try:
-        return _format.open_step(step_dir, step)
+        return storage.open_step(step)
     except _format.DamagedStep as e:
-        if not _format.is_checkpoint(step_dir):
-            raise removed(path, step, where) from e
+        if not storage.is_checkpoint(step):
+            raise removed(storage, step, where) from e
         raise RestoreError(
             f"{where}: the step is damaged: {e}. Fix: restore another step "
             "(all_steps()), or the folder from a good copy."
         ) from e
     except Exception as e:
-        if not _format.is_checkpoint(step_dir):
-            raise removed(path, step, where) from e
+        if not storage.is_checkpoint(step):
+            raise removed(storage, step, where) from e
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
 
 
@@ -189,10 +178,10 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
 
 
 def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict[str, Any], str]:
-    path = _format.resolve(directory, "metadata")
-    step = pick_step(path, check_step_arg(step, "metadata"), "metadata")
-    where = f"metadata(step={step}) from {path!r}"
-    return open_step(path, step, where)[1], where
+    storage = _storage.at(_format.resolve(directory, "metadata"))
+    step = pick_step(storage, check_step_arg(step, "metadata"), "metadata")
+    where = f"metadata(step={step}) from {storage.path!r}"
+    return open_step(storage, step, where)[1], where
 
 
 def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
@@ -207,7 +196,7 @@ def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
 
 
 def open_arrays(
-    path: str,
+    storage: Storage,
     step: int,
     seen: Any,
     where: str,
@@ -217,13 +206,13 @@ def open_arrays(
     """The step's arrays, opened, with the stored layouts of `specs` checked against
     their descriptions before anything of them is read."""
     try:
-        arrays = _read.StepArrays(os.path.join(path, str(step)), meta.leaves)
+        arrays = _read.StepArrays(storage, step, meta.leaves)
         arrays.check_layouts(specs)
     except _read.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
-        raise read_failure(e.cause, path, step, seen, where, what) from e.cause
+        raise read_failure(e.cause, storage, step, seen, where, what) from e.cause
     except Exception as e:
-        raise read_failure(e, path, step, seen, where, "the checkpoint's arrays") from e
+        raise read_failure(e, storage, step, seen, where, "the checkpoint's arrays") from e
     return arrays
 
 
@@ -244,7 +233,7 @@ def read_leaves(
     arrays: _read.StepArrays,
     requests: list[tuple[LeafSpec, _read.Box | None]],
     sums: dict[str, Any] | None,
-    path: str,
+    storage: Storage,
     step: int,
     seen: Any,
     where: str,
@@ -252,19 +241,18 @@ def read_leaves(
     """`arrays.read(requests)`, its failures as our errors; and the step checked to
     be the one the read began on (TensorStore reads a file removed meanwhile as an
     absent key, and zarr an absent chunk as its fill value)."""
-    step_dir = os.path.join(path, str(step))
     try:
         results = arrays.read(requests, sums)
     except _read.ChecksumMismatch as e:
-        if not still_there(path, step, seen):
-            raise removed(path, step, where) from e
+        if not storage.still_there(step, seen):
+            raise removed(storage, step, where) from e
         name = _store.param_name(e.leaf.name)
-        raise _mismatch(where, name, e.leaf.path, e.region, step_dir) from None
+        raise _mismatch(where, name, e.leaf.path, e.region, storage.step_path(step)) from None
     except _read.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
-        raise read_failure(e.cause, path, step, seen, where, what) from e.cause
-    if not still_there(path, step, seen):
-        raise removed(path, step, where)
+        raise read_failure(e.cause, storage, step, seen, where, what) from e.cause
+    if not storage.still_there(step, seen):
+        raise removed(storage, step, where)
     return results
 
 
@@ -273,7 +261,7 @@ def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> Rest
     return RestoreError(
         f"{where}: leaf {leaf} is corrupted: the checksum of {region} does not match "
         f"the one recorded when it was written (stored as zarr array '{name}' in "
-        f"{os.path.join(step_dir, STATE_ITEM)!r}). A file of the step was changed on "
+        f"{step_dir + '/' + STATE_ITEM!r}). A file of the step was changed on "
         "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
         "Nothing was returned. Fix: restore another step (all_steps()); "
         "jax_cb_ckpt.verify(directory) checks every step."
@@ -306,21 +294,22 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
     the steps checked; raises `RestoreError` naming the first corrupted leaf (its step,
     region and directory), or a damaged step named by `step=`. Blocks while reading."""
-    path = _format.resolve(directory, "verify")
-    steps = _format.list_steps(path)
+    storage = _storage.at(_format.resolve(directory, "verify"))
+    steps = storage.list_steps()
     if step is not None:
-        steps = [pick_step(path, check_step_arg(step, "verify"), "verify")]
+        steps = [pick_step(storage, check_step_arg(step, "verify"), "verify")]
     for one in steps:
-        where = f"verify(step={one}) of {path!r}"
-        seen, described = open_step(path, one, where)
+        where = f"verify(step={one}) of {storage.path!r}"
+        seen, described = open_step(storage, one, where)
         meta = parsed(described, where)
         stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
         # Without checksums (an older version's step) every byte is still read: a cut
         # or missing file fails here, where it would fail a restore.
         sums = sums_to_check(meta, stored, True, where)
-        arrays = open_arrays(path, one, seen, where, meta, stored)
+        arrays = open_arrays(storage, one, seen, where, meta, stored)
         for group in _by_size(stored, _VERIFY_GROUP_BYTES):
-            read_leaves(arrays, [(saved, None) for saved in group], sums, path, one, seen, where)
+            requests: list[tuple[LeafSpec, _read.Box | None]] = [(s, None) for s in group]
+            read_leaves(arrays, requests, sums, storage, one, seen, where)
     return steps
 
 

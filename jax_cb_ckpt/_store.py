@@ -49,9 +49,10 @@ except ImportError:  # a platform without its wheels: the same checksum, slower
     from zlib import crc32 as _crc32
 
 from . import _remote
-from ._format import PROCESS_PREFIX, STATE_METADATA, write_text
+from ._format import CHUNK_BYTES, PROCESS_PREFIX, STATE_METADATA, write_text
 
-CHUNK_BYTES = 16 << 20  # larger leaves are split, so chunks are copied in parallel
+# Larger leaves are split into chunks of at most CHUNK_BYTES (the on-disk format's:
+# `_format`), so chunks are copied in parallel.
 DATA_FILE_BYTES = 32 << 20  # values are spread over data files of about this size
 SMALL_BYTES = 64 << 10  # smaller leaves: raw chunk bytes, never compressed
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _durable, _exit, _format, _remote, _store, _warn
+from . import _dtypes, _durable, _exit, _format, _remote, _storage, _store, _warn
 from ._errors import (
     ConfigError,
     ForeignStepWarning,
@@ -72,13 +72,14 @@ class Writer:
         self._lock = lock
         self._max_to_keep = options.max_to_keep
         self._stats = stats
+        self._storage = _storage.at(directory)  # where the steps live: chosen once
         self._remote = _remote.is_url(directory)  # object storage: no temporary names
-        self._identity = None if self._remote else _format.identity(directory)
+        self._identity = self._storage.identity()
         self._group: Group | Solo = group or Solo()
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
-            untouched = _format.clean_leftovers(directory, lock.taken_over_from)
+            untouched = self._storage.clean_leftovers(lock.taken_over_from)
             if untouched:
                 _warn.warn(_untouched_message(untouched), ForeignStepWarning)
         self._store = _store.StoreWriter(compression=options.compression)
@@ -154,15 +155,21 @@ class Writer:
         it replaces are deleted, and nothing stands where the step will go."""
         self._check_directory()
         for old in item.replace:  # on_existing='replace': the other run's steps
-            _format.remove_step(self.directory, old)
-        if _format.exists(final):
-            raise FileExistsError(_in_the_way(final))
+            self._storage.remove_step(old)
+        if self._storage.exists(os.path.basename(final)):
+            raise FileExistsError(self._in_the_way(final))
+
+    def _in_the_way(self, final: str) -> str:
+        """What stands where the step `final` is to be written, said."""
+        step = os.path.basename(final)
+        ours = _format.is_step_name(step) and self._storage.is_checkpoint(int(step))
+        return _in_the_way_message(final, ours)
 
     def _commit(self, temp: str, final: str, nbytes: int, sync: _durable.StepSync) -> None:
         """A complete step: made durable, then renamed into place (atomic); in object
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
-            raise FileExistsError(_in_the_way(final))
+            raise FileExistsError(self._in_the_way(final))
         self._fence(final)
         _format.commit_step(self.directory, temp, final, nbytes, sync)
 
@@ -277,7 +284,7 @@ class Writer:
                     if not _remote.out_of_reach(e):  # (else: the next opening does it)
                         self._unfinished.append(os.path.basename(temp))
                 else:
-                    _format.remove_temp(self.directory, os.path.basename(temp), self._lock.token)
+                    self._storage.remove_temp(os.path.basename(temp), self._lock.token)
                 if verdict_due:
                     group.tell(step, "commit", _reason(e))
             return self._failed(step, e)
@@ -332,7 +339,7 @@ class Writer:
         if not self._remote:
             return
         self._check_directory()
-        if _format.step_writer(final) != self._lock.token:
+        if self._storage.step_writer(os.path.basename(final)) != self._lock.token:
             raise FileExistsError(
                 f"step {final} is no longer the one this writer began (another writer "
                 "removed or rewrote it after taking the location's lock over)"
@@ -358,7 +365,7 @@ class Writer:
                 f"the checkpoint directory {self.directory!r} no longer exists (it was "
                 "removed while the run was saving)"
             )
-        if _format.identity(self.directory) != self._identity or not self._lock.still_ours():
+        if self._storage.identity() != self._identity or not self._lock.still_ours():
             raise FileNotFoundError(
                 f"the checkpoint directory {self.directory!r} was replaced while the run "
                 "was saving (removed and re-created, or its lock file removed); nothing "
@@ -372,9 +379,9 @@ class Writer:
         if self._max_to_keep is None:
             return
         try:
-            steps = _format.list_steps(self.directory)
+            steps = self._storage.list_steps()
             for old in steps[: max(0, len(steps) - self._max_to_keep)]:
-                aside = _format.set_aside(self.directory, old)
+                aside = self._storage.set_aside(old)
                 if aside is not None:
                     self._aside.append(aside)
         except (_remote.StorageError, ConfigError) as e:
@@ -387,9 +394,9 @@ class Writer:
         """Delete the steps retention set aside: after the save is reported, so the
         waiter does not wait for the few ms of unlinking a step's files."""
         while self._aside:
-            _format.remove_aside(self._aside.pop())
+            self._storage.remove_aside(self._aside.pop())
         while self._unfinished:  # best effort: else the next opening removes it
-            _format.remove_temp(self.directory, self._unfinished.pop(), self._lock.token)
+            self._storage.remove_temp(self._unfinished.pop(), self._lock.token)
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):
@@ -448,8 +455,8 @@ def _reason(e: BaseException) -> str:
     return _remote.scrub(f"{type(e).__name__}: {e}")
 
 
-def _in_the_way(final: str) -> str:
-    if _format.is_checkpoint(final):
+def _in_the_way_message(final: str, is_checkpoint: bool) -> str:
+    if is_checkpoint:
         return (
             f"step directory {final!r} already exists (written by another writer "
             "since this Checkpointer opened the directory); it was kept"

@@ -1,12 +1,13 @@
-"""Unit tests of the layout's names (`_format`) and of object-storage URLs (`_remote`):
-no JAX program, no server (milliseconds each)."""
+"""Unit tests of the layout's names (`_format`), of a local directory's steps
+(`_storage.Local`) and of object-storage URLs (`_remote`): no JAX program, no server
+(milliseconds each)."""
 
 import json
 import os
 
 import pytest
 
-from jax_cb_ckpt import ConfigError, _remote
+from jax_cb_ckpt import ConfigError, _remote, _storage
 from jax_cb_ckpt import _format as fmt
 
 
@@ -36,7 +37,7 @@ def test_temporary_names_are_ours_and_unique(tmp_path):
     assert run == "12.jax_cb_ckpt-tmp-" + "ab" * 12 + "00000003"
     for name in (a, run, "7.jax_cb_ckpt-deleting-" + "0" * 32, "12", "notes"):
         (tmp_path / name).mkdir()
-    found = fmt.unfinished_steps(str(tmp_path))
+    found = _storage.at(str(tmp_path)).unfinished_steps()
     assert sorted(found) == sorted([(12, str(tmp_path / a)), (12, str(tmp_path / run))])
 
 
@@ -45,7 +46,7 @@ def test_leftovers_of_ours_are_removed_and_nothing_else(tmp_path):
     theirs = ["3", "3.jax_cb_ckpt-tmp-short", "notes", "4.jax_cb_ckpt-deleting-" + "F" * 32]
     for name in ours + theirs:
         (tmp_path / name).mkdir()
-    fmt.clean_leftovers(str(tmp_path))
+    _storage.at(str(tmp_path)).clean_leftovers()
     assert sorted(os.listdir(tmp_path)) == sorted(theirs)
 
 
@@ -176,15 +177,15 @@ def test_a_step_is_listed_by_what_its_meta_says_now_not_when_first_read(tmp_path
     step = tmp_path / "3"
     _bare_step(step, 3)
     meta = step / fmt.META_ITEM / fmt.META_FILE
-    assert fmt.list_steps(str(tmp_path)) == [3]
+    assert _storage.at(str(tmp_path)).list_steps() == [3]
     meta.write_text(json.dumps({"format": "other/9", "step": 3}))
-    assert fmt.list_steps(str(tmp_path)) == []
+    assert _storage.at(str(tmp_path)).list_steps() == []
     replacement = tmp_path / "new"
     replacement.write_text(json.dumps({"format": fmt.FORMAT, "step": 3}))
     os.replace(replacement, meta)
-    assert fmt.list_steps(str(tmp_path)) == [3]
+    assert _storage.at(str(tmp_path)).list_steps() == [3]
     meta.unlink()
-    assert fmt.list_steps(str(tmp_path)) == []
+    assert _storage.at(str(tmp_path)).list_steps() == []
 
 
 def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
@@ -192,12 +193,13 @@ def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
     remembered of it goes too, or a long run's memory would grow with its saves."""
     for n in range(3):
         _bare_step(tmp_path / str(n), n)
-    assert fmt.list_steps(str(tmp_path)) == [0, 1, 2]
-    remembered = [k for k in fmt._TAGS if k.startswith(str(tmp_path))]
+    assert _storage.at(str(tmp_path)).list_steps() == [0, 1, 2]
+    remembered = [k for k in _storage._TAGS if k.startswith(str(tmp_path))]
     assert len(remembered) == 3
-    fmt.remove_aside(fmt.set_aside(str(tmp_path), 0))
-    fmt.remove_step(str(tmp_path), 1)
-    assert [k for k in fmt._TAGS if k.startswith(str(tmp_path))] == [
+    local = _storage.at(str(tmp_path))
+    local.remove_aside(local.set_aside(0))
+    local.remove_step(1)
+    assert [k for k in _storage._TAGS if k.startswith(str(tmp_path))] == [
         str(tmp_path / "2" / fmt.META_ITEM / fmt.META_FILE)
     ]
-    assert fmt.list_steps(str(tmp_path)) == [2]
+    assert _storage.at(str(tmp_path)).list_steps() == [2]

@@ -11,19 +11,20 @@ import pytest
 import tensorstore as ts
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _format, _read, _store
+from jax_cb_ckpt import _format, _read, _storage, _store
 
 
 def _saved(directory, state, step=1):
     with jax_cb_ckpt.Checkpointer(directory) as ckpt:
         ckpt.save(state, step)
     step_dir = os.path.join(directory, str(step))
-    meta = _format.StepMeta.parse(_format.load_meta(step_dir, step))
+    meta = _format.StepMeta.parse(_storage.at(str(directory)).open_step(step)[1])
     return step_dir, meta
 
 
 def _arrays(step_dir, meta):
-    arrays = _read.StepArrays(step_dir, meta.leaves)
+    storage = _storage.at(os.path.dirname(step_dir))
+    arrays = _read.StepArrays(storage, int(os.path.basename(step_dir)), meta.leaves)
     arrays.check_layouts()
     return arrays
 

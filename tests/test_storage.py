@@ -295,9 +295,9 @@ def test_a_whole_step_of_a_writer_killed_before_its_commit_is_removed(remote, tm
 
 
 def _unfinished(url):
-    from jax_cb_ckpt import _format
+    from jax_cb_ckpt import _storage
 
-    return _format.unfinished_steps(url)
+    return _storage.at(url).unfinished_steps()
 
 
 def _first(seed):
