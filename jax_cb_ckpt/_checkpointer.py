@@ -135,6 +135,7 @@ class Checkpointer:
         path = options.directory
         self._options = options
         self._storage = _storage.at(path)  # where the steps live: chosen once
+        self._run_loops: dict[Any, Any] = {}  # run()'s jitted loops, reused on resume
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
             self._storage.make()
@@ -574,6 +575,7 @@ class Checkpointer:
             sigint=sigint,
             check_every=check_every,
             progress=progress,
+            loops=self._run_loops,
         )
 
     def scan(
@@ -687,6 +689,50 @@ class Checkpointer:
         # past, and saving at or below one of them is a conflict (see `on_existing`).
         self._exchange.forget(self._storage.list_steps())
         return restored
+
+    def restore_or_init(self, init_fn: Any, *args: Any, like: Any = None) -> tuple[Any, int]:
+        """The state to start a run from, and its step: the latest checkpoint and its
+        step, or `init_fn(*args)` and 0 when there is none.
+
+        For a loop of your own, so that a fresh run and every resumed run execute one
+        compiled program, bit for bit: compute the initial state here, in a call of its
+        own (`init_fn`: jitted, or `jax.vmap`ped over seeds), and pass it to your jitted
+        training function as an argument, with the returned step as a traced argument
+        too (a `lax.fori_loop(start, num_updates, ...)`). A training function that
+        builds its initial state inside is another program than the one a resume runs
+        (XLA compiles init-plus-updates differently from updates alone: the last bits of
+        the trained values differ), so its runs can never be resumed exactly.
+        `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`: nothing
+        computed) is what the checkpoint is restored into. Waits for pending saves
+        first; blocks while it restores or initialises.
+
+        Example:
+            ```python
+            init = jax.jit(jax.vmap(init_one))  # one state per seed
+            state, start = ckpt.restore_or_init(init, jax.random.split(key, 4))
+            state = train(state, start)  # jit(vmap(...)): fori_loop(start, N, update)
+            ```
+        """
+        self._check_usable("restore_or_init")
+        if not callable(init_fn):
+            raise ConfigError(
+                f"restore_or_init(init_fn={_short_repr(init_fn)}): init_fn must be the "
+                "function that makes the initial state, called as init_fn(*args) when "
+                "there is no checkpoint. Fix: pass the function, then its arguments: "
+                "restore_or_init(init, key)."
+            )
+        self.wait()
+        latest = self.latest_step()
+        if latest is None:
+            return init_fn(*args), 0
+        if like is None:  # (args closed over: Python numbers among them stay numbers)
+            like = jax.eval_shape(lambda: init_fn(*args))
+        return self.restore(like, step=latest), latest
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _lock_name() -> str:

@@ -54,7 +54,11 @@ def run(
     sigint: bool,
     check_every: int | None,
     progress: bool = False,
+    loops: dict[Any, Any] | None = None,
 ) -> Any:
+    """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
+    loops (`_jitted_loop`)."""
+    loops = {} if loops is None else loops
     every = ckpt.every
     if every is None:
         raise ConfigError(
@@ -92,18 +96,22 @@ def run(
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     _check_body(step_fn, state, batched)
-    shardings, read_stop = None, stop_flag.traced
+    shardings = None
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
-        read_stop = _agreed(stop_flag.traced, shardings)
-
-    loop = make_loop(ckpt, step_fn, num_steps, every, check, read_stop, shardings)
+    loop = _jitted_loop(loops, ckpt, stop_flag, body, batched, num_steps, every, check, shardings)
+    # Committed to their devices, as a restored state's arrays are: a fresh state's
+    # uncommitted arrays would make the resumed call another entry of jit's cache, and
+    # compile the same program again.
+    state = jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
+    )
 
     bar = None if bar_type is None else _Progress(bar_type, ckpt, stop_flag, start, num_steps)
     try:
         with stop_flag.signals(sigint=sigint):
             out = _in_thread(
-                lambda: jax.block_until_ready(jax.jit(loop)(state, jnp.int32(start))),
+                lambda: jax.block_until_ready(loop(state, jnp.int32(start))),
                 stop_flag,
                 None if bar is None else bar.tick,
             )
@@ -182,6 +190,37 @@ class _Progress:
     def close(self) -> None:
         self.tick()
         self._bar.close()
+
+
+def _jitted_loop(
+    loops: dict[Any, Any],
+    ckpt: Saver,
+    stop_flag: StopFlag,
+    body: Callable[[Any, jax.Array], Any],
+    batched: bool,
+    num_steps: int,
+    every: int,
+    check: int,
+    shardings: Any,
+) -> Callable[[Any, Any], Any]:
+    """`jax.jit(make_loop(...))`, made once per Checkpointer and loop: `loops` is the
+    Checkpointer's {what the loop is made of: the jitted loop}, so that a fresh run and
+    a resumed one (after a stop request, say) call the same jitted function, and the
+    resumed one runs the executable compiled for the fresh one without compiling again."""
+    leaves, treedef = jax.tree_util.tree_flatten(shardings)
+    key = (body, batched, num_steps, every, check, tuple(leaves), treedef)
+    try:
+        hash(key)
+    except TypeError:  # a body that cannot be a dict key: a loop of its own every time
+        key = None
+    if key is None or key not in loops:
+        step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
+        read_stop = stop_flag.traced if shardings is None else _agreed(stop_flag.traced, shardings)
+        loop = jax.jit(make_loop(ckpt, step_fn, num_steps, every, check, read_stop, shardings))
+        if key is None:
+            return loop
+        loops[key] = loop
+    return loops[key]
 
 
 def make_loop(

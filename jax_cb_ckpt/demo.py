@@ -1,13 +1,14 @@
-"""Demo: train inside one jitted lax.scan, get killed, resume, match the uninterrupted run.
+"""Demo: train inside one jitted loop, get killed, resume, match the uninterrupted run.
 
     python -m jax_cb_ckpt.demo            # needs optax: pip install "jax_cb_ckpt[demo]"
 
 1. A child process trains a small MLP with optax (Adam on a cosine schedule) for
-   `--steps` steps, entirely inside one `jax.jit(lax.scan)`, calling `ckpt.maybe_save`
-   in the scan body. This process SIGKILLs it once a checkpoint at `--kill-at` or later
-   is on disk: a real, unannounced death with writes in flight.
-2. This process restores the latest complete checkpoint and trains only the remaining
-   steps, checkpointing on.
+   `--steps` steps, entirely inside one jitted `lax.fori_loop`, calling
+   `ckpt.maybe_save` in the loop body. This process SIGKILLs it once a checkpoint at
+   `--kill-at` or later is on disk: a real, unannounced death with writes in flight.
+2. This process takes the latest complete checkpoint and its step
+   (`ckpt.restore_or_init`) and trains only the remaining steps, checkpointing on, with
+   the same compiled program: the state and the first step are its arguments.
 3. It trains all steps again without interruption and compares: the resumed final state
    (parameters, optimizer state, schedule counter, PRNG key) must equal it bit for bit.
 """
@@ -66,26 +67,27 @@ def loss_fn(params, x, y):
     return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
 
 
-def make_train(total_steps: int, ckpt: jax_cb_ckpt.Checkpointer | None):
-    """`train(state, steps)`: one jitted lax.scan over `steps`, checkpointing from inside."""
+def make_train(total_steps: int, ckpt: jax_cb_ckpt.Checkpointer):
+    """`train(state, start)`: one jitted loop over steps `start` to `total_steps`,
+    checkpointing from inside. The state and the first step are arguments, so a fresh
+    run and a resumed one execute one compiled program."""
     optimizer = make_optimizer(total_steps)
 
-    def body(state, step):
+    def body(step, state):
         key, sub = jax.random.split(state["key"])
         x = jax.random.normal(sub, (BATCH, IN))
         grads = jax.grad(loss_fn)(state["params"], x, target(x))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)  # type: ignore[union-attr]
         state = {"params": params, "opt_state": opt_state, "key": key, "step": step + 1}
-        if ckpt is not None:
-            # Traced code: step is a tracer. The predicate (step % every == 0) runs on
-            # the device; only saving steps cross to the host.
-            ckpt.maybe_save(state, state["step"])
-        return state, None
+        # Traced code: step is a tracer. The predicate (step % every == 0) runs on the
+        # device; only saving steps cross to the host.
+        ckpt.maybe_save(state, state["step"])
+        return state
 
     @jax.jit
-    def train(state, steps):
-        return jax.lax.scan(body, state, steps)[0]
+    def train(state, start):
+        return jax.lax.fori_loop(start, total_steps, body, state)
 
     return train
 
@@ -96,12 +98,12 @@ def eval_loss(state) -> float:
 
 
 def worker(args) -> None:
-    """The child: train all steps in one jitted scan (it is killed part-way)."""
+    """The child: train all steps in one jitted loop (it is killed part-way)."""
     state = init_state(args.seed, args.steps)
     with jax_cb_ckpt.Checkpointer(args.dir, every=args.every, max_to_keep=3) as ckpt:
         train = make_train(args.steps, ckpt)
         print("worker: training", flush=True)
-        jax.block_until_ready(train(state, jnp.arange(args.steps)))
+        jax.block_until_ready(train(state, 0))
     print("worker: finished without being killed", flush=True)
 
 
@@ -153,7 +155,7 @@ def demo(args: argparse.Namespace) -> int:
 
     print(
         f"jax_cb_ckpt demo: {args.steps} steps of an MLP trained with optax inside one "
-        f"jitted lax.scan,\na checkpoint every {args.every} steps (max_to_keep=3) in "
+        f"jitted loop,\na checkpoint every {args.every} steps (max_to_keep=3) in "
         f"{args.dir}\n"
     )
     print(f"[1] a child process trains; it is SIGKILLed once step >= {args.kill_at} is on disk")
@@ -166,21 +168,23 @@ def demo(args: argparse.Namespace) -> int:
         print(f"    killed after seeing step {seen} on disk ({time.perf_counter() - start:.1f} s)")
     print(f"    complete checkpoints left on disk: {on_disk}")
 
-    like = jax.eval_shape(lambda: init_state(args.seed, args.steps))
     with jax_cb_ckpt.Checkpointer(args.dir, every=args.every, max_to_keep=3) as ckpt:
-        resumed = ckpt.restore(like)
-        start_step = int(resumed["step"])
+        # The latest checkpoint and its step (or, with none on disk, a fresh state and 0)
+        resumed, start_step = ckpt.restore_or_init(init_state, args.seed, args.steps)
         print(f"\n[2] restored step {start_step}; training the remaining steps")
-        train = make_train(args.steps, ckpt)
-        resumed = train(resumed, jnp.arange(start_step, args.steps))
+        resumed = make_train(args.steps, ckpt)(resumed, start_step)
         ckpt.wait()
         print(f"    saved steps now: {ckpt.all_steps()}")
         print(f"    stats: {ckpt.stats.summary()}")
 
     print("\n[3] the same run without interruption, for comparison")
-    reference = make_train(args.steps, None)(
-        init_state(args.seed, args.steps), jnp.arange(args.steps)
-    )
+    # The same program (saves included), into a temporary directory of its own.
+    scratch = tempfile.mkdtemp(prefix="jax_cb_ckpt_demo_reference_")
+    try:
+        with jax_cb_ckpt.Checkpointer(scratch, every=args.every, max_to_keep=1) as ref:
+            reference = make_train(args.steps, ref)(init_state(args.seed, args.steps), 0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     same = jax_cb_ckpt.same_bits(resumed, reference)
     print(
         f"    final eval loss: resumed {eval_loss(resumed):.6f}, "
