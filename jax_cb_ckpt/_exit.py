@@ -59,12 +59,12 @@ def _flush_at_exit() -> None:
     try:
         jax.effects_barrier()  # saves of jitted code still running reach the queue
     except BaseException as e:  # never raise during interpreter shutdown
-        logger.error("jax_cb_ckpt: waiting for running callbacks at exit failed: %s", e)
+        logger.error("waiting for running saves at interpreter exit failed: %s", e)
     for writer in list(LIVE):
         try:
             writer.flush_at_exit()
         except BaseException as e:
-            logger.error("jax_cb_ckpt: flushing %s at exit failed: %s", writer.directory, e)
+            logger.error("writing the saves to %s at exit failed: %s", writer.directory, e)
 
 
 # threading's exit hooks run before concurrent.futures shuts its executors down (they run

@@ -247,7 +247,7 @@ class ObjectLock(DirectoryLock):
             token = taken_from.get("token")
             self.taken_over_from = token if isinstance(token, str) else ""
             logger.warning(
-                "jax_cb_ckpt: took over the lock of %s from %s: it showed no heartbeat "
+                "took over the lock of %s from %s: it showed no heartbeat "
                 "for %.0f s (or its process is gone from this host), so its writer is "
                 "taken to be dead (docs/storage.md, 'One writer').",
                 self.directory,

@@ -35,9 +35,9 @@ class Preempted(SystemExit):
     def __init__(self, step: int, signum: int | None) -> None:
         self.step = step
         self.signum = signum
-        name = signal.Signals(signum).name if signum else "request_stop()"
+        self.reason = signal.Signals(signum).name if signum else "request_stop()"
         super().__init__(128 + signum if signum else 1)
-        self.message = f"jax_cb_ckpt: stopped at step {step} after {name}; checkpoint saved"
+        self.message = f"jax_cb_ckpt: stopped at step {step} after {self.reason}; checkpoint saved"
 
     def __str__(self) -> str:
         return self.message

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -85,14 +86,16 @@ def run(
             )
         state = ckpt.restore(init, step=start)
     if start == num_steps:
-        logger.warning(
-            "jax_cb_ckpt: run: nothing to do, the latest checkpoint in %s is step %d of "
-            "num_steps=%d (the run is complete; restore() gives its state)",
+        logger.info(
+            "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
+            "(the run is complete; restore() gives its state)",
             ckpt.directory,
             start,
             num_steps,
         )
         return state
+    if start:
+        logger.info("run: resuming from step %d of %d in %s", start, num_steps, ckpt.directory)
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     _check_body(step_fn, state, batched)
@@ -141,7 +144,13 @@ def run(
     requested, signum = stop_flag.take()
     if requested or (bool(stopped) and int(i) < num_steps):
         preempted = Preempted(int(i), signum)
-        logger.warning("%s; exit code %s", preempted.message, preempted.code)
+        logger.warning(
+            "run stopped at step %d after %s; checkpoint saved in %s; exit code %s",
+            preempted.step,
+            preempted.reason,
+            ckpt.directory,
+            preempted.code,
+        )
         raise preempted
     return state
 
@@ -164,6 +173,9 @@ class _Progress:
     `check_every` steps, and that read records the step (`StopFlag.reached`); the
     waiting thread moves the bar from it every 50 ms, with the writer's last step
     (`ckpt.stats.last_saved_step`). So the bar moves every `check_every` steps.
+    Until the first check the bar says "compiling", and its clock starts there: the
+    rate and the time left count steps run, not the compilation (a run whose compile
+    took 5 s showed 176 steps/s and 1:47 left, where it ran 20,000 steps in 30 s).
     """
 
     def __init__(self, bar_type: Any, ckpt: Saver, flag: StopFlag, start: int, total: int):
@@ -171,11 +183,12 @@ class _Progress:
         self._flag = flag
         self._shown = start
         self._saved: int | None = None
+        self._timing = False
         flag.reached = None
         self._bar = bar_type(total=total, initial=start, unit="step", dynamic_ncols=True)
         self._bar.set_description(f"jax_cb_ckpt {os.path.basename(ckpt.directory)}")
-        if start:
-            self._bar.set_postfix_str(f"resumed from {start}", refresh=False)
+        resumed = f"resumed from {start}, " if start else ""
+        self._bar.set_postfix_str(f"{resumed}compiling")
 
     def tick(self) -> None:
         reached = self._flag.reached
@@ -183,9 +196,19 @@ class _Progress:
         if saved != self._saved:
             self._saved = saved
             self._bar.set_postfix_str(f"saved {saved}", refresh=False)
-        if reached is not None and reached > self._shown:
+        if reached is None or reached <= self._shown:
+            return
+        if not self._timing:  # the first check: compiled and running; the clock starts
+            self._timing = True
+            bar = self._bar
+            bar.n = bar.last_print_n = bar.initial = reached
+            bar.start_t = bar.last_print_t = time.time()
+            if self._saved is None:
+                bar.set_postfix_str("running", refresh=False)
+            bar.refresh()
+        else:
             self._bar.update(reached - self._shown)
-            self._shown = reached
+        self._shown = reached
 
     def close(self) -> None:
         self.tick()
@@ -382,7 +405,7 @@ def _in_thread(
         if stop.interrupted and not noted:
             noted = True  # once, however many presses
             logger.warning(
-                "jax_cb_ckpt: Ctrl-C: stopping at the next check, saving first "
+                "Ctrl-C: run stops at the next check, saving first "
                 "(Ctrl-\\ quits at once, without saving)"
             )
     if error:

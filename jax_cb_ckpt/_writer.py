@@ -293,8 +293,7 @@ class Writer:
             SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s)
         )
         logger.info(
-            "jax_cb_ckpt: saved step %d to %s: %d bytes, written in %.1f ms (device waited "
-            "%.2f ms)",
+            "saved step %d to %s: %d bytes, written in %.1f ms (device waited %.2f ms)",
             step,
             self.directory,
             item.nbytes,
@@ -388,7 +387,7 @@ class Writer:
             if not self._remote:
                 raise
             # The step is committed; the next save's retention unlists these steps.
-            logger.warning("jax_cb_ckpt: retention in %s put off: %s", self.directory, e)
+            logger.warning("retention in %s put off to the next save: %s", self.directory, e)
 
     def _sweep(self) -> None:
         """Delete the steps retention set aside: after the save is reported, so the

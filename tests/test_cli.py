@@ -190,4 +190,49 @@ def test_logging_basicconfig_after_import_shows_the_library_s_lines(tmp_path):
     )
     run = run_child([sys.executable, "-c", code], timeout=120)
     assert run.returncode == 0, run.stderr
-    assert "INFO:jax_cb_ckpt:jax_cb_ckpt: saved step 1" in run.stderr, run.stderr
+    assert "INFO:jax_cb_ckpt:saved step 1" in run.stderr, run.stderr
+
+
+LOGGED_RUN = """
+import jax.numpy as jnp, jax_cb_ckpt, logging, sys
+logging.basicConfig(level=logging.INFO)
+body = lambda s, i: {"x": s["x"] + 1.0}
+with jax_cb_ckpt.Checkpointer(sys.argv[1], every=5) as c:
+    c.request_stop()
+    try:
+        c.run(body, {"x": jnp.zeros(3)}, 20)
+    except SystemExit:
+        pass
+    c.run(body, {"x": jnp.zeros(3)}, 20)  # resumed
+    c.run(body, {"x": jnp.zeros(3)}, 20)  # finished: nothing to do
+    c.restore({"x": jnp.zeros(3)})
+"""
+
+
+def test_the_library_s_log_lines_are_readable_and_alone(tmp_path):
+    """Issue 30 item 1: with INFO on, a stopped, resumed and finished run and a restore
+    log the library's lines once each, without a doubled prefix ("WARNING:jax_cb_ckpt:
+    jax_cb_ckpt: stopped ..."), a finished run at INFO (it is normal), which step a
+    resumed run started from; and no third-party lines from the library's work (Orbax's
+    absl INFO lines came with every restore)."""
+    directory = tmp_path / "c"
+    script = tmp_path / "logged.py"
+    script.write_text(LOGGED_RUN)
+    run = run_child([sys.executable, script, directory], timeout=180)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith(("INFO:", "WARNING:"))]
+    ours = [
+        line for line in lines if line.startswith(("INFO:jax_cb_ckpt:", "WARNING:jax_cb_ckpt:"))
+    ]
+    others = [line for line in lines if line not in ours and "libtpu" not in line]
+    assert not others, others  # (JAX's own note that it found no TPU, at its start, aside)
+    assert not [
+        line for line in ours if ":jax_cb_ckpt: " in line or "jax_cb_ckpt:jax_cb_ckpt" in line
+    ], ours
+    assert ours[1] == (
+        f"WARNING:jax_cb_ckpt:run stopped at step 5 after request_stop(); checkpoint saved "
+        f"in {directory}; exit code 1"
+    ), ours
+    assert f"INFO:jax_cb_ckpt:run: resuming from step 5 of 20 in {directory}" in ours
+    assert ours[-1].startswith("INFO:jax_cb_ckpt:run: nothing to do"), ours
+    assert sum(line.startswith("INFO:jax_cb_ckpt:saved step") for line in ours) == 4, ours

@@ -91,8 +91,8 @@ def test_preemption_saves_stops_and_resumes(tmp_path, uninterrupted, sig, flag):
     latest = jax_cb_ckpt.latest_step(directory)
     assert latest < crash_worker.NUM_STEPS and latest % crash_worker.EVERY == 0
     name = signal.Signals(sig).name
-    said = f"jax_cb_ckpt: stopped at step {latest} after {name}; checkpoint saved; exit code "
-    assert err.count(said + str(128 + sig)) == 1, err[-2000:]  # one line, on stderr
+    said = f"run stopped at step {latest} after {name}; checkpoint saved in {directory}; "
+    assert err.count(said + f"exit code {128 + sig}") == 1, err[-2000:]  # one line, on stderr
     assert not [n for n in os.listdir(directory) if "tmp" in n]  # the last save completed
     check_disk_and_resume(directory, uninterrupted)
 

@@ -96,7 +96,7 @@ def test_ctrl_c_saves_stops_and_raises_keyboard_interrupt(tmp_path, presses, own
     assert err.count("Traceback") == 1, err
     assert "done" not in out
     # One note, however many presses.
-    assert err.count("jax_cb_ckpt: Ctrl-C: stopping at the next check, saving first") == 1, err
+    assert err.count("Ctrl-C: run stops at the next check, saving first") == 1, err
 
     # Stopped: nothing more is written, and the last save completed.
     steps = jax_cb_ckpt.all_steps(directory)
