@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         if not storage.is_directory():
             raise FileNotFoundError(f"{args.directory!r} is not a directory")
         return args.run(storage, args)
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): end quietly, as a pipeline expects, and
+        # keep Python from failing again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (CheckpointError, OSError) as e:
         prefix = f"jax-cb-ckpt {args.command}: "
         text = str(e)

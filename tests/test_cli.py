@@ -236,3 +236,16 @@ def test_the_library_s_log_lines_are_readable_and_alone(tmp_path):
     assert f"INFO:jax_cb_ckpt:run: resuming from step 5 of 20 in {directory}" in ours
     assert ours[-1].startswith("INFO:jax_cb_ckpt:run: nothing to do"), ours
     assert sum(line.startswith("INFO:jax_cb_ckpt:saved step") for line in ours) == 4, ours
+
+
+def test_a_closed_pipe_ends_the_command_quietly(saved):
+    """Issue 30 item 6: `show ... | head -1` failed with "[Errno 32] Broken pipe" and exit
+    code 2 about one time in four: the reader going away ends the command, quietly."""
+    for command in ("show", "ls", "verify"):
+        for _ in range(4):
+            run = run_child(
+                ["bash", "-c", f'set -o pipefail; "{SCRIPT}" {command} "{saved}" | head -c 1'],
+                timeout=120,
+            )
+            assert run.returncode == 0, (command, run.returncode, run.stderr)
+            assert run.stderr == "", (command, run.stderr)
