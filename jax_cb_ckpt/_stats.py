@@ -22,7 +22,7 @@ class SaveRecord:
     checksum_s: float = 0.0  # the part of write_s spent computing checksums
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Stats:
     """A snapshot of a Checkpointer's counters (`ckpt.stats`).
 
@@ -50,6 +50,7 @@ class Stats:
 
     Reading `ckpt.stats` is thread-safe and cheap (a copy taken under a lock): another
     thread may poll it while a jitted run trains, e.g. to log `last_saved_step`.
+    `print(ckpt.stats)` shows one line (`summary()`); the records are in `recent`.
     """
 
     saves: int = 0
@@ -96,6 +97,14 @@ class Stats:
             f"{max(0.0, wait - copy) * 1e3:.3f} ms), written in the background in "
             f"{self.write_per_save_s * 1e3:.1f} ms; queue_high_water={self.queue_high_water} "
             f"queue_waits={self.queue_waits}"
+        )
+
+
+    def __repr__(self) -> str:
+        last = "none" if self.last_saved_step is None else self.last_saved_step
+        return (
+            f"Stats({self.summary()}; last_saved_step={last}; {len(self.recent)} "
+            "records in .recent)"
         )
 
 

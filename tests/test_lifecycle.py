@@ -81,6 +81,20 @@ def test_stats_fields(make_ckpt):
     assert "saves=1" in stats.summary()
 
 
+def test_stats_print_as_one_line_with_the_records_one_attribute_away(make_ckpt):
+    """Issue 30 item 3: `print(ckpt.stats)` dumped every SaveRecord (~4 KB for 20
+    saves); it is the summary line now, and the records stay in `.recent`."""
+    ckpt = make_ckpt()
+    for step in range(20):
+        ckpt.save(state_at(step), step)
+    ckpt.wait()
+    shown = str(ckpt.stats)
+    assert shown == repr(ckpt.stats) and "\n" not in shown and len(shown) < 400, shown
+    assert shown.startswith("Stats(saves=20 ") and "last_saved_step=19" in shown, shown
+    assert "20 records in .recent" in shown and len(ckpt.stats.recent) == 20
+    assert "SaveRecord" not in shown
+
+
 @dataclasses.dataclass
 class Config:  # rejax keeps its configuration like this (dataclasses.asdict copies)
     lr: float
