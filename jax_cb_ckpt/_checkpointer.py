@@ -30,6 +30,7 @@ from ._errors import (
     ConfigError,
     SaveError,
     SaveFailedWarning,
+    shown,
 )
 from ._exchange import Closed, Exchange, OnExisting, is_failed_write
 from ._host import HostSide, probe_callback_arrays
@@ -668,6 +669,7 @@ class Checkpointer:
         """
         return _steps.metadata(self.directory, step=step)
 
+    @_steps.step_by_keyword
     def restore(
         self,
         like: Any,
@@ -716,7 +718,7 @@ class Checkpointer:
         self._check_usable("restore_or_init")
         if not callable(init_fn):
             raise ConfigError(
-                f"restore_or_init(init_fn={_short_repr(init_fn)}): init_fn must be the "
+                f"restore_or_init(init_fn={shown(init_fn)}): init_fn must be the "
                 "function that makes the initial state, called as init_fn(*args) when "
                 "there is no checkpoint. Fix: pass the function, then its arguments: "
                 "restore_or_init(init, key)."
@@ -728,11 +730,6 @@ class Checkpointer:
         if like is None:  # (args closed over: Python numbers among them stay numbers)
             like = jax.eval_shape(lambda: init_fn(*args))
         return self.restore(like, step=latest), latest
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _lock_name() -> str:

@@ -7,6 +7,15 @@ they are never only logged.
 """
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)` for a message: one line of at most `limit` characters (a whole
+    TrainState passed where a step goes made a 1,130-character message)."""
+    text = " ".join(repr(value).split())
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 25]}... ({len(text)} characters)"
+
+
 class CheckpointError(Exception):
     """Base class of every error raised by jax_cb_ckpt."""
 

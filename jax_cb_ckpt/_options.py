@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 
 from . import _format, _remote
-from ._errors import ConfigError
+from ._errors import ConfigError, shown
 from ._exchange import OnExisting
 from ._traced import Crossing
 
@@ -142,6 +142,6 @@ def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int
         allowed = "a positive int" + (" or None" if optional else "")
         raise ConfigError(
             f"Checkpointer({name}=...): {name} must be {allowed} ({meaning}), got "
-            f"{value!r} of type {type(value).__name__}."
+            f"{shown(value)} of type {type(value).__name__}."
         )
     return value

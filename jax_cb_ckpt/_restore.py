@@ -38,6 +38,7 @@ def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> A
     return sharding
 
 
+@_steps.step_by_keyword
 def restore(
     directory: str | os.PathLike[str],
     like: Any,

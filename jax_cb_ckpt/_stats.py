@@ -99,7 +99,6 @@ class Stats:
             f"queue_waits={self.queue_waits}"
         )
 
-
     def __repr__(self) -> str:
         last = "none" if self.last_saved_step is None else self.last_saved_step
         return (

@@ -17,9 +17,12 @@ the read gave.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,10 +33,34 @@ from ._errors import (
     DamagedStepWarning,
     NoCheckpointError,
     RestoreError,
+    shown,
 )
 from ._format import META_ITEM, STATE_ITEM
 from ._spec import LeafSpec
 from ._storage import Storage
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def step_by_keyword(fn: F) -> F:
+    """`fn` (whose step and options are keyword-only), with a call that passes the step
+    positionally (Orbax's habit: `manager.restore(20)`) told to pass `step=` instead of
+    Python's bare "takes 2 positional arguments but 3 were given"."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
+    names = ", ".join(n for n in positional if n != "self")
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > len(positional):
+            step = shown(args[len(positional)])
+            raise ConfigError(
+                f"{fn.__name__}({names}, {step}): the step is passed by keyword, as are the "
+                f"options. Fix: {fn.__name__}({names}, step={step})."
+            )
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
@@ -126,7 +153,27 @@ def read_failure(
         return removed(storage, step, where)
     if isinstance(e, _read.LayoutError):
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
-    return RestoreError(f"{where}: cannot read {what}: {e}")
+    text = str(e).split(" [source locations=")[0].strip()
+    if isinstance(e, _read.ChunkError) or any(mark in text for mark in _DAMAGE):
+        return RestoreError(
+            f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
+            "removed after it was written (bad disk or memory, a partial copy, a hand "
+            f"edit). {_outcome(where)} Fix: restore another step (all_steps()); "
+            "`jax-cb-ckpt verify` checks every step."
+        )
+    return RestoreError(f"{where}: cannot read {what}: {text}")
+
+
+# What TensorStore says of a file that is not what was written (not of the storage
+# being out of reach, or of permissions).
+_DAMAGE = ("DATA_LOSS", "Error decoding", "OUT_OF_RANGE", "checksum", "Data corruption")
+
+
+def _outcome(where: str) -> str:
+    """What became of the read, said in a message: verify returns nothing anyway."""
+    return (
+        "The step fails verification." if where.startswith("verify(") else "Nothing was returned."
+    )
 
 
 def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
@@ -172,6 +219,7 @@ def open_step(storage: Storage, step: int, where: str) -> tuple[Any, dict[str, A
         raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
 
 
+@step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
     return _metadata(directory, step)[0]
@@ -263,7 +311,7 @@ def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> Rest
         f"the one recorded when it was written (stored as zarr array '{name}' in "
         f"{step_dir + '/' + STATE_ITEM!r}). A file of the step was changed on "
         "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
-        "Nothing was returned. Fix: restore another step (all_steps()); "
+        f"{_outcome(where)} Fix: restore another step (all_steps()); "
         "jax_cb_ckpt.verify(directory) checks every step."
     )
 
@@ -286,6 +334,7 @@ def short(steps: list[int]) -> str:
     return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
+@step_by_keyword
 def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
     """Check every stored byte of `step` (default: every step) against the checksums
     recorded when it was written, without a `like`: each leaf is read whole into host

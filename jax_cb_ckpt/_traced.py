@@ -46,7 +46,7 @@ from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
 from ._dtypes import PACKED_AS, packed
-from ._errors import InvalidStateError
+from ._errors import InvalidStateError, shown
 from ._format import MAX_STEP
 from ._shards import Layout
 
@@ -72,7 +72,7 @@ def _describe(x: Any) -> str:
     shape = getattr(x, "shape", None)
     if dtype is not None and shape is not None:
         return f"{dtype}[{','.join(str(d) for d in shape)}]"
-    return f"{type(x).__name__} ({x!r})"
+    return f"{type(x).__name__} ({shown(x)})"
 
 
 def check_step(step: Any, where: str) -> int | None:
@@ -90,7 +90,7 @@ def check_step(step: Any, where: str) -> int | None:
         ok = False
     if not ok:
         if isinstance(step, float):
-            cast = f"pass int(step) for a Python float (int({step!r}))"
+            cast = f"pass int(step) for a Python float (int({shown(step)}))"
         else:
             cast = "cast with step.astype(jnp.int32) if it is a float array"
         raise InvalidStateError(

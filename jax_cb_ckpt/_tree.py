@@ -243,6 +243,12 @@ def _describe(
 ) -> tuple[LeafSpec, ...]:
     """The checked specs of `tree`, flattened as `flat` (key path, leaf)."""
     if not flat:
+        if prefix == "like":
+            raise InvalidStateError(
+                f"{where}: like has no leaves, so there is nothing to restore into (got "
+                f"{type(tree).__name__}). Fix: pass a pytree shaped like the saved state: "
+                "the initial state, or jax.eval_shape of the function that makes it."
+            )
         raise InvalidStateError(
             f"{where}: the {prefix} has no leaves, so there is nothing to save "
             f"(got {type(tree).__name__}). Fix: pass the pytree of arrays to save."

@@ -418,3 +418,75 @@ def test_hand_edited_metadata_is_a_restore_error(make_ckpt, ckpt_dir, edit, matc
         warnings.simplefilter("ignore", jax_cb_ckpt.DamagedStepWarning)
         with pytest.raises(RestoreError, match=match):
             ckpt.restore({"w": like_w, "z_key": jax.random.key(0)})
+
+
+# -- the habits users bring (issue 30 item 5) ---------------------------------------------
+
+
+def test_a_step_passed_positionally_is_told_to_pass_it_by_keyword(make_ckpt, ckpt_dir):
+    """Orbax users write `manager.restore(20)`: Python's own answer was "takes 2
+    positional arguments but 3 were given"."""
+    ckpt = make_ckpt()
+    ckpt.save(state_at(20), 20)
+    ckpt.wait()
+    like = state_at(0)
+    calls = {
+        "restore(directory, like, step=20)": lambda: jax_cb_ckpt.restore(ckpt_dir, like, 20),
+        "restore(like, step=20)": lambda: ckpt.restore(like, 20),
+        "metadata(directory, step=20)": lambda: jax_cb_ckpt.metadata(ckpt_dir, 20),
+        "verify(directory, step=20)": lambda: jax_cb_ckpt.verify(ckpt_dir, 20),
+    }
+    for fix, call in calls.items():
+        with pytest.raises(ConfigError, match=r"the step is passed by keyword") as info:
+            call()
+        assert str(info.value).endswith(f"Fix: {fix}."), str(info.value)
+    assert int(ckpt.restore(like, step=20)["step"]) == 20
+
+
+def test_a_value_shown_in_a_message_is_one_short_line(make_ckpt):
+    """`maybe_save(s.step, s)` with the arguments swapped: the message held the whole
+    state's repr (1,130 characters for a TrainState)."""
+    ckpt = make_ckpt(every=1)
+    big = {f"leaf{i}": np.arange(50.0) for i in range(20)}
+    with pytest.raises(InvalidStateError, match=r"step must be an integer scalar") as info:
+        ckpt.maybe_save(jnp.int32(3), big)
+    text = str(info.value)
+    assert len(text) < 600 and "characters)" in text, (len(text), text)
+
+
+def test_restore_into_nothing_says_restore_not_save(ckpt_dir, make_ckpt):
+    ckpt = make_ckpt()
+    ckpt.save(state_at(1), 1)
+    ckpt.wait()
+    with pytest.raises(
+        InvalidStateError, match=r"like has no leaves, so there is nothing to restore into"
+    ):
+        jax_cb_ckpt.restore(ckpt_dir, None)
+
+
+def test_a_damaged_database_says_what_which_file_and_what_to_do(make_ckpt, ckpt_dir):
+    """A byte changed in the step's database (its B-tree node: a raw TensorStore "ZSTD_
+    decompressStream() failed" before), in restore and in verify, which returns nothing
+    and so does not say "Nothing was returned"."""
+    ckpt = make_ckpt()
+    ckpt.save({"w": np.arange(100_000, dtype=np.float32)}, 1)
+    ckpt.wait()
+    data = max((ckpt_dir / "1" / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:  # the B-tree node sits after the chunk, at the end
+        f.seek(data.stat().st_size - 20)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(RestoreError) as restoring:
+        jax_cb_ckpt.restore(ckpt_dir, {"w": np.zeros(100_000, np.float32)})
+    with pytest.raises(RestoreError) as verifying:
+        jax_cb_ckpt.verify(ckpt_dir)
+    for error, outcome in (
+        (restoring, "Nothing was returned."),
+        (verifying, "The step fails verification."),
+    ):
+        text = str(error.value)
+        assert str(data) in text and "A file of the step was changed" in text, text
+        assert outcome in text and "Fix: restore another step" in text, text
+        assert "tensorstore_spec" not in text and "{" not in text, text
+    assert "Nothing was returned" not in str(verifying.value)
