@@ -91,7 +91,7 @@ class Checkpointer:
         on_existing: a save at or below a step another run left in the directory:
             `"raise"` refuses it (`StepExistsError`), `"replace"` deletes that run's
             steps from the saved step on, then writes.
-        crossing: how traced saves reach the host (docs/handoff.md). `"buffer"`: the
+        crossing: how traced saves reach the host ([handoff.md](handoff.md)). `"buffer"`: the
             device program's own buffers are copied once into reused host memory
             (`jax.experimental.buffer_callback`; on CPU, and on CUDA GPUs by
             `cudaMemcpyAsync` on XLA's stream into pinned memory). `"callback"`:
@@ -102,7 +102,7 @@ class Checkpointer:
             process waits for another with no sign of work from it on the same step
             (each writer sends a heartbeat about once a second from a background
             thread) before the save fails with an error naming that process
-            (docs/multiprocess.md).
+            ([multiprocess.md](multiprocess.md)).
             Every process creates a Checkpointer on the same directory; each writes
             its own devices' blocks and process 0 commits.
     """
@@ -273,7 +273,7 @@ class Checkpointer:
 
         Under `vmap` one checkpoint holds the whole batch (a leading axis per vmap); it
         is made on a step where any member's predicate holds, and records which members
-        asked (`metadata(step)["members"]`). See docs/transforms.md.
+        asked (`metadata(step)["members"]`). See [transforms.md](transforms.md).
 
         Args:
             state: a pytree of arrays (jax or numpy, any numeric dtype, typed PRNG keys)
@@ -300,7 +300,7 @@ class Checkpointer:
                 (`jax.make_mesh` default); otherwise the state is gathered first.
                 On a CPU this always uses the "buffer" crossing. Required in a
                 multi-process run: a mesh over every process's devices, each process
-                writing its own devices' blocks (docs/multiprocess.md).
+                writing its own devices' blocks ([multiprocess.md](multiprocess.md)).
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -554,6 +554,12 @@ class Checkpointer:
             num_steps: total steps of the run.
             batched: `init` has a leading axis (seeds, say) and `body` is written for
                 one member: the loop runs `vmap(body)` and saves the whole batch.
+            sigint: SIGINT (Ctrl-C) stops the run as SIGTERM does, with `Preempted`
+                (code 130), for schedulers that stop jobs by SIGINT; by default a Ctrl-C
+                stops it too, but raises `KeyboardInterrupt`.
+            check_every: read the stop request every this many steps (default:
+                `every`); each read is one host crossing of a bool, and a stop is
+                noticed (and saved) at the next read.
             progress: show a progress bar (tqdm: `pip install 'jax_cb_ckpt[progress]'`)
                 with steps/s and the last saved step. It moves every `check_every`
                 steps, from the stop-flag read the loop makes anyway: nothing more

@@ -66,9 +66,11 @@ def step_by_keyword(fn: F) -> F:
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps with a complete checkpoint in `directory`, ascending.
 
-    Only checkpoints written by jax_cb_ckpt count (see docs/usage.md, "What is in the
-    directory"): other folders, even with integer names, are ignored. A step listed
-    here is complete and restores. Does not wait for pending saves.
+    Only checkpoints written by jax_cb_ckpt count (see
+    [The checkpoint directory](usage.md#the-checkpoint-directory)): other folders, even
+    with integer names, are ignored; a damaged step of ours is not listed and is named
+    in a `DamagedStepWarning`. A step listed here is complete and restores. Does not
+    wait for pending saves.
     """
     return _listed(_storage.at(_format.resolve(directory, "all_steps")), "all_steps")
 
