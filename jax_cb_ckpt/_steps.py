@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _format, _read, _storage, _store, _warn
+from . import _format, _read, _remote, _storage, _store, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -155,7 +155,8 @@ def read_failure(
         return removed(storage, step, where)
     if isinstance(e, _read.LayoutError):
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
-    text = str(e).split(" [source locations=")[0].strip()
+    # A server's answer may echo credentials: scrubbed before it goes into an error.
+    text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
     if isinstance(e, _read.ChunkError) or any(mark in text for mark in _DAMAGE):
         return RestoreError(
             f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
