@@ -86,15 +86,16 @@ class Stats:
 
     def summary(self) -> str:
         """One line for logs and the demo: per save (medians), how long the device
-        waited (its copy, and the wait for a free place in the queue), and how long the
-        writer thread took in the background."""
+        waited (its copy; the rest of the hand-off, and any wait for a free place in the
+        queue: `queue_waits` counts those), and how long the writer thread took in the
+        background."""
         wait = self.blocking_per_save_s
         copy = self.handoff_per_save_s
         return (
             f"saves={self.saves} skipped={self.skipped} superseded={self.superseded} "
             f"duplicates={self.duplicates} failed={self.failed} bytes={self.bytes}; per "
-            f"save: device waited {wait * 1e3:.3f} ms (copy {copy * 1e3:.3f} ms, queue full "
-            f"{max(0.0, wait - copy) * 1e3:.3f} ms), written in the background in "
+            f"save: device waited {wait * 1e3:.3f} ms (copy {copy * 1e3:.3f} ms, hand-off and "
+            f"queue {max(0.0, wait - copy) * 1e3:.3f} ms), written in the background in "
             f"{self.write_per_save_s * 1e3:.1f} ms; queue_high_water={self.queue_high_water} "
             f"queue_waits={self.queue_waits}"
         )

@@ -18,6 +18,10 @@ def test_demo_kill_restore_resume_matches(tmp_path):
     restored = int(re.search(r"restored step (\d+)", out).group(1))
     assert 1000 <= restored < 3000  # the child died part-way, after kill-at
     assert "saved steps now: [2800, 2900, 3000]" in out
+    # Issue 30 item 4: each figure said in words; the device waits for the copy, the
+    # writer writes in the background (and a full queue is said, with what to do).
+    assert "to copy the state into host memory" in out, out
+    assert "in the background" in out and "in flight" in out, out
     assert "bit for bit: True" in out
 
 
