@@ -34,7 +34,6 @@ from ._errors import (
 )
 from ._exchange import Closed, Exchange, OnExisting, is_failed_write
 from ._host import HostSide, probe_callback_arrays
-from ._lock import open_lock
 from ._options import OnError, OnFull, Options
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
@@ -150,7 +149,7 @@ class Checkpointer:
         self._closed = False
         self._stats = StatsRecorder()
         # refuses a second live writer of this directory (one per process of a run)
-        lock = open_lock(path, _lock_name())
+        lock = self._storage.lock(_lock_name())
         self._group = None
         try:
             list_steps = self._storage.list_steps

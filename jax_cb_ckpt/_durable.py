@@ -16,7 +16,8 @@ must reach the disk. Two ways, the same guarantee:
   when a write failed), and little unwritten data in the system besides the step's own
   (`/proc/meminfo`), so that another program's writes never make a save wait.
 
-Object storage needs neither: an object is durable once its write returns.
+Object storage needs neither: an object is durable once its write returns
+(`_storage.Bucket.step_sync` does nothing).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import ctypes
 import functools
 import os
 import sys
-
-from . import _remote
 
 # File systems whose syncfs writes back and commits every dirty file and directory
 # (network and FUSE file systems are left to per-file fsync: their syncfs may do less).
@@ -50,7 +49,7 @@ class StepSync:
 
     def __init__(self, directory: str) -> None:
         self._fd: int | None = None
-        if _SYNCFS is not None and not _remote.is_url(directory):
+        if _SYNCFS is not None:
             try:
                 self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             except OSError:  # (the writer's directory checks say what is wrong)
@@ -61,8 +60,6 @@ class StepSync:
         (about `nbytes` bytes), durable: one syncfs where `syncfs_fits`, else
         `fsync_tree`. Blocks the calling thread (the writer's) until the disk has
         them."""
-        if _remote.is_url(path):
-            return
         if self._fd is not None and syncfs_fits(path, nbytes):
             syncfs(self._fd, path)
         else:
@@ -136,8 +133,7 @@ def unwritten_bytes() -> int:
 
 
 def fsync_dir(path: str) -> None:
-    if not _remote.is_url(path):  # an object is durable once written
-        _fsync(path, directory=True)
+    _fsync(path, directory=True)
 
 
 def _fsync(path: str, directory: bool) -> None:
@@ -155,8 +151,6 @@ _FSYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="jax_c
 
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under `path` (nothing was synced while writing)."""
-    if _remote.is_url(path):
-        return
     todo = []
     for root, _dirs, files in os.walk(path):
         todo += [(os.path.join(root, n), False) for n in files]

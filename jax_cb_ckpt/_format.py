@@ -51,7 +51,6 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _remote, _spec
-from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
 
 FORMAT = "jax_cb_ckpt/1"  # tag in every `meta` item; restore checks it
@@ -166,7 +165,7 @@ COMPLETE = Examined("complete")
 GONE = Examined("foreign", "removed while it was being examined")
 # Bounds on what a step's description files may hold: nothing is read (or parsed)
 # beyond them. A meta item is ~150 B per leaf and ~30 B per checksummed chunk: 64 MiB
-# is ~400,000 leaves. The writer refuses to write more (`write_meta`).
+# is ~400,000 leaves. The writer refuses to write more (`meta_files`).
 META_MAX_BYTES = 64 << 20
 SMALL_FILE_MAX_BYTES = 1 << 20  # Orbax's step file, `state/_METADATA` is per leaf: see below
 
@@ -200,7 +199,7 @@ def load_json(data: bytes, what: str) -> Any:
 
 
 def record_of(step_file: bytes) -> dict[str, Any] | None:
-    """Our record in Orbax's step file (`write_meta`), or None (another writer's file,
+    """Our record in Orbax's step file (`meta_files`), or None (another writer's file,
     or one from before the record); `ValueError` when the file is not JSON."""
     content = load_json(step_file, ORBAX_STEP_FILE)
     custom = content.get("custom_metadata") if isinstance(content, dict) else None
@@ -255,36 +254,6 @@ def marker_writer(data: bytes | None) -> str | None:
         return None
     writer = marker.get("writer")
     return writer if isinstance(writer, str) and _TOKEN.fullmatch(writer) else None
-
-
-def begin_step(temp: str, writer: str = "") -> None:
-    """Make the place a step is written to: its temporary directory and item folders;
-    in object storage our marker object, written before any other object of the step
-    (only if absent), naming the `writer` (its lock token: `step_writer`)."""
-    if _remote.is_url(temp):
-        marker = json.dumps({"format": FORMAT, "writer": writer}).encode()
-        if _remote.write(f"{temp}/{OURS_NAME}", marker, if_equal=_remote.ABSENT) is None:
-            raise FileExistsError(f"{temp} was begun by another writer meanwhile")
-        return
-    os.makedirs(os.path.join(temp, STATE_ITEM))
-    os.makedirs(os.path.join(temp, META_ITEM))
-
-
-def commit_step(directory: str, temp: str, final: str, nbytes: int, sync: StepSync) -> None:
-    """A complete step (of about `nbytes` bytes) becomes listed: its files made durable
-    (`sync`, made before they were written), renamed into place (atomic), the directory
-    fsynced; in object storage, its commit marker written (last)."""
-    if _remote.is_url(final):
-        # Orbax on GCS reads a directory only with its marker: plain Orbax restores
-        # `<step>/state` as it does on a local disk (docs/storage.md).
-        marker = b"Checkpoint commit was successful."
-        _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
-        if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
-            raise FileExistsError(f"{final} was committed by another writer meanwhile")
-        return
-    sync.tree(temp, nbytes)
-    os.rename(temp, final)
-    fsync_dir(directory)
 
 
 def temp_name(step: int) -> str:
@@ -415,11 +384,12 @@ def _check_sums(name: str, sums: Any, shape: tuple[int, ...] | None) -> None:
             )
 
 
-def write_meta(path: str, meta: dict[str, Any]) -> None:
-    """The `meta` item (the JSON file Orbax's JsonCheckpointHandler reads), then Orbax's
-    step file holding our record of it (`write_step_file`): listing and restore
-    check the item against the record, so a cut or edited item, or a folder renamed
-    to another step, is found damaged instead of restored."""
+def meta_files(meta: dict[str, Any]) -> dict[str, bytes]:
+    """{path in the step: bytes}: the `meta` item (the JSON file Orbax's
+    JsonCheckpointHandler reads), then Orbax's step file holding our record of it (its
+    size, CRC-32 and step: `check_meta_bytes`), in that order: listing and restore check
+    the item against the record, so a cut or edited item, or a folder renamed to
+    another step, is found damaged instead of restored."""
     text = json.dumps(meta).encode()
     if len(text) > META_MAX_BYTES:
         raise ValueError(
@@ -427,23 +397,8 @@ def write_meta(path: str, meta: dict[str, Any]) -> None:
             f"{META_MAX_BYTES} a reader accepts (a state of about {len(meta['leaves'])} "
             "leaves): save fewer, larger leaves (e.g. stack them)"
         )
-    write_text(os.path.join(path, META_ITEM, META_FILE), text)
-    write_step_file(
-        path, {"step": meta["step"], "meta_bytes": len(text), "meta_crc32": zlib.crc32(text)}
-    )
-
-
-def write_text(path: str, text: str | bytes) -> None:
-    """A small file of a step (not fsynced here: `commit_step` syncs the step), or an
-    object in object storage, created only if absent: a writer that lost the location
-    while paused never overwrites the new holder's step."""
-    data = text.encode() if isinstance(text, str) else text
-    if _remote.is_url(path):
-        if _remote.write(path, data, if_equal=_remote.ABSENT) is None:
-            raise FileExistsError(f"{path} was written by another writer meanwhile")
-        return
-    with open(path, "wb") as f:
-        f.write(data)
+    record = {"step": meta["step"], "meta_bytes": len(text), "meta_crc32": zlib.crc32(text)}
+    return {f"{META_ITEM}/{META_FILE}": text, ORBAX_STEP_FILE: step_file(record)}
 
 
 # Orbax's handlers of the two items, by the names Orbax records (tests/test_format.py
@@ -458,11 +413,11 @@ HANDLERS = {
 _RECORD = "jax_cb_ckpt"  # our record in the step file's custom_metadata
 
 
-def write_step_file(path: str, record: dict[str, Any]) -> None:
+def step_file(record: dict[str, Any]) -> bytes:
     """The file Orbax's Checkpointer writes when it finalizes a save: which handler
     wrote each item (so a CheckpointManager reads them without being told), and when;
     in its `custom_metadata`, our `record` of the step ({step, meta_bytes,
-    meta_crc32}: `write_meta`)."""
+    meta_crc32}: `meta_files`)."""
     now = time.time_ns()
     content = {
         "item_handlers": dict(HANDLERS),
@@ -472,4 +427,4 @@ def write_step_file(path: str, record: dict[str, Any]) -> None:
         "commit_timestamp_nsecs": now,
         "custom_metadata": {_RECORD: dict(record, format=FORMAT)},
     }
-    write_text(os.path.join(path, ORBAX_STEP_FILE), json.dumps(content))
+    return json.dumps(content).encode()

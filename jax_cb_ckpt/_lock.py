@@ -167,13 +167,6 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-def open_lock(directory: str, name: str = LOCK_NAME) -> DirectoryLock:
-    """The lock of a local directory (`flock`) or of an object-storage prefix."""
-    if _remote.is_url(directory):
-        return ObjectLock(directory, name)
-    return DirectoryLock(directory, name)
-
-
 class ObjectLock(DirectoryLock):
     """One live writer per object-storage prefix, without flock.
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import stat
 import threading
 import time
 import uuid
@@ -45,7 +43,7 @@ from typing import Any
 
 import jax
 
-from . import _format, _remote, _storage
+from . import _format, _storage
 from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
@@ -126,7 +124,7 @@ class Group:
         if self.primary:
             self.run = uuid.uuid4().hex
             self.old_steps: list[int] = list_steps()
-            nonce, trouble = _write_nonce(directory, self.run)
+            nonce, trouble = _write_nonce(_storage.at(directory), self.run)
             self._call("key_value_set", key, json.dumps([self.run, self.old_steps, nonce]))
         else:
             value = self._get(
@@ -158,9 +156,11 @@ class Group:
     def _check_shared(self, directory: str, key: str, nonce: str, trouble: str | None) -> None:
         """Every process sees the directory process 0 opened (the module doc), or every
         process raises the same error. Before the heartbeat starts: nothing to stop."""
-        file = os.path.join(directory, NONCE_PREFIX + self.run)
+        storage, name = _storage.at(directory), NONCE_PREFIX + self.run
         if not self.primary:
-            self._call("key_value_set", f"{key}/sees/{self.index}", _read_nonce(file, nonce))
+            self._call(
+                "key_value_set", f"{key}/sees/{self.index}", _read_nonce(storage, name, nonce)
+            )
             kind, message = json.loads(
                 self._get(f"{key}/verdict", "process 0 to check the directory", None, "")
             )
@@ -183,7 +183,7 @@ class Group:
         except SaveError as e:  # a process died while opening: say so everywhere
             late = e
         finally:
-            _remove_nonce(file)
+            _remove_nonce(storage, name)
         if late is not None:
             verdict = ["save", str(late)]
         elif trouble is not None:
@@ -399,69 +399,42 @@ class Solo:
         pass
 
 
-def _write_nonce(directory: str, run: str) -> tuple[str, str | None]:
+def _write_nonce(storage: _storage.Storage, run: str) -> tuple[str, str | None]:
     """Process 0's check file of this opening, holding a fresh nonce: the nonce, and
     what went wrong (None when written). Leftovers of earlier openings go first: this
     process holds the directory's lock, so no other run is opening it."""
     nonce = uuid.uuid4().hex
-    file = os.path.join(directory, NONCE_PREFIX + run)
-    if _remote.is_url(directory):
-        try:
-            for name in _remote.list_keys(directory):
-                if name.startswith(NONCE_PREFIX):
-                    _remote.delete(f"{directory}/{name}")
-            _remote.write(file, nonce.encode())
-        except _remote.StorageError as e:
-            return nonce, f"cannot write the check object {file} ({e})"
-        return nonce, None
     try:
-        for name in os.listdir(directory):
-            if name.startswith(NONCE_PREFIX):
-                _remove_nonce(os.path.join(directory, name))
-        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, nonce.encode())
-        finally:
-            os.close(fd)
-    except OSError as e:
+        for name in storage.names(NONCE_PREFIX):
+            _remove_nonce(storage, name)
+        storage.create_file(NONCE_PREFIX + run, nonce.encode())
+    except OSError as e:  # (and a bucket's StorageError)
         return nonce, (
-            f"cannot write the check file {file!r} ({e}), with which every process checks "
-            "that it sees the directory. Fix: make the directory writable (permissions, "
-            "free space)"
+            f"cannot write the check file {NONCE_PREFIX + run!r} ({e}), with which every "
+            "process checks that it sees the directory. Fix: make the directory writable "
+            "(permissions, free space)"
         )
     return nonce, None
 
 
-def _read_nonce(file: str, nonce: str) -> str:
-    """What this process finds in process 0's check file: OK, or how it differs. A name
-    never looked up before: no cache of a network file system can answer for it."""
-    if _remote.is_url(file):
-        try:
-            found = _remote.read(file)[0]
-        except _remote.StorageError as e:
-            return f"cannot read {os.path.basename(file)!r} there ({e})"
-        if found is None:
-            return f"finds no object {os.path.basename(file)!r} there"
-        return OK if found == nonce.encode() else f"finds other content ({found[:40]!r})"
+def _read_nonce(storage: _storage.Storage, name: str, nonce: str) -> str:
+    """What this process finds in process 0's check file `name`: OK, or how it differs.
+    A name never looked up before: no cache of a network file system can answer for it."""
     try:
-        with open(file, "rb") as f:
-            found = f.read(100)
-    except FileNotFoundError:
-        return f"finds no file {os.path.basename(file)!r} there"
+        found = storage.read_file(name, 100)
     except OSError as e:
-        return f"cannot read {os.path.basename(file)!r} there ({e})"
+        return f"cannot read {name!r} there ({e})"
+    if found is None:
+        return f"finds no file {name!r} there"
     if found != nonce.encode():
-        return f"finds other content in {os.path.basename(file)!r} ({found[:40]!r})"
+        return f"finds other content in {name!r} ({found[:40]!r})"
     return OK
 
 
-def _remove_nonce(file: str) -> None:
-    """Remove a check file: a regular file of ours only (lstat: never a link)."""
+def _remove_nonce(storage: _storage.Storage, name: str) -> None:
+    """Remove a check file (locally: a regular file of ours only, never a link)."""
     try:
-        if _remote.is_url(file):
-            _remote.delete(file)
-        elif stat.S_ISREG(os.lstat(file).st_mode):
-            os.unlink(file)
+        storage.remove_file(name)
     except OSError:  # gone already; the next opening removes a leftover
         pass
 

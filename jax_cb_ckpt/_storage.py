@@ -4,24 +4,31 @@
 that knows where the steps are: `Local` (a POSIX directory: real directories, temporary
 names, renames, lstat before every deletion) or `Bucket` (`gs://`, `s3://`: keys under a
 prefix, our marker and Orbax's commit marker, no rename). Both have the same verbs, and
-the modules that read checkpoints (`_steps`, `_restore`, `_read`, the CLI) and the
-writer's retention call them without a branch of their own:
+the modules that read checkpoints (`_steps`, `_restore`, `_read`, the CLI), the writer,
+the lock and the multi-process check call them without a branch of their own:
 
 - what each step-named entry is: `examine`, `examine_all`, `list_steps`, ...;
 - a step read before its arrays and checked after: `open_step` (its identity and its
   checked description at once), `still_there`, `symlinks_inside`;
 - its arrays' database, opened for reading: `database`;
-- how steps go away: `set_aside`, `remove_aside`, `remove_step`, `remove_temp`,
-  `clean_leftovers`, `remove_run_temps`.
+- a step written: `lock`, `step_sync`, `temp_path`, `kvstore_spec` (TensorStore's
+  store for its arrays), `begin`, `enter_attempt`, `write_file`, `write_meta`, `fence`,
+  `check_directory`, `commit`, `clean_failed`;
+- small files of the directory (the multi-process check's nonce): `names`,
+  `create_file`, `read_file`, `remove_file`;
+- how steps go away: `set_aside`, `set_aside_beyond`, `remove_aside`, `remove_step`,
+  `remove_temp`, `clean_leftovers`, `remove_run_temps`.
 
-What counts as a step (names, the files of a whole step, the checks of its description)
-is `_format`'s; how a step is begun and committed, the lock and the multi-process nonces
-still choose their way themselves (the structure issue moves them here).
+What counts as a step (names, the files of a whole step and their bytes, the checks of
+its description) is `_format`'s; the one place that asks which kind a location is,
+is `at`.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import logging
 import os
 import shutil
 import stat
@@ -29,12 +36,14 @@ import uuid
 from typing import Any
 
 from . import _format, _remote
-from ._durable import fsync_dir
+from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
 from ._format import (
     COMMIT_NAME,
     COMPLETE,
+    FORMAT,
     GONE,
+    ITEMS,
     META_FILE,
     META_ITEM,
     META_MAX_BYTES,
@@ -46,6 +55,7 @@ from ._format import (
     DamagedStep,
     Examined,
 )
+from ._lock import DirectoryLock, ObjectLock
 
 # The OCDBT database's root, read once per step from a bucket (`Bucket.database`).
 _MANIFEST = "manifest.ocdbt"
@@ -109,6 +119,22 @@ class _Steps:
 
     def _after_set_aside(self) -> None:
         pass
+
+    def write_file(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def write_meta(self, temp: str, meta: dict[str, Any]) -> None:
+        """A step's `meta` item, then Orbax's step file holding our record of it
+        (`_format.meta_files`), into the step being written at `temp`."""
+        for name, data in _format.meta_files(meta).items():
+            self.write_file(os.path.join(temp, name), data)
+
+    def set_aside_beyond(self, keep: int) -> list[str]:
+        """Retention: unlist every complete step but the newest `keep` (each set aside,
+        for `remove_aside` to delete later); what was set aside."""
+        steps = self.list_steps()
+        asides = (self.set_aside(old) for old in steps[: max(0, len(steps) - keep)])
+        return [aside for aside in asides if aside is not None]
 
 
 # -- a local directory ------------------------------------------------------------------
@@ -255,6 +281,119 @@ class Local(_Steps):
             "cache_pool": "cache_pool#nodes",
         }
         return ts.KvStore.open(spec, context=context).result()
+
+    # -- a step written -----------------------------------------------------------------
+
+    # The primary writes Orbax's description files while the arrays commit (a local
+    # step is listed only by its rename, after everything): see the writer.
+    describes_early = True
+
+    def lock(self, name: str) -> DirectoryLock:
+        """The directory's writer lock (`flock` on the file `name`)."""
+        return DirectoryLock(self.path, name)
+
+    def step_sync(self) -> StepSync:
+        """How the next step is made durable (made before its first file is written)."""
+        return StepSync(self.path)
+
+    def temp_path(self, step: int, temp_name: str) -> str:
+        """Where a step is written: a temporary name of ours, renamed at its commit."""
+        return os.path.join(self.path, temp_name)
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        """TensorStore's key-value store for writing under `path` (a step's item). Files
+        are written non-atomically: data files are named by a random hash and referenced
+        only once complete, and the whole step is a temporary directory."""
+        return {
+            "driver": "file",
+            "path": path.rstrip("/") + "/",
+            "file_io_locking": {"mode": "non_atomic"},
+        }
+
+    def begin(self, temp: str, token: str = "") -> None:
+        """Make the place a step is written to: its temporary directory and item folders
+        (`token`, the lock's: for buckets only)."""
+        os.makedirs(os.path.join(temp, STATE_ITEM))
+        os.makedirs(os.path.join(temp, META_ITEM))
+
+    def enter_attempt(self, temp: str, part: str) -> None:
+        """A peer process's folder `part` in the attempt's temporary directory, which
+        process 0 made: `FileNotFoundError` when process 0 has removed it again (it gave
+        up on the step), rather than re-create a folder nobody removes."""
+        try:
+            os.mkdir(os.path.join(temp, STATE_ITEM, part))
+        except FileExistsError:  # an earlier try of this process at this attempt
+            pass
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """A small file of a step (not fsynced here: `commit` syncs the step)."""
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def fence(self, name: str, token: str, check: Any) -> None:
+        """Nothing to check locally: the `flock` is held for the Checkpointer's life."""
+
+    def check_directory(self, identity: Any, lock: DirectoryLock) -> None:
+        """The directory opened is still there, and is still the same directory: one
+        removed (Orbax would silently re-create it) or replaced by another is an error,
+        and nothing is written into the replacement."""
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"{self.path!r} is no longer a directory")
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(
+                f"the checkpoint directory {self.path!r} no longer exists (it was "
+                "removed while the run was saving)"
+            )
+        if self.identity() != identity or not lock.still_ours():
+            raise FileNotFoundError(
+                f"the checkpoint directory {self.path!r} was replaced while the run "
+                "was saving (removed and re-created, or its lock file removed); nothing "
+                "is written into the replacement. Fix: do not remove the directory of a "
+                "running Checkpointer; create a new Checkpointer to write there"
+            )
+
+    def commit(self, temp: str, final: str, nbytes: int, sync: Sync) -> None:
+        """A complete step (of about `nbytes` bytes) becomes listed: its files made
+        durable (`sync`, made before they were written), renamed into place (atomic),
+        the directory fsynced."""
+        sync.tree(temp, nbytes)
+        os.rename(temp, final)
+        fsync_dir(self.path)
+
+    def clean_failed(self, name: str, token: str, error: BaseException) -> str | None:
+        """A step that failed: its temporary directory removed now (a full disk is freed
+        at once). None: nothing is left to remove later."""
+        self.remove_temp(name, token)
+        return None
+
+    # -- small files of the directory ---------------------------------------------------
+
+    def names(self, prefix: str) -> list[str]:
+        """The entries of the directory whose names start with `prefix`."""
+        return [n for n in os.listdir(self.path) if n.startswith(prefix)]
+
+    def create_file(self, name: str, data: bytes) -> None:
+        """A new file `name` in the directory holding `data` (never through a link)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(os.path.join(self.path, name), flags, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def read_file(self, name: str, limit: int) -> bytes | None:
+        """Up to `limit` bytes of the file `name` (None when there is none)."""
+        try:
+            with open(os.path.join(self.path, name), "rb") as f:
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
+    def remove_file(self, name: str) -> None:
+        """Remove the file `name`: a regular file only (lstat: never a link)."""
+        path = os.path.join(self.path, name)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
 
     # -- steps going away ---------------------------------------------------------------
 
@@ -557,6 +696,104 @@ class Bucket(_Steps):
         }
         return ts.KvStore.open(spec, context=context).result()
 
+    # -- a step written -----------------------------------------------------------------
+
+    # A step is written under its final name, and listed once its commit marker is:
+    # the primary writes the description files after the fence (it still holds the
+    # lock and the step is the one it began), not while the arrays commit.
+    describes_early = False
+
+    def lock(self, name: str) -> ObjectLock:
+        """The prefix's writer lock: the object `name`, written under preconditions."""
+        return ObjectLock(self.path, name)
+
+    def step_sync(self) -> _NoSync:
+        return _NoSync()  # an object is durable once written
+
+    def temp_path(self, step: int, temp_name: str) -> str:
+        """Where a step is written: its final name (no rename in a bucket)."""
+        return self.step_path(step)
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        return _remote.kvstore_spec(path)
+
+    def begin(self, temp: str, token: str = "") -> None:
+        """Our marker object, written before any other object of the step (only if
+        absent), naming the writer `token` (its lock's: `step_writer`)."""
+        marker = json.dumps({"format": FORMAT, "writer": token}).encode()
+        if _remote.write(f"{temp}/{OURS_NAME}", marker, if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{temp} was begun by another writer meanwhile")
+
+    def enter_attempt(self, temp: str, part: str) -> None:
+        pass  # no folders in a bucket
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """An object of a step, created only if absent: a writer that lost the location
+        while paused never overwrites the new holder's step."""
+        if _remote.write(path, data, if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{path} was written by another writer meanwhile")
+
+    def fence(self, name: str, token: str, check: Any) -> None:
+        """Before a step's files and its commit: this writer still holds the lock
+        (`check()`), and the step is still the one it began. A writer paused longer
+        than the lock's stale time (a stopped VM) may have been taken over meanwhile; it
+        must not write into the new holder's steps."""
+        check()
+        if self.step_writer(name) != token:
+            raise FileExistsError(
+                f"step {self.step_path(name)} is no longer the one this writer began "
+                "(another writer removed or rewrote it after taking the location's lock "
+                "over)"
+            )
+
+    def check_directory(self, identity: Any, lock: DirectoryLock) -> None:
+        """Our lock object is still ours."""
+        if not lock.still_ours():
+            raise FileNotFoundError(
+                f"the lock object of {self.path!r} is no longer ours (removed, or taken "
+                "over by another writer that found it stale); nothing more is written. "
+                "Fix: make sure one run writes to a location at a time"
+            )
+
+    def commit(self, temp: str, final: str, nbytes: int, sync: Sync) -> None:
+        """Its commit marker written (last), after the items' own markers: Orbax on GCS
+        reads a directory only with its marker, so plain Orbax restores `<step>/state`
+        as it does on a local disk (docs/storage.md)."""
+        marker = b"Checkpoint commit was successful."
+        _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
+        if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
+            raise FileExistsError(f"{final} was committed by another writer meanwhile")
+
+    def clean_failed(self, name: str, token: str, error: BaseException) -> str | None:
+        """A step that failed: its objects are removed later (`remove_temp`), after the
+        failure is reported, unless the storage is out of reach (the next opening removes
+        them then): the name to remove, or None."""
+        return None if _remote.out_of_reach(error) else name
+
+    def set_aside_beyond(self, keep: int) -> list[str]:
+        """Retention; put off to the next save (a warning) when the storage does not
+        answer: the step just committed is complete, and listing it is what matters."""
+        try:
+            return super().set_aside_beyond(keep)
+        except (_remote.StorageError, ConfigError) as e:
+            logger.warning("retention in %s put off to the next save: %s", self.path, e)
+            return []
+
+    # -- small objects of the prefix ----------------------------------------------------
+
+    def names(self, prefix: str) -> list[str]:
+        return [n for n in _remote.list_keys(self.path) if n.startswith(prefix) and "/" not in n]
+
+    def create_file(self, name: str, data: bytes) -> None:
+        _remote.write(f"{self.path}/{name}", data)
+
+    def read_file(self, name: str, limit: int) -> bytes | None:
+        data, _ = _remote.read(f"{self.path}/{name}")
+        return None if data is None else data[:limit]
+
+    def remove_file(self, name: str) -> None:
+        _remote.delete(f"{self.path}/{name}")
+
     # -- steps going away ---------------------------------------------------------------
 
     def set_aside(self, step: int) -> str | None:
@@ -616,6 +853,22 @@ class Bucket(_Steps):
         return untouched
 
 
+class _NoSync:
+    """A bucket's step sync: nothing to do, an object is durable once written."""
+
+    def tree(self, path: str, nbytes: int) -> None:
+        pass
+
+    def __enter__(self) -> _NoSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+logger = logging.getLogger("jax_cb_ckpt")
+
+
 def _examine_keys(keys: set[str]) -> Examined:
     if _format.COMPLETE_KEYS <= keys:
         return COMPLETE
@@ -633,3 +886,4 @@ def _remove_step_objects(url: str) -> None:
 
 
 Storage = Local | Bucket  # the two kinds, with the same verbs
+Sync = StepSync | _NoSync  # how a step is made durable (`step_sync`)

@@ -48,8 +48,7 @@ try:  # ISA-L's CRC-32 (SIMD): zlib's checksum, ~19 GB/s here where zlib's runs 
 except ImportError:  # a platform without its wheels: the same checksum, slower
     from zlib import crc32 as _crc32
 
-from . import _remote
-from ._format import CHUNK_BYTES, PROCESS_PREFIX, STATE_METADATA, write_text
+from ._format import CHUNK_BYTES, PROCESS_PREFIX
 
 # Larger leaves are split into chunks of at most CHUNK_BYTES (the on-disk format's:
 # `_format`), so chunks are copied in parallel.
@@ -97,22 +96,12 @@ def checksum_bytes(data: bytes) -> int:
     return _crc32(data) if data else 0
 
 
-def base_spec(path: str) -> dict[str, Any]:
-    """The key-value store under directory `path`: local files, or a prefix in a
-    bucket (`_remote.py`)."""
-    if _remote.is_url(path):
-        return _remote.kvstore_spec(path)
-    return {"driver": "file", "path": path.rstrip("/") + "/"}
+KvstoreSpec = Callable[[str], dict[str, Any]]  # a path -> its key-value store's spec
 
 
-def ocdbt_spec(path: str) -> dict[str, Any]:
-    """An OCDBT database in directory `path`. Files are written non-atomically: data
-    files are named by a random hash and referenced only once complete, and the whole
-    step is a temporary directory, renamed into place once fsynced (in object storage:
-    listed once its commit marker is written)."""
-    plain = base_spec(path)
-    if plain["driver"] == "file":
-        plain["file_io_locking"] = {"mode": "non_atomic"}
+def ocdbt_spec(plain: dict[str, Any]) -> dict[str, Any]:
+    """An OCDBT database in the key-value store `plain` (where the steps live says how
+    it is written: `_storage.Local.kvstore_spec`, `Bucket.kvstore_spec`)."""
     return {
         "driver": "ocdbt",
         "base": plain,
@@ -203,8 +192,10 @@ class StoreWriter:
     life and no global state (two writers in one process never meet); not thread-safe:
     one per writer thread."""
 
-    def __init__(self, *, compression: bool) -> None:
+    def __init__(self, *, compression: bool, kvstore_spec: KvstoreSpec) -> None:
+        """`kvstore_spec`: the key-value store of a path where the steps live."""
         self.compression = compression
+        self._kvstore_spec = kvstore_spec
         self._context = ts.Context(
             {
                 "file_io_concurrency": {"limit": 32},
@@ -214,6 +205,9 @@ class StoreWriter:
                 "file_io_sync": False,  # the writer syncs the step before its rename
             }
         )
+
+    def _ocdbt(self, path: str) -> dict[str, Any]:
+        return ocdbt_spec(self._kvstore_spec(path))
 
     def write(
         self, state_dir: str, flat: Mapping[tuple[str, ...], Any], *, index: int, zarrays: bool
@@ -230,7 +224,7 @@ class StoreWriter:
         commits), waits for the commit, and returns the checksums, {name: {region key:
         crc32}}, and the seconds spent computing them."""
         part = state_dir if index == 0 else os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
-        kv = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
+        kv = ts.KvStore.open(self._ocdbt(part), context=self._context).result()
         txn = ts.Transaction(atomic=False)
         kvt = kv.with_transaction(txn)
         pending: list[Any] = []  # writes through the zarr driver
@@ -291,12 +285,12 @@ class StoreWriter:
         as Orbax's finalize does."""
         if count <= 1:
             return
-        root = ts.KvStore.open(ocdbt_spec(state_dir), context=self._context).result()
+        root = ts.KvStore.open(self._ocdbt(state_dir), context=self._context).result()
         txn = ts.Transaction(atomic=True)
         copies = []
         for index in range(1, count):
             part = os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
-            child = ts.KvStore.open(ocdbt_spec(part), context=self._context).result()
+            child = ts.KvStore.open(self._ocdbt(part), context=self._context).result()
             copies.append(child.experimental_copy_range_to(root.with_transaction(txn)))
         for copy in copies:
             copy.result()
@@ -349,7 +343,3 @@ def state_metadata(paths: tuple[tuple[str, ...], ...]) -> str:
             "custom_metadata": None,
         }
     )
-
-
-def write_state_metadata(state_dir: str, paths: list[tuple[str, ...]]) -> None:
-    write_text(os.path.join(state_dir, STATE_METADATA), state_metadata(tuple(paths)))

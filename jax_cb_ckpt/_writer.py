@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _durable, _exit, _format, _remote, _storage, _store, _warn
+from . import _dtypes, _exit, _format, _remote, _storage, _store, _warn
 from ._errors import (
-    ConfigError,
     ForeignStepWarning,
     SaveError,
     SaveFailedWarning,
@@ -73,7 +72,6 @@ class Writer:
         self._max_to_keep = options.max_to_keep
         self._stats = stats
         self._storage = _storage.at(directory)  # where the steps live: chosen once
-        self._remote = _remote.is_url(directory)  # object storage: no temporary names
         self._identity = self._storage.identity()
         self._group: Group | Solo = group or Solo()
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
@@ -82,7 +80,9 @@ class Writer:
             untouched = self._storage.clean_leftovers(lock.taken_over_from)
             if untouched:
                 _warn.warn(_untouched_message(untouched), ForeignStepWarning)
-        self._store = _store.StoreWriter(compression=options.compression)
+        self._store = _store.StoreWriter(
+            compression=options.compression, kvstore_spec=self._storage.kvstore_spec
+        )
         self._thread = threading.Thread(
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
@@ -165,17 +165,17 @@ class Writer:
         ours = _format.is_step_name(step) and self._storage.is_checkpoint(int(step))
         return _in_the_way_message(final, ours)
 
-    def _commit(self, temp: str, final: str, nbytes: int, sync: _durable.StepSync) -> None:
+    def _commit(self, temp: str, final: str, nbytes: int, sync: _storage.Sync) -> None:
         """A complete step: made durable, then renamed into place (atomic); in object
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
             raise FileExistsError(self._in_the_way(final))
         self._fence(final)
-        _format.commit_step(self.directory, temp, final, nbytes, sync)
+        self._storage.commit(temp, final, nbytes, sync)
 
     def _failed(self, step: int, e: BaseException) -> SaveError:
         self._stats.failed()
-        there = self._remote or os.path.isdir(self.directory)
+        there = self._storage.is_directory()
         kept = " Earlier checkpoints in it are untouched." if there else ""
         outcome = "ended with an unknown outcome" if isinstance(e, VerdictUnknown) else "failed"
         # TensorStore's errors of the arrays' writes carry what the server answered,
@@ -193,18 +193,18 @@ class Writer:
         protocol in _processes.py, where a group of one tells and hears nothing."""
         group = self._group
         try:
-            with _durable.StepSync(self.directory) as sync:  # before the step's files
+            with self._storage.step_sync() as sync:  # before the step's files
                 return self._write_step(item, group, sync)
         finally:
             group.writing = None  # peers waiting for this process wait on while set
 
     def _write_step(
-        self, item: SaveItem, group: Group | Solo, sync: _durable.StepSync
+        self, item: SaveItem, group: Group | Solo, sync: _storage.Sync
     ) -> SaveError | None:
         step = item.step
         group.begin(step)
         final = os.path.join(self.directory, str(step))
-        temp = final if self._remote else os.path.join(self.directory, group.temp_name(step))
+        temp = self._storage.temp_path(step, group.temp_name(step))
         start = time.perf_counter()
         verdict_due = False  # the primary owes the others a verdict on this step
         checksum_s = 0.0
@@ -212,7 +212,7 @@ class Writer:
             if group.primary:
                 try:
                     self._make_room(item, final)
-                    _format.begin_step(temp, self._lock.token)
+                    self._storage.begin(temp, self._lock.token)
                 except BaseException as e:
                     group.tell(step, "ready", _reason(e))
                     raise
@@ -224,19 +224,19 @@ class Writer:
                     raise SaveError(f"process 0 could not start step {step}: {ready}")
             mine: BaseException | None = None
             sums: dict[str, Any] = {}
-            early = group.primary and not self._remote  # files while the arrays commit
+            early = group.primary and self._storage.describes_early  # (while arrays commit)
             meta_early = early and group.count == 1  # (else it needs the others' sums)
 
             def meanwhile(sums: dict[str, Any]) -> None:
                 self._write_descriptions(temp, item)
                 if meta_early:
-                    _format.write_meta(temp, dict(item.meta, checksums=sums))
+                    self._storage.write_meta(temp, dict(item.meta, checksums=sums))
 
             try:
                 if item.ready is not None:  # copies from a GPU still in flight
                     item.ready()
-                if not group.primary and not self._remote:
-                    _enter_attempt(temp, group)
+                if not group.primary:
+                    self._enter_attempt(temp, group)
                 finish = self._write_arrays(temp, item, group)
                 # The primary's files while the arrays commit (object storage: after
                 # the fence below; the step's meta needs every process's checksums).
@@ -268,7 +268,7 @@ class Writer:
                 if not early:
                     self._write_descriptions(temp, item)
                 if not meta_early:
-                    _format.write_meta(temp, dict(item.meta, checksums=sums))
+                    self._storage.write_meta(temp, dict(item.meta, checksums=sums))
                 self._commit(temp, final, item.nbytes, sync)
                 group.committed(self.directory)
                 self._retain()  # before the verdict: every process then lists the same
@@ -279,12 +279,10 @@ class Writer:
                 if verdict != OK:
                     raise SaveError(f"step {step} was not committed: {verdict}")
         except BaseException as e:
-            if group.primary:
-                if self._remote:  # after the failure is reported, if storage is there
-                    if not _remote.out_of_reach(e):  # (else: the next opening does it)
-                        self._unfinished.append(os.path.basename(temp))
-                else:
-                    self._storage.remove_temp(os.path.basename(temp), self._lock.token)
+            if group.primary:  # its files removed now, or once the failure is reported
+                later = self._storage.clean_failed(os.path.basename(temp), self._lock.token, e)
+                if later is not None:
+                    self._unfinished.append(later)
                 if verdict_due:
                     group.tell(step, "commit", _reason(e))
             return self._failed(step, e)
@@ -306,7 +304,9 @@ class Writer:
         """The primary's file of a step that depends on no array written: Orbax's
         description of the tree (`state/_METADATA`). (Orbax's step file,
         `_CHECKPOINT_METADATA`, holds our record of the meta item: `write_meta`.)"""
-        _store.write_state_metadata(os.path.join(temp, _format.STATE_ITEM), _paths(item.tree))
+        text = _store.state_metadata(tuple(_paths(item.tree)))
+        path = os.path.join(temp, _format.STATE_ITEM, _format.STATE_METADATA)
+        self._storage.write_file(path, text.encode())
 
     def _write_arrays(
         self, temp: str, item: SaveItem, group: Group | Solo
@@ -332,62 +332,33 @@ class Writer:
 
     def _fence(self, final: str) -> None:
         """Object storage, before a step's files and its commit: this writer still
-        holds the lock, and the step is still the one it began. A writer paused for
-        longer than the lock's stale time (a stopped VM) may have been taken over
-        meanwhile; it must not write into the new holder's steps."""
-        if not self._remote:
-            return
-        self._check_directory()
-        if self._storage.step_writer(os.path.basename(final)) != self._lock.token:
-            raise FileExistsError(
-                f"step {final} is no longer the one this writer began (another writer "
-                "removed or rewrote it after taking the location's lock over)"
-            )
+        holds the lock, and the step is still the one it began (`Bucket.fence`)."""
+        self._storage.fence(os.path.basename(final), self._lock.token, self._check_directory)
 
     def _check_directory(self) -> None:
-        """The directory we opened is still there, and is still the same directory: one
-        removed (Orbax would silently re-create it) or replaced by another is an error,
-        and nothing is written into the replacement. In object storage: our lock
-        object is still ours."""
-        if self._remote:
-            if not self._lock.still_ours():
-                raise FileNotFoundError(
-                    f"the lock object of {self.directory!r} is no longer ours (removed, "
-                    "or taken over by another writer that found it stale); nothing more "
-                    "is written. Fix: make sure one run writes to a location at a time"
-                )
-            return
-        if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
-            raise NotADirectoryError(f"{self.directory!r} is no longer a directory")
-        if not os.path.isdir(self.directory):
-            raise FileNotFoundError(
-                f"the checkpoint directory {self.directory!r} no longer exists (it was "
-                "removed while the run was saving)"
-            )
-        if self._storage.identity() != self._identity or not self._lock.still_ours():
-            raise FileNotFoundError(
-                f"the checkpoint directory {self.directory!r} was replaced while the run "
-                "was saving (removed and re-created, or its lock file removed); nothing "
-                "is written into the replacement. Fix: do not remove the directory of a "
-                "running Checkpointer; create a new Checkpointer to write there"
-            )
+        """The directory we opened is still there and still the same directory (in
+        object storage: our lock object is still ours); else nothing more is written."""
+        self._storage.check_directory(self._identity, self._lock)
 
     def _retain(self) -> None:
         """Unlist the steps beyond `max_to_keep`; their files are deleted by `_sweep`
         once the save is reported (a few ms per step the waiter need not wait for)."""
-        if self._max_to_keep is None:
-            return
+        if self._max_to_keep is not None:
+            self._aside += self._storage.set_aside_beyond(self._max_to_keep)
+
+    def _enter_attempt(self, temp: str, group: Group | Solo) -> None:
+        """This process's part's folder in the attempt's temporary directory, which
+        process 0 made: refused when process 0 has removed it again (it gave up on the
+        step before this process came to it), rather than re-create a folder nobody
+        removes (TensorStore creates the folders it writes into)."""
         try:
-            steps = self._storage.list_steps()
-            for old in steps[: max(0, len(steps) - self._max_to_keep)]:
-                aside = self._storage.set_aside(old)
-                if aside is not None:
-                    self._aside.append(aside)
-        except (_remote.StorageError, ConfigError) as e:
-            if not self._remote:
-                raise
-            # The step is committed; the next save's retention unlists these steps.
-            logger.warning("retention in %s put off to the next save: %s", self.directory, e)
+            self._storage.enter_attempt(temp, _part(group))
+        except FileNotFoundError:
+            raise SaveError(
+                f"process 0 had given up on this step before process {group.index} began "
+                f"to write its part (its temporary directory {os.path.basename(temp)!r} "
+                "is gone); nothing was written"
+            ) from None
 
     def _sweep(self) -> None:
         """Delete the steps retention set aside: after the save is reported, so the
@@ -416,23 +387,6 @@ def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray])
     for key, block in blocks.items():
         out[tuple(slice(a, b) for a, b in key)] = block
     return out
-
-
-def _enter_attempt(temp: str, group: Group | Solo) -> None:
-    """Make this process's part's folder in the attempt's temporary directory, which
-    process 0 made: refused when process 0 has removed it again (it gave up on the
-    step before this process came to it), rather than re-create a folder nobody
-    removes (TensorStore creates the folders it writes into)."""
-    try:
-        os.mkdir(os.path.join(temp, _format.STATE_ITEM, _part(group)))
-    except FileNotFoundError:
-        raise SaveError(
-            f"process 0 had given up on this step before process {group.index} began "
-            f"to write its part (its temporary directory {os.path.basename(temp)!r} is "
-            "gone); nothing was written"
-        ) from None
-    except FileExistsError:  # an earlier try of this process at this attempt
-        pass
 
 
 def _part(group: Group | Solo) -> str:

@@ -294,10 +294,10 @@ def stopped_before_commit(mesh):
     from jax._src import distributed
 
     if PID == 0:
-        from jax_cb_ckpt import _format  # (the package imports it on first use)
+        from jax_cb_ckpt import _storage  # (the package imports it on first use)
 
         commits = []
-        commit_step = _format.commit_step
+        commit_step = _storage.Local.commit
 
         def stopping(*args):
             commits.append(args)
@@ -305,7 +305,7 @@ def stopped_before_commit(mesh):
                 os.kill(os.getpid(), signal.SIGSTOP)
             return commit_step(*args)
 
-        _format.commit_step = stopping
+        _storage.Local.commit = stopping
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
     state, save = _small_saver(mesh, ckpt)
     start = time.perf_counter()

@@ -22,7 +22,7 @@ from jax_cb_ckpt import (
     NoCheckpointError,
     RestoreError,
     SaveError,
-    _format,
+    _storage,
 )
 
 
@@ -411,7 +411,7 @@ def test_hand_edited_metadata_is_a_restore_error(make_ckpt, ckpt_dir, edit, matc
     # Rewritten with its record in the step file, as the writer would have written it:
     # the description itself must be checked (an edit alone is found damaged earlier,
     # test_hostile.py).
-    _format.write_meta(str(ckpt_dir / "1"), meta)
+    _storage.at(str(ckpt_dir)).write_meta(str(ckpt_dir / "1"), meta)
     # A numpy int64 `like` matches an edited int64 description: the data must be checked.
     like_w = np.ones(3, np.int64) if "int64" in match else np.ones(3, np.int32)
     with warnings.catch_warnings():  # a re-tagged step is also reported as damaged

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jax_cb_ckpt import _processes
+from jax_cb_ckpt import _processes, _storage
 from jax_cb_ckpt._processes import OK, Solo, _bounded, _read_nonce, _remove_nonce, _write_nonce
 
 
@@ -31,19 +31,20 @@ def test_a_call_that_does_not_return_is_given_up_after_its_bound():
 def test_the_check_file_holds_a_fresh_nonce_and_replaces_leftovers(tmp_path):
     leftover = tmp_path / (_processes.NONCE_PREFIX + "old-run")
     leftover.write_text("stale")
-    nonce, trouble = _write_nonce(str(tmp_path), "run-1")
+    storage = _storage.at(str(tmp_path))
+    nonce, trouble = _write_nonce(storage, "run-1")
     assert trouble is None and not leftover.exists()
     file = str(tmp_path / (_processes.NONCE_PREFIX + "run-1"))
-    assert _read_nonce(file, nonce) == OK
-    again, _ = _write_nonce(str(tmp_path), "run-2")
+    assert _read_nonce(storage, _processes.NONCE_PREFIX + "run-1", nonce) == OK
+    again, _ = _write_nonce(storage, "run-2")
     assert again != nonce and not os.path.exists(file)  # each opening its own nonce
 
 
 def test_a_process_that_sees_another_directory_says_how_it_differs(tmp_path):
-    nonce, _ = _write_nonce(str(tmp_path), "run")
-    file = str(tmp_path / (_processes.NONCE_PREFIX + "run"))
-    assert "finds other content" in _read_nonce(file, "0" * 32)
-    assert "finds no file" in _read_nonce(str(tmp_path / "elsewhere"), nonce)
+    storage = _storage.at(str(tmp_path))
+    nonce, _ = _write_nonce(storage, "run")
+    assert "finds other content" in _read_nonce(storage, _processes.NONCE_PREFIX + "run", "0" * 32)
+    assert "finds no file" in _read_nonce(storage, "elsewhere", nonce)
     message = _processes._not_shared(str(tmp_path), "x", ["process 1 finds no file 'x'"])
     assert "not every process of this run sees the same directory" in message
     assert "Fix: put the directory on a file system that every process mounts" in message
@@ -51,7 +52,7 @@ def test_a_process_that_sees_another_directory_says_how_it_differs(tmp_path):
 
 def test_an_unwritable_directory_is_reported_not_raised(tmp_path):
     missing = str(tmp_path / "gone")
-    _, trouble = _write_nonce(missing, "run")
+    _, trouble = _write_nonce(_storage.at(missing), "run")
     assert trouble is not None and "cannot write the check file" in trouble and "Fix:" in trouble
 
 
@@ -60,9 +61,10 @@ def test_only_a_regular_file_is_removed_never_what_a_link_points_to(tmp_path):
     target.write_text("keep")
     link = tmp_path / (_processes.NONCE_PREFIX + "link")
     link.symlink_to(target)
-    _remove_nonce(str(link))
+    storage = _storage.at(str(tmp_path))
+    _remove_nonce(storage, link.name)
     assert target.read_text() == "keep"
-    _remove_nonce(str(tmp_path / "never-there"))  # gone already: no error
+    _remove_nonce(storage, "never-there")  # gone already: no error
 
 
 def test_a_group_of_one_has_no_one_to_tell_or_hear():

@@ -35,7 +35,8 @@ def _leaf(meta, name):
 
 def _database(step_dir):
     """The step's state item as a writable key-value store (to damage it)."""
-    spec = _store.ocdbt_spec(os.path.join(step_dir, "state"))
+    state = os.path.join(step_dir, "state")
+    spec = _store.ocdbt_spec(_storage.at(os.path.dirname(step_dir)).kvstore_spec(state))
     return ts.KvStore.open(spec, context=ts.Context({"cache_pool#ocdbt": {}})).result()
 
 

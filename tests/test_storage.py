@@ -262,10 +262,10 @@ KILLED_AT_COMMIT = """
 import os, signal, sys
 import jax.numpy as jnp
 import jax_cb_ckpt
-from jax_cb_ckpt import _format
+from jax_cb_ckpt import _storage
 
 
-def killed(directory, temp, final, nbytes, sync):  # every file written, no commit marker
+def killed(self, temp, final, nbytes, sync):  # every file written, no commit marker
     if final.endswith("/2"):
         print("killed", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -274,7 +274,7 @@ def killed(directory, temp, final, nbytes, sync):  # every file written, no comm
 with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
     ckpt.save({"w": jnp.full(10, 1.0)}, 1)
     ckpt.wait()
-    _format.commit_step = killed
+    _storage.Bucket.commit = killed
     ckpt.save({"w": jnp.full(10, 2.0)}, 2)
 """
 
@@ -445,19 +445,19 @@ PAUSED_WRITER = """
 import os, signal, sys
 import jax.numpy as jnp
 import jax_cb_ckpt
-from jax_cb_ckpt import _format
+from jax_cb_ckpt import _storage
 
-write_meta = _format.write_meta
+write_meta = _storage.Bucket.write_meta
 
 
-def pause_in_step_2(path, meta):  # a VM stopped just before the step's files
+def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's files
     if path.endswith("/2"):
         print("pausing", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
-    return write_meta(path, meta)
+    return write_meta(self, path, meta)
 
 
-_format.write_meta = pause_in_step_2
+_storage.Bucket.write_meta = pause_in_step_2
 try:
     with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
         ckpt.save({"w": jnp.full(1000, 1.0)}, 1)
