@@ -34,8 +34,8 @@ def _flush_at_exit() -> None:
 
     Threads that are still training (non-daemon, not the main thread) are waited for
     first, whether or not they hold a Checkpointer yet: theirs must not be closed under
-    them, and one they create later must still be able to write (Orbax needs the thread
-    pools that shut down after this hook). Python joins those threads at exit anyway;
+    them, and one they create later must still be able to write (the writer's fsync
+    pool, `_durable`, shuts down after this hook). Python joins those threads at exit anyway;
     this only does it before the pools go. Thread-pool workers are not waited for (they
     end only when their pools shut down, after this hook): a save that reaches a
     Checkpointer after this hook closed it warns (`UnflushedSaveWarning`) and raises.

@@ -50,8 +50,8 @@ class Writer:
     """Background writer of one Checkpointer.
 
     Opening it removes what a killed writer of ours left in the directory. `stop`
-    drains the queue (every submitted save is written or fails), closes Orbax and ends
-    the thread; the thread also ends by itself after `finish` (used when the owning
+    drains the queue (every submitted save is written or fails), releases the lock and
+    ends the thread; the thread also ends by itself after `finish` (used when the owning
     Checkpointer is garbage collected unclosed).
     """
 

@@ -77,3 +77,20 @@ def test_the_api_page_s_references_to_the_docs_are_links_that_resolve():
                 problems.append(f"{name}: no section #{anchor} in {page}")
     assert not problems, problems
     assert "the-checkpoint-directory" in _anchors("usage.md")  # (the test sees sections)
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+    """jax_cb_ckpt/README.md (the docs site's modules page) is kept true: a module
+    added, removed or renamed without the map fails here."""
+    package = os.path.join(ROOT, "jax_cb_ckpt")
+    with open(os.path.join(package, "README.md")) as f:
+        named = set(re.findall(r"`([A-Za-z_]\w*\.py)`", f.read()))
+    there = {n for n in os.listdir(package) if n.endswith(".py")}
+    assert there - named == set(), f"modules missing from jax_cb_ckpt/README.md: {there - named}"
+    assert named - there == set(), (
+        f"jax_cb_ckpt/README.md names modules that are gone: {named - there}"
+    )
+    with open(os.path.join(ROOT, "docs", "modules.md")) as f:
+        assert '--8<-- "jax_cb_ckpt/README.md"' in f.read()  # the site shows the same map
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "(jax_cb_ckpt/README.md)" in f.read()  # contributors find it
