@@ -25,7 +25,14 @@ import jax_cb_ckpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CHILD_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+# The interpreter under test first on PATH, as an activated venv would put it: a shell
+# script a test runs (a docs recipe) calls `python` and the servers' console scripts by
+# name, and CI runs `.venv/bin/python -m pytest` without activating the venv.
+CHILD_ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+)
 
 
 def toy_state(n=4):
