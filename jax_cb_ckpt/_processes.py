@@ -14,6 +14,9 @@ Per attempt at a step, keys under `jax_cb_ckpt/<run>/<step>.<attempt>/`:
 2. `wrote/<i>`: process i wrote its part (or why it failed);
 3. `commit`: the primary's verdict: renamed into place only when every process wrote.
 
+The keys and what travels under them belong to the round of one step (`GroupRound`,
+made by `Group.begin`); a run of one process plays the same round alone (`SoloRound`).
+
 Every wait has a timeout (`peer_timeout`), so a process that died makes the others fail
 with an error naming it, and a step that some process did not write is never listed.
 Every call to the service is bounded in this process too (`_bounded`): the service
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -43,7 +47,7 @@ from typing import Any
 
 import jax
 
-from . import _format, _storage
+from . import _format, _remote, _storage
 from ._errors import CheckpointError, ConfigError, SaveError
 
 OK = "ok"
@@ -52,13 +56,15 @@ OK = "ok"
 NONCE_PREFIX = ".jax_cb_ckpt.nonce-"
 # The kinds of a failed check's verdict, as they travel through the key-value store.
 _VERDICT_ERRORS: dict[str, type[CheckpointError]] = {"config": ConfigError, "save": SaveError}
-_openings: dict[str, int] = {}
+_openings: dict[tuple[str, int], int] = {}
 # How much longer than asked a call to the coordination service may take before it is
 # given up on (the module doc: only a stopped process 0 holds a call for good).
 _SLACK_S = 5.0
 # How long a peer last seen at work on the step may stay silent (see `_get`).
 _SILENCE_S = 5.0
 _openings_lock = threading.Lock()
+Sums = dict[str, dict[str, int]]  # a part's checksums: {leaf name: {region key: crc32}}
+logger = logging.getLogger("jax_cb_ckpt")
 
 
 class VerdictUnknown(SaveError):
@@ -109,17 +115,30 @@ def _client() -> Any:
 class Group:
     """The processes of one run writing one directory together."""
 
-    def __init__(self, directory: str, timeout_s: float, list_steps: Any) -> None:
-        self.index = jax.process_index()
-        self.count = jax.process_count()
+    def __init__(
+        self,
+        directory: str,
+        timeout_s: float,
+        list_steps: Any,
+        *,
+        client: Any = None,
+        index: int | None = None,
+        count: int | None = None,
+    ) -> None:
+        """Opens the directory with the others (blocks until every process did, or
+        raises the same error in every process). `client`, `index`, `count`: this
+        process's (jax.distributed's) unless given; tests give a group of threads in
+        one process a client each."""
+        self.index = jax.process_index() if index is None else index
+        self.count = jax.process_count() if count is None else count
         self.timeout_s = timeout_s
-        self._client = _client()
+        self._client = _client() if client is None else client
         self._attempts: dict[int, int] = {}
         self._previous: str | None = None  # the primary's last attempt with keys
         # The n-th Checkpointer on this directory, in every process; a failed opening
         # (process 0 not there yet) does not count, so a retry waits for the same one.
-        with _openings_lock:
-            opening = _openings.get(directory, 0)
+        with _openings_lock:  # (by index too: a group of threads shares the process)
+            opening = _openings.get((directory, self.index), 0)
         key = f"jax_cb_ckpt/open/{directory}/{opening}"
         if self.primary:
             self.run = uuid.uuid4().hex
@@ -137,7 +156,7 @@ class Group:
             self.run, self.old_steps, nonce = json.loads(value)
             trouble = None
         with _openings_lock:
-            _openings[directory] = opening + 1
+            _openings[directory, self.index] = opening + 1
         self._check_shared(directory, key, nonce, trouble)
         # Liveness: each process says every `beat_s` that it lives, which step its
         # writer works on and which step it last began to hand over. A wait for a
@@ -238,76 +257,45 @@ class Group:
     def primary(self) -> bool:
         return self.index == 0
 
-    def begin(self, step: int) -> None:
-        """A new attempt at `step`: a step whose write failed may be saved again, and
-        must not read the verdicts of the failed attempt. Every process makes the same
-        saves in the same order, so the attempt numbers agree."""
+    def begin(self, step: int) -> GroupRound:
+        """A new attempt at `step`, as a round (`GroupRound`): a step whose write failed
+        may be saved again, and must not read the verdicts of the failed attempt. Every
+        process makes the same saves in the same order, so the attempt numbers agree."""
         self._attempts[step] = self._attempts.get(step, -1) + 1
         self.writing = step
         try:  # at once: a peer waiting for this step sees it at work from now on
             self._beat()
         except Exception:  # the service is gone: the waits report it
             pass
+        return GroupRound(self, step, self._attempts[step])
 
-    def _prefix(self, step: int) -> str:
-        return f"jax_cb_ckpt/{self.run}/{step}.{self._attempts[step]}"
-
-    def _key(self, step: int, name: str) -> str:
-        return f"{self._prefix(step)}/{name}"
-
-    def heard_all(self, step: int) -> None:
-        """The primary heard every process's `wrote` of `step`: each process is done
-        with the attempt it handled before (its writer takes one step at a time), so
-        that attempt's keys are deleted; the coordination service keeps them in memory."""
+    def _heard_all(self, prefix: str) -> None:
+        """The primary heard every process's report of the attempt `prefix`: each process
+        is done with the attempt it handled before (its writer takes one step at a time),
+        so that attempt's keys are deleted; the coordination service keeps them in
+        memory."""
         if self._previous is not None:
             try:
                 self._call("key_value_delete", self._previous)
             except Exception:  # housekeeping: the save goes on without it
                 pass
-        self._previous = self._prefix(step)
+        self._previous = prefix
 
-    def temp_name(self, step: int) -> str:
-        """The attempt's temporary directory, the same in every process of the run
-        (32 hex digits after the prefix, as the cleanup of leftovers expects)."""
-        return _format.run_temp_name(step, self.run, self._attempts[step])
-
-    def committed(self, directory: str) -> None:
-        """The primary committed a step: no process writes an earlier attempt now
-        (each wrote its part of this step after them), so what is left of them goes."""
-        _storage.at(directory).remove_run_temps(self.run)
-
-    def tell(self, step: int, name: str, value: str) -> None:
+    def _tell(self, key: str, value: str, what: str) -> None:
         try:
-            self._call("key_value_set", self._key(step, name), value)
+            self._call("key_value_set", key, value)
         except Exception as e:  # the service lives in process 0
             raise SaveError(
-                f"process {self.index} could not tell the others '{name}' of step {step} "
-                f"through the coordination service, which process 0 runs ({type(e).__name__}: "
-                f"{e}). Process 0 has died or cannot be reached. Fix: restart every process "
-                "of the run; they resume from the last complete checkpoint."
+                f"process {self.index} could not tell the others {what} through the "
+                f"coordination service, which process 0 runs ({type(e).__name__}: {e}). "
+                "Process 0 has died or cannot be reached. Fix: restart every process of "
+                "the run; they resume from the last complete checkpoint."
             ) from e
 
-    def hear(self, step: int, name: str, what: str, peer: int) -> str:
-        """The value process `peer` tells under `name`: waited for while `peer`'s
-        writer works on this save, and at most `timeout_s` more once it does not."""
-        return self._get(self._key(step, name), what, (peer, step), "")
-
-    def verdict(self, step: int) -> str:
-        """Process 0's verdict on `step`, which this process wrote its part of: OK, or
-        why it was not committed. `VerdictUnknown` when it does not come."""
-        try:
-            return self.hear(step, "commit", f"process 0 to commit step {step}", 0)
-        except SaveError as e:
-            cause = e.__cause__ or e
-            raise VerdictUnknown(
-                f"process {self.index} wrote its part of step {step}, then heard no "
-                f"verdict on it from process 0 in {self.timeout_s:g} s "
-                f"({type(cause).__name__}: {cause}). Whether step {step} was committed "
-                "is unknown: process 0 may still commit it (now, or once it runs again) "
-                "or may have failed it. Fix: restart every process of the run; "
-                "ckpt.latest_step() then says from which step they resume "
-                "(Checkpointer(peer_timeout=...) sets how long to wait)."
-            ) from e
+    def _hear(self, key: str, what: str, peer: int, step: int) -> str:
+        """The value process `peer` tells under `key`: waited for while `peer`'s writer
+        works on `step`, and at most `timeout_s` more once it does not."""
+        return self._get(key, what, (peer, step), "")
 
     def hand_over(self, step: int) -> None:
         """This process began to hand `step` over (called from JAX's callbacks)."""
@@ -359,13 +347,107 @@ class Group:
             "(Checkpointer(peer_timeout=...) sets how long to wait)."
         )
 
-    def refuse(self, step: int, why: str) -> SaveError:
-        return SaveError(f"step {step} was not committed: {why}")
+
+class GroupRound:
+    """One attempt at one step, as the processes of a run agree on it (the module doc):
+    the primary `start`s it, every process `report`s its part, the primary `collect`s
+    the reports and `decide`s; a peer `await_start`s and `await_verdict`s. The keys
+    (`ready`, `wrote/<i>`, `commit`) and what travels under them are this class's.
+
+    A report is `ok <json>` (the part's checksums, {name: {region: crc32}}) or why the
+    process failed; a decision is `ok` or why the step was not committed."""
+
+    def __init__(self, group: Group, step: int, attempt: int) -> None:
+        self.step = step
+        self.index, self.count, self.primary = group.index, group.count, group.primary
+        # The attempt's temporary directory, the same in every process of the run (32
+        # hex digits after the prefix, as the cleanup of leftovers expects).
+        self.temp_name = _format.run_temp_name(step, group.run, attempt)
+        self._group = group
+        self._prefix = f"jax_cb_ckpt/{group.run}/{step}.{attempt}"
+        self._owed = False  # the primary owes the others a decision
+
+    def start(self, error: BaseException | None) -> None:
+        """The primary made the place the step is written to (or says why it could not:
+        `error`); from then on it owes the others a decision."""
+        self._tell("ready", OK if error is None else _reason(error), "that it started")
+        self._owed = error is None
+
+    def await_start(self) -> None:
+        """A peer: until the primary started the step; SaveError when it could not."""
+        ready = self._hear("ready", f"process 0 to start step {self.step}", 0)
+        if ready != OK:
+            raise SaveError(f"process 0 could not start step {self.step}: {ready}")
+
+    def report(self, error: BaseException | None, sums: Sums | None = None) -> None:
+        """Every process: it wrote its part, with its blocks' checksums `sums` (or why
+        it failed: `error`)."""
+        told = f"{OK} {json.dumps(sums or {})}" if error is None else _reason(error)
+        self._tell(f"wrote/{self.index}", told, "that it wrote its part")
+
+    def collect(self, sums: Sums) -> Sums:
+        """The primary: every other process's report, its checksums merged into `sums`
+        (the primary's own); SaveError naming each process that failed."""
+        problems = []
+        for other in range(1, self.count):
+            what = f"process {other} to write its part of step {self.step}"
+            said = self._hear(f"wrote/{other}", what, other)
+            if said.startswith(OK):
+                for name, regions in json.loads(said[len(OK) :] or "{}").items():
+                    sums.setdefault(name, {}).update(regions)
+            else:
+                problems.append(f"process {other}: {said}")
+        self._group._heard_all(self._prefix)
+        if problems:
+            raise SaveError("; ".join(problems))
+        return sums
+
+    def committed(self, storage: _storage.Storage) -> None:
+        """The primary committed the step: no process writes an earlier attempt now
+        (each wrote its part of this step after them), so what is left of them goes."""
+        storage.remove_run_temps(self._group.run)
+
+    def decide(self, error: BaseException | None) -> None:
+        """The primary's decision, told once if owed: committed (`error` None) or why
+        not. Never raises: the step's outcome is settled on disk, and a peer that hears
+        nothing says its outcome is unknown (`VerdictUnknown`)."""
+        if not self._owed:
+            return
+        self._owed = False
+        try:
+            self._tell("commit", OK if error is None else _reason(error), "its decision")
+        except SaveError as e:
+            logger.warning("%s", e)
+
+    def await_verdict(self) -> None:
+        """A peer, after its report: until the primary decides. SaveError when the step
+        was not committed; `VerdictUnknown` when no decision comes."""
+        try:
+            verdict = self._hear("commit", f"process 0 to commit step {self.step}", 0)
+        except SaveError as e:
+            cause = e.__cause__ or e
+            raise VerdictUnknown(
+                f"process {self.index} wrote its part of step {self.step}, then heard no "
+                f"verdict on it from process 0 in {self._group.timeout_s:g} s "
+                f"({type(cause).__name__}: {cause}). Whether step {self.step} was "
+                "committed is unknown: process 0 may still commit it (now, or once it "
+                "runs again) or may have failed it. Fix: restart every process of the "
+                "run; ckpt.latest_step() then says from which step they resume "
+                "(Checkpointer(peer_timeout=...) sets how long to wait)."
+            ) from e
+        if verdict != OK:
+            raise SaveError(f"step {self.step} was not committed: {verdict}")
+
+    def _tell(self, name: str, value: str, what: str) -> None:
+        self._group._tell(f"{self._prefix}/{name}", value, f"{what} ({name!r} of step {self.step})")
+
+    def _hear(self, name: str, what: str, peer: int) -> str:
+        return self._group._hear(f"{self._prefix}/{name}", what, peer, self.step)
 
 
 class Solo:
     """A run of one process, as a group of one: the writer has one path for one and
-    many processes, and a group of one has no one to tell or hear."""
+    many processes."""
 
     index = 0
     count = 1
@@ -374,29 +456,55 @@ class Solo:
     def __init__(self) -> None:
         self.writing: int | None = None
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int) -> SoloRound:
         self.writing = step
-
-    def temp_name(self, step: int) -> str:
-        return _format.temp_name(step)
-
-    def tell(self, step: int, name: str, value: str) -> None:
-        pass
-
-    def hear(self, step: int, name: str, what: str, peer: int) -> str:
-        raise AssertionError(f"a group of one waited for {what}")
-
-    def heard_all(self, step: int) -> None:
-        pass
-
-    def verdict(self, step: int) -> str:
-        raise AssertionError("a group of one waited for its own verdict")
-
-    def committed(self, directory: str) -> None:
-        pass
+        return SoloRound(step)
 
     def close(self) -> None:
         pass
+
+
+class SoloRound:
+    """The round of a group of one: nobody to tell, nobody to wait for, and the
+    primary's own checksums are all the checksums (`GroupRound`'s protocol)."""
+
+    index = 0
+    count = 1
+    primary = True
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.temp_name = _format.temp_name(step)
+
+    def start(self, error: BaseException | None) -> None:
+        pass
+
+    def await_start(self) -> None:
+        pass  # the one process is the one that starts it
+
+    def report(self, error: BaseException | None, sums: Sums | None = None) -> None:
+        pass
+
+    def collect(self, sums: Sums) -> Sums:
+        return sums
+
+    def committed(self, storage: _storage.Storage) -> None:
+        pass
+
+    def decide(self, error: BaseException | None) -> None:
+        pass
+
+    def await_verdict(self) -> None:
+        pass  # its own decision: the step is committed once `decide` is reached
+
+
+Round = GroupRound | SoloRound  # one attempt at one step, in a run of many or of one
+Processes = Group | Solo  # the processes writing a directory together
+
+
+def _reason(e: BaseException) -> str:
+    """What a process tells the others of its failure (it ends up in their errors)."""
+    return _remote.scrub(f"{type(e).__name__}: {e}")
 
 
 def _write_nonce(storage: _storage.Storage, run: str) -> tuple[str, str | None]:

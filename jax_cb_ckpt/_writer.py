@@ -11,15 +11,16 @@ unique temporary name, its files fsynced (in parallel), renamed into place, and 
 directory fsynced: after `wait()` returns, a listed step survives a power loss. A
 complete step is only ever removed by retention or by an explicit replace.
 
-One path for one process and many (`_processes.py`; a single process is a group of
-one): the primary makes the temporary directory and says so, every process writes its
-own arrays and says so, the primary merges, writes the small files, commits and says
-so. With one process every "says so" is a no-op.
+One path for one process and many: each step is a round (`_processes.GroupRound`; a
+single process plays a `SoloRound`): the primary makes the step's place and starts the
+round, every process writes its own arrays and reports them, the primary collects the
+reports, merges, writes the small files, commits and decides; a peer waits for the
+start and for the decision. With one process nobody is told or waited for. Where the
+steps live is `_storage`'s (the writer calls its verbs, never asks which kind).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -39,7 +40,7 @@ from ._errors import (
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
 from ._options import Options
-from ._processes import OK, Group, Solo, VerdictUnknown
+from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 
@@ -73,7 +74,7 @@ class Writer:
         self._stats = stats
         self._storage = _storage.at(directory)  # where the steps live: chosen once
         self._identity = self._storage.identity()
-        self._group: Group | Solo = group or Solo()
+        self._group: Processes = group or Solo()
         self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
@@ -190,103 +191,109 @@ class Writer:
 
     def _write(self, item: SaveItem) -> SaveError | None:
         """Write one step (this process's part of it, with several processes): the
-        protocol in _processes.py, where a group of one tells and hears nothing."""
-        group = self._group
+        round of `_processes.py`, which in a group of one tells and hears nothing."""
+        round_ = self._group.begin(item.step)
+        temp = self._storage.temp_path(item.step, round_.temp_name)
+        start = time.perf_counter()
         try:
             with self._storage.step_sync() as sync:  # before the step's files
-                return self._write_step(item, group, sync)
+                if round_.primary:
+                    checksum_s = self._write_as_primary(item, round_, temp, sync)
+                else:
+                    checksum_s = self._write_as_peer(item, round_, temp, sync)
+        except BaseException as e:
+            return self._failed(item.step, e)
         finally:
-            group.writing = None  # peers waiting for this process wait on while set
+            self._group.writing = None  # peers waiting for this process wait on while set
+        self._written(item, time.perf_counter() - start, checksum_s)
+        return None
 
-    def _write_step(
-        self, item: SaveItem, group: Group | Solo, sync: _storage.Sync
-    ) -> SaveError | None:
-        step = item.step
-        group.begin(step)
-        final = os.path.join(self.directory, str(step))
-        temp = self._storage.temp_path(step, group.temp_name(step))
-        start = time.perf_counter()
-        verdict_due = False  # the primary owes the others a verdict on this step
-        checksum_s = 0.0
+    def _write_as_primary(
+        self, item: SaveItem, round_: Round, temp: str, sync: _storage.Sync
+    ) -> float:
+        """Process 0 (or the only one): start the step, write its part, collect the
+        others', write the step's description, commit, decide. The seconds spent on
+        checksums."""
+        final = os.path.join(self.directory, str(item.step))
         try:
-            if group.primary:
-                try:
-                    self._make_room(item, final)
-                    self._storage.begin(temp, self._lock.token)
-                except BaseException as e:
-                    group.tell(step, "ready", _reason(e))
-                    raise
-                group.tell(step, "ready", OK)
-                verdict_due = True
-            else:
-                ready = group.hear(step, "ready", f"process 0 to start step {step}", 0)
-                if ready != OK:
-                    raise SaveError(f"process 0 could not start step {step}: {ready}")
-            mine: BaseException | None = None
-            sums: dict[str, Any] = {}
-            early = group.primary and self._storage.describes_early  # (while arrays commit)
-            meta_early = early and group.count == 1  # (else it needs the others' sums)
+            try:
+                self._make_room(item, final)
+                self._storage.begin(temp, self._lock.token)
+            except BaseException as e:
+                round_.start(e)
+                raise
+            round_.start(None)
+            # The description files while the arrays commit, where the storage lists a
+            # step only at its commit (local: the rename); the meta needs every
+            # process's checksums, so with several processes it waits for them.
+            early = self._storage.describes_early
+            alone = round_.count == 1
 
             def meanwhile(sums: dict[str, Any]) -> None:
                 self._write_descriptions(temp, item)
-                if meta_early:
+                if alone:
                     self._storage.write_meta(temp, dict(item.meta, checksums=sums))
 
-            try:
-                if item.ready is not None:  # copies from a GPU still in flight
-                    item.ready()
-                if not group.primary:
-                    self._enter_attempt(temp, group)
-                finish = self._write_arrays(temp, item, group)
-                # The primary's files while the arrays commit (object storage: after
-                # the fence below; the step's meta needs every process's checksums).
-                sums, checksum_s = finish(meanwhile if early else None)
-                if not group.primary:
-                    part = os.path.join(temp, _format.STATE_ITEM, _part(group))
-                    sync.tree(part, item.nbytes)
-            except BaseException as e:
-                mine = e
-            told = _said(sums) if mine is None else _reason(mine)
-            group.tell(step, f"wrote/{group.index}", told)
-            if mine is not None:
-                raise mine
-            if group.primary:
-                problems = []
-                for other in range(1, group.count):
-                    what = f"process {other} to write its part of step {step}"
-                    said = group.hear(step, f"wrote/{other}", what, other)
-                    if said.startswith(OK):
-                        _merge_sums(sums, said)
-                    else:
-                        problems.append(f"process {other}: {said}")
-                group.heard_all(step)
-                if problems:
-                    raise SaveError("; ".join(problems))
-                state = os.path.join(temp, _format.STATE_ITEM)
-                self._fence(final)  # (object storage: still ours, before its files)
-                self._store.merge(state, group.count)
-                if not early:
-                    self._write_descriptions(temp, item)
-                if not meta_early:
-                    self._storage.write_meta(temp, dict(item.meta, checksums=sums))
-                self._commit(temp, final, item.nbytes, sync)
-                group.committed(self.directory)
-                self._retain()  # before the verdict: every process then lists the same
-                group.tell(step, "commit", OK)
-                verdict_due = False
-            else:
-                verdict = group.verdict(step)
-                if verdict != OK:
-                    raise SaveError(f"step {step} was not committed: {verdict}")
+            sums, checksum_s = self._write_part(
+                item, round_, temp, sync, meanwhile if early else None
+            )
+            sums = round_.collect(sums)
+            self._fence(final)  # (object storage: still ours, before its files)
+            self._store.merge(os.path.join(temp, _format.STATE_ITEM), round_.count)
+            if not early:
+                self._write_descriptions(temp, item)
+            if not (early and alone):
+                self._storage.write_meta(temp, dict(item.meta, checksums=sums))
+            self._commit(temp, final, item.nbytes, sync)
+            round_.committed(self._storage)
+            self._retain()  # before the decision: every process then lists the same
+        except BaseException as e:  # its files removed now, or once the failure is reported
+            later = self._storage.clean_failed(os.path.basename(temp), self._lock.token, e)
+            if later is not None:
+                self._unfinished.append(later)
+            round_.decide(e)
+            raise
+        round_.decide(None)
+        return checksum_s
+
+    def _write_as_peer(
+        self, item: SaveItem, round_: Round, temp: str, sync: _storage.Sync
+    ) -> float:
+        """Another process: once process 0 started the step, write this process's part,
+        then wait for process 0's decision. The seconds spent on checksums."""
+        round_.await_start()
+        _, checksum_s = self._write_part(item, round_, temp, sync, None)
+        round_.await_verdict()
+        return checksum_s
+
+    def _write_part(
+        self,
+        item: SaveItem,
+        round_: Round,
+        temp: str,
+        sync: _storage.Sync,
+        meanwhile: Callable[[dict[str, Any]], None] | None,
+    ) -> tuple[dict[str, Any], float]:
+        """This process's arrays of the step, reported to the others (or why they could
+        not be written); `meanwhile(sums)` runs while they commit. Their checksums and
+        the seconds spent on them."""
+        try:
+            if item.ready is not None:  # copies from a GPU still in flight
+                item.ready()
+            if not round_.primary:
+                self._enter_attempt(temp, round_)
+            finish = self._write_arrays(temp, item, round_)
+            sums, checksum_s = finish(meanwhile)
+            if not round_.primary:  # (the primary's files are synced with the step's)
+                sync.tree(os.path.join(temp, _format.STATE_ITEM, _part(round_)), item.nbytes)
         except BaseException as e:
-            if group.primary:  # its files removed now, or once the failure is reported
-                later = self._storage.clean_failed(os.path.basename(temp), self._lock.token, e)
-                if later is not None:
-                    self._unfinished.append(later)
-                if verdict_due:
-                    group.tell(step, "commit", _reason(e))
-            return self._failed(step, e)
-        write_s = time.perf_counter() - start
+            round_.report(e)
+            raise
+        round_.report(None, sums)
+        return sums, checksum_s
+
+    def _written(self, item: SaveItem, write_s: float, checksum_s: float) -> None:
+        step = item.step
         self._stats.written(
             SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s)
         )
@@ -298,7 +305,6 @@ class Writer:
             write_s * 1e3,
             item.blocking_s * 1e3,
         )
-        return None
 
     def _write_descriptions(self, temp: str, item: SaveItem) -> None:
         """The primary's file of a step that depends on no array written: Orbax's
@@ -309,7 +315,7 @@ class Writer:
         self._storage.write_file(path, text.encode())
 
     def _write_arrays(
-        self, temp: str, item: SaveItem, group: Group | Solo
+        self, temp: str, item: SaveItem, round_: Round
     ) -> Callable[..., tuple[dict[str, Any], float]]:
         """Start writing this process's arrays of the step; returns once they are
         committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
@@ -319,16 +325,16 @@ class Writer:
             if isinstance(leaf, ShardedArray):
                 blocks = {k: _dtypes.storable(b) for k, b in leaf.written_here().items()}
                 stored = _dtypes.storage_dtype(leaf.dtype)
-                if group.count == 1 and leaf.nbytes <= _store.SMALL_BYTES:
+                if round_.count == 1 and leaf.nbytes <= _store.SMALL_BYTES:
                     # A small leaf this process holds whole: one chunk (a memcpy costs
                     # less than a key per block).
                     flat[path] = _assemble(leaf.shape, stored, blocks)
                 else:
                     flat[path] = _store.Blocks(leaf.shape, stored, blocks)
-            elif group.primary:  # host arrays (replicated): process 0 writes them
+            elif round_.primary:  # host arrays (replicated): process 0 writes them
                 flat[path] = leaf
         state = os.path.join(temp, _format.STATE_ITEM)
-        return self._store.write(state, flat, index=group.index, zarrays=group.primary)
+        return self._store.write(state, flat, index=round_.index, zarrays=round_.primary)
 
     def _fence(self, final: str) -> None:
         """Object storage, before a step's files and its commit: this writer still
@@ -346,16 +352,16 @@ class Writer:
         if self._max_to_keep is not None:
             self._aside += self._storage.set_aside_beyond(self._max_to_keep)
 
-    def _enter_attempt(self, temp: str, group: Group | Solo) -> None:
+    def _enter_attempt(self, temp: str, round_: Round) -> None:
         """This process's part's folder in the attempt's temporary directory, which
         process 0 made: refused when process 0 has removed it again (it gave up on the
         step before this process came to it), rather than re-create a folder nobody
         removes (TensorStore creates the folders it writes into)."""
         try:
-            self._storage.enter_attempt(temp, _part(group))
+            self._storage.enter_attempt(temp, _part(round_))
         except FileNotFoundError:
             raise SaveError(
-                f"process 0 had given up on this step before process {group.index} began "
+                f"process 0 had given up on this step before process {round_.index} began "
                 f"to write its part (its temporary directory {os.path.basename(temp)!r} "
                 "is gone); nothing was written"
             ) from None
@@ -389,23 +395,8 @@ def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray])
     return out
 
 
-def _part(group: Group | Solo) -> str:
-    return f"{_format.PROCESS_PREFIX}{group.index}"
-
-
-def _said(sums: dict[str, Any]) -> str:
-    """A process's report that it wrote its part, with its blocks' checksums."""
-    return f"{OK} {json.dumps(sums)}"
-
-
-def _merge_sums(sums: dict[str, Any], said: str) -> None:
-    for name, regions in json.loads(said[len(OK) :] or "{}").items():
-        sums.setdefault(name, {}).update(regions)
-
-
-def _reason(e: BaseException) -> str:
-    """What a process tells the others of its failure (it ends up in their errors)."""
-    return _remote.scrub(f"{type(e).__name__}: {e}")
+def _part(round_: Round) -> str:
+    return f"{_format.PROCESS_PREFIX}{round_.index}"
 
 
 def _in_the_way_message(final: str, is_checkpoint: bool) -> str:
