@@ -112,18 +112,28 @@ class Remote:
 
 
 @pytest.fixture(params=["gs", "s3"])
-def remote(request, monkeypatch):
+def remote(request, remote_on):
     """`remote.url`: gs://... or s3://... on a local server (one test per scheme; a test
     parametrized indirectly with "gcp-storage-emulator" also runs on that server)."""
+    return remote_on(request.param)
+
+
+@pytest.fixture
+def remote_on(request, monkeypatch):
+    """`remote_on(server)`: a fresh prefix in a new bucket of the local server `server`
+    ("gs", "s3" or "gcp-storage-emulator"), its environment set for the test."""
     from storage_servers import unique
 
-    server = request.getfixturevalue(_SERVERS[request.param])
-    bucket = "bucket-" + unique("t")[2:]
-    server.make_bucket(bucket)
-    made = Remote("s3" if request.param == "s3" else "gs", server, bucket, unique())
-    for name, value in made.env.items():
-        monkeypatch.setenv(name, value)
-    # Set by the library from STORAGE_EMULATOR_HOST: gone again after the test.
-    for name in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
-        monkeypatch.delenv(name, raising=False)
-    return made
+    def make(name):
+        server = request.getfixturevalue(_SERVERS[name])
+        bucket = "bucket-" + unique("t")[2:]
+        server.make_bucket(bucket)
+        made = Remote("s3" if name == "s3" else "gs", server, bucket, unique())
+        for key, value in made.env.items():
+            monkeypatch.setenv(key, value)
+        # Set by the library from STORAGE_EMULATOR_HOST: gone again after the test.
+        for key in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+            monkeypatch.delenv(key, raising=False)
+        return made
+
+    return make

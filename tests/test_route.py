@@ -1,0 +1,189 @@
+"""Which way a save goes (`_route.plan`), the checks made while tracing (`_traced`) and
+the options a save runs under (`_options.Options.checked`), each on its own: no
+Checkpointer, no callback, no disk.
+The whole save is the end-to-end tests'; these pin the rules a stage owns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cb_ckpt import ConfigError, InvalidStateError, _route
+from jax_cb_ckpt._options import Options
+
+
+def plan(state, step, known=None, pred=None, *, axis_name=None, gather="stack", **kw):
+    return _route.plan(
+        state, step, known, pred, "maybe_save", axis_name, gather, kw.pop("shardings", None), **kw
+    )
+
+
+# -- _route.plan
+
+
+def test_outside_a_trace_a_save_is_eager_with_every_leaf_on_the_host():
+    state = {"w": jnp.arange(4.0), "n": np.int64(2**40), "f": 0.5}
+    route = plan(state, 7, 7, processes=1)
+    assert isinstance(route, _route.Eager) and route.step == 7
+    by_name = {s.name: h for s, h in zip(route.signature.specs, route.hosts, strict=True)}
+    # Python's and numpy's values as numpy with their exact dtype (JAX would narrow an
+    # int64 with x64 off); a jax.Array as it is (the host side takes it without a copy).
+    assert isinstance(by_name[("n",)], np.ndarray) and by_name[("n",)].dtype == np.int64
+    assert by_name[("n",)] == 2**40 and by_name[("f",)].dtype == np.float64
+    assert by_name[("w",)] is state["w"]
+
+
+def test_an_eager_save_whose_predicate_is_false_goes_nowhere():
+    assert plan({"w": np.ones(3)}, 7, 7, False, processes=1) is None
+    assert isinstance(plan({"w": np.ones(3)}, 7, 7, True, processes=1), _route.Eager)
+
+
+def test_inside_a_trace_constants_stay_home_and_the_rest_crosses():
+    routes = []
+
+    def program(w):
+        state = {"w": w, "c": np.arange(3, dtype=np.int64), "empty": jnp.zeros((0, 2))}
+        routes.append(plan(state, jnp.int32(3), processes=1))
+        return w
+
+    jax.make_jaxpr(program)(jnp.ones(4))
+    (route,) = routes
+    assert isinstance(route, _route.Traced) and route.layout is None  # gathered
+    assert len(route.payload) == 1  # only `w` crosses
+    constants = dict(route.signature.constants)
+    names = [s.name for s in route.signature.specs]
+    assert constants[names.index(("c",))].dtype == np.int64  # never narrowed by JAX
+    assert constants[names.index(("empty",))].shape == (0, 2)  # a shape, nothing to cross
+
+
+def test_a_multi_process_run_refuses_what_it_cannot_save():
+    with pytest.raises(InvalidStateError, match="outside jit in a multi-process run"):
+        plan({"w": np.ones(3)}, 1, 1, processes=2)
+    refused = []
+
+    def program(w):
+        try:
+            plan({"w": w}, jnp.int32(1), processes=2)
+        except ConfigError as e:
+            refused.append(str(e))
+        return w
+
+    jax.make_jaxpr(program)(jnp.ones(4))
+    assert refused and "a traced save needs shardings=" in refused[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"gather": "sum"}, "gather must be one of"),
+        ({"gather": "concat"}, "needs axis_name="),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_described(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        plan({"w": np.ones(3)}, 1, 1, processes=1, **kwargs)
+
+
+def test_shardings_that_do_not_fit_the_state_are_refused():
+    mesh = jax.make_mesh((1,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {"a": np.ones(2), "b": np.ones(2)}
+    with pytest.raises(InvalidStateError, match="the shardings' pytree is not a prefix"):
+        plan(state, 1, 1, processes=1, shardings=[sharding])
+    with pytest.raises(ConfigError, match="Pass one of the two"):
+        plan(state, 1, 1, processes=1, shardings=sharding, axis_name="i")
+
+
+# -- _options.Options.checked
+
+
+def options(directory, **changes):
+    given = dict(
+        every=None,
+        max_to_keep=None,
+        queue_size=2,
+        on_full="block",
+        compression=False,
+        on_error="raise",
+        on_existing="raise",
+        crossing="auto",
+        peer_timeout=60,
+    )
+    given.update(changes)
+    return Options.checked(directory, **given)
+
+
+def test_options_are_checked_once_and_frozen(tmp_path):
+    made = options(str(tmp_path / "d"), every=100, max_to_keep=3, peer_timeout=5)
+    assert (made.every, made.max_to_keep, made.peer_timeout) == (100, 3, 5.0)
+    assert made.directory == str(tmp_path / "d")
+    with pytest.raises(AttributeError):
+        made.every = 1  # frozen: what the host side and the writer read never changes
+    assert options(str(tmp_path), on_full="newest").slots == 3  # one more in flight
+    assert options(str(tmp_path), on_full="block").slots == 2
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"every": 0}, "every"),
+        ({"max_to_keep": -1}, "max_to_keep"),
+        ({"queue_size": None}, "queue_size"),
+        ({"on_full": "drop"}, "on_full must be one of"),
+        ({"on_error": "ignore"}, "on_error must be one of"),
+        ({"on_existing": "overwrite"}, "on_existing must be one of"),
+        ({"crossing": "fast"}, "crossing must be one of"),
+        ({"peer_timeout": True}, "peer_timeout must be a positive number"),
+        ({"peer_timeout": 0}, "peer_timeout must be a positive number"),
+    ],
+)
+def test_each_bad_option_is_named_with_what_it_accepts(tmp_path, change, match):
+    with pytest.raises(ConfigError, match=match) as caught:
+        options(str(tmp_path), **change)
+    assert f"{next(iter(change))}=" in str(caught.value)  # names the argument
+
+
+def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
+    (tmp_path / "f").write_text("not a directory")
+    with pytest.raises(ConfigError, match="is an existing file, not a directory"):
+        options(str(tmp_path / "f"))
+
+
+# -- _traced: the checks made while tracing
+
+
+def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
+    from jax_cb_ckpt import _traced
+
+    assert _traced.check_step(7, "save") == 7
+    assert _traced.check_step(np.int64(2**40), "save") == 2**40
+    for bad, match in [
+        (1.0, r"pass int\(step\)"),
+        (True, "integer scalar"),
+        (np.arange(2), "integer scalar"),
+        (-1, "out of range"),
+    ]:
+        with pytest.raises(InvalidStateError, match=match):
+            _traced.check_step(bad, "save")
+    seen = []
+    jax.make_jaxpr(lambda s: seen.append(_traced.check_step(s, "save")) or s)(jnp.int32(3))
+    assert seen == [None]  # a tracer: its value is known at run time
+
+
+def test_a_step_too_large_for_jax_integers_is_refused_rather_than_wrapped():
+    from jax_cb_ckpt import _traced
+
+    assert not jax.config.jax_enable_x64  # (the suite's setting: int32 steps in JAX)
+    with pytest.raises(InvalidStateError, match="does not fit int32"):
+        _traced.traced_step(2**32 + 5, 2**32 + 5, "maybe_save")
+    assert int(_traced.traced_step(5, 5, "maybe_save")) == 5
+
+
+def test_tracing_is_told_apart_from_running_eagerly():
+    from jax_cb_ckpt import _traced
+
+    assert not _traced.is_tracing(np.ones(2), jnp.ones(2))
+    inside = []
+    jax.jit(lambda: inside.append(_traced.is_tracing()) or 0)()  # constants only: traced
+    assert inside == [True]
+    assert jax.default_backend() != "cpu" or _traced.buffer_by_default()  # CPU: buffer

@@ -1,0 +1,146 @@
+"""The writer thread's contract (`_writer.Writer`), without a Checkpointer, a callback or
+a JAX program: it takes saves off the exchange in order and writes each as a step every
+reader lists, gives each save's host buffers back once written (or failed), keeps
+`max_to_keep`, records a failure in the exchange with the step's slot given back and
+its step free to come again, and stops once the saves queued before `stop` are done."""
+
+import os
+
+import numpy as np
+import pytest
+
+import jax_cb_ckpt
+from jax_cb_ckpt import SaveError, _format, _storage
+from jax_cb_ckpt._exchange import Exchange, SaveItem
+from jax_cb_ckpt._options import Options
+from jax_cb_ckpt._spec import ARRAY, LeafSpec
+from jax_cb_ckpt._stats import StatsRecorder
+from jax_cb_ckpt._writer import Writer
+
+
+def _item(step, tree, released):
+    """A handed-off save of `tree` (numpy arrays by name), as the host side makes it."""
+
+    def describe():
+        leaves = [
+            LeafSpec(repr(name), (name,), ARRAY, str(v.dtype), v.shape).to_json()
+            for name, v in tree.items()
+        ]
+        meta = _format.step_meta(step, leaves, {}, shardings={}, batch_shape=(), members=[])
+        return dict(tree), meta
+
+    nbytes = sum(v.nbytes for v in tree.values())
+    return SaveItem(step, describe, nbytes, 0.0, 0.0, lambda: released.append(step))
+
+
+class Parts:
+    """A writer with its exchange, lock and counters, on `directory`."""
+
+    def __init__(self, directory, max_to_keep=None):
+        self.options = Options.checked(
+            directory,
+            every=None,
+            max_to_keep=max_to_keep,
+            queue_size=2,
+            on_full="block",
+            compression=False,
+            on_error="raise",
+            on_existing="raise",
+            crossing="auto",
+            peer_timeout=10.0,
+        )
+        self.exchange = Exchange(
+            self.options.directory, queue_size=self.options.slots, on_existing="raise", old_steps=[]
+        )
+        self.stats = StatsRecorder()
+        storage = _storage.at(self.options.directory)
+        storage.make()  # (as the Checkpointer does before it takes the lock)
+        self.lock = storage.lock(_format.LOCK_NAME)
+        self.exited = []
+        self.writer = Writer(
+            self.exchange,
+            self.lock,
+            self.options,
+            stats=self.stats,
+            on_exit=lambda: self.exited.append(True),
+        )
+
+    def save(self, item):
+        assert self.exchange.claim(item.step) == ()
+        assert self.exchange.take_slot(block=True)
+        self.exchange.submit(item)
+
+
+@pytest.fixture
+def parts(tmp_path):
+    made = []
+
+    def make(**kwargs):
+        made.append(Parts(str(tmp_path / "ckpt"), **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.writer.stop()
+
+
+def test_saves_are_written_in_order_and_their_buffers_given_back(parts):
+    p = parts()
+    released = []
+    w = np.arange(4 * 2**20, dtype=np.float32)  # 16 MiB: one chunk
+    for step in (1, 2, 3):
+        p.save(_item(step, {"w": w + step, "i": np.array([step], np.int32)}, released))
+    p.exchange.drain()
+    assert released == [1, 2, 3]
+    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2, 3]
+    like = {"w": np.zeros_like(w), "i": np.zeros(1, np.int32)}
+    got = jax_cb_ckpt.restore(p.options.directory, like, step=2)
+    np.testing.assert_array_equal(got["w"], w + 2)
+    stats = p.stats.snapshot()
+    assert stats.saves == 3 and stats.failed == 0
+    assert [r.step for r in stats.recent] == [1, 2, 3]
+    assert p.exchange.take_error() is None
+    assert not [n for n in os.listdir(p.options.directory) if "tmp" in n]  # no leftovers
+
+
+def test_retention_keeps_the_newest_after_each_save(parts):
+    p = parts(max_to_keep=2)
+    released = []
+    for step in (10, 20, 30, 40):
+        p.save(_item(step, {"b": np.full(8, step, np.int64)}, released))
+        p.exchange.drain()
+        assert jax_cb_ckpt.all_steps(p.options.directory)[-1] == step
+    assert jax_cb_ckpt.all_steps(p.options.directory) == [30, 40]
+    p.writer.stop()  # (the steps set aside are deleted after each save is reported)
+    assert sorted(os.listdir(p.options.directory)) == sorted(["30", "40", _format.LOCK_NAME])
+
+
+def test_a_failed_save_is_recorded_its_slot_freed_and_its_step_may_come_again(parts):
+    p = parts()
+    os.makedirs(os.path.join(p.options.directory, "5"))  # a user's folder in the way
+    released = []
+    p.save(_item(5, {"b": np.ones(3, np.int64)}, released))
+    p.exchange.drain()
+    assert released == [5]  # given back although the write failed
+    error = p.exchange.take_error()
+    assert isinstance(error, SaveError) and "step 5" in str(error)
+    assert "Earlier checkpoints in it are untouched" in str(error)
+    assert p.stats.snapshot().failed == 1
+    assert os.listdir(os.path.join(p.options.directory, "5")) == []  # not touched
+    os.rmdir(os.path.join(p.options.directory, "5"))
+    p.save(_item(5, {"b": np.ones(3, np.int64)}, released))  # claimed again: allowed
+    p.exchange.drain()
+    assert p.exchange.take_error() is None
+    assert jax_cb_ckpt.all_steps(p.options.directory) == [5]
+
+
+def test_stop_writes_what_was_queued_before_it_then_releases_the_lock(parts):
+    p = parts()
+    released = []
+    for step in (1, 2):
+        p.save(_item(step, {"b": np.full(4, step, np.int64)}, released))
+    p.writer.stop()  # blocks until both are written
+    assert released == [1, 2]
+    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
+    again = _storage.at(p.options.directory).lock(_format.LOCK_NAME)  # free again
+    again.release()
