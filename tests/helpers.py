@@ -276,3 +276,23 @@ def run_twice(tmp_path, code):
         )
         assert result.returncode == 0, f"{run} run:\n{result.stderr[-3000:]}"
     return result
+
+
+def checked_options(directory, **changes):
+    """`_options.Options.checked` of `directory` with the Checkpointer's defaults but
+    `changes` (a stage's unit tests build the options without a Checkpointer)."""
+    from jax_cb_ckpt._options import Options
+
+    given = dict(
+        every=None,
+        max_to_keep=None,
+        queue_size=2,
+        on_full="block",
+        compression=False,
+        on_error="raise",
+        on_existing="raise",
+        crossing="auto",
+        peer_timeout=60,
+    )
+    given.update(changes)
+    return Options.checked(directory, **given)

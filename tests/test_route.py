@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import checked_options
 
 from jax_cb_ckpt import ConfigError, InvalidStateError, _route
-from jax_cb_ckpt._options import Options
 
 
 def plan(state, step, known=None, pred=None, *, axis_name=None, gather="stack", **kw):
@@ -97,30 +97,14 @@ def test_shardings_that_do_not_fit_the_state_are_refused():
 # -- _options.Options.checked
 
 
-def options(directory, **changes):
-    given = dict(
-        every=None,
-        max_to_keep=None,
-        queue_size=2,
-        on_full="block",
-        compression=False,
-        on_error="raise",
-        on_existing="raise",
-        crossing="auto",
-        peer_timeout=60,
-    )
-    given.update(changes)
-    return Options.checked(directory, **given)
-
-
 def test_options_are_checked_once_and_frozen(tmp_path):
-    made = options(str(tmp_path / "d"), every=100, max_to_keep=3, peer_timeout=5)
+    made = checked_options(str(tmp_path / "d"), every=100, max_to_keep=3, peer_timeout=5)
     assert (made.every, made.max_to_keep, made.peer_timeout) == (100, 3, 5.0)
     assert made.directory == str(tmp_path / "d")
     with pytest.raises(AttributeError):
         made.every = 1  # frozen: what the host side and the writer read never changes
-    assert options(str(tmp_path), on_full="newest").slots == 3  # one more in flight
-    assert options(str(tmp_path), on_full="block").slots == 2
+    assert checked_options(str(tmp_path), on_full="newest").slots == 3  # one more in flight
+    assert checked_options(str(tmp_path), on_full="block").slots == 2
 
 
 @pytest.mark.parametrize(
@@ -139,14 +123,14 @@ def test_options_are_checked_once_and_frozen(tmp_path):
 )
 def test_each_bad_option_is_named_with_what_it_accepts(tmp_path, change, match):
     with pytest.raises(ConfigError, match=match) as caught:
-        options(str(tmp_path), **change)
+        checked_options(str(tmp_path), **change)
     assert f"{next(iter(change))}=" in str(caught.value)  # names the argument
 
 
 def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
     (tmp_path / "f").write_text("not a directory")
     with pytest.raises(ConfigError, match="is an existing file, not a directory"):
-        options(str(tmp_path / "f"))
+        checked_options(str(tmp_path / "f"))
 
 
 # -- _traced: the checks made while tracing

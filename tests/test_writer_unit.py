@@ -8,11 +8,11 @@ import os
 
 import numpy as np
 import pytest
+from helpers import checked_options
 
 import jax_cb_ckpt
 from jax_cb_ckpt import SaveError, _format, _storage
 from jax_cb_ckpt._exchange import Exchange, SaveItem
-from jax_cb_ckpt._options import Options
 from jax_cb_ckpt._spec import ARRAY, LeafSpec
 from jax_cb_ckpt._stats import StatsRecorder
 from jax_cb_ckpt._writer import Writer
@@ -37,18 +37,7 @@ class Parts:
     """A writer with its exchange, lock and counters, on `directory`."""
 
     def __init__(self, directory, max_to_keep=None):
-        self.options = Options.checked(
-            directory,
-            every=None,
-            max_to_keep=max_to_keep,
-            queue_size=2,
-            on_full="block",
-            compression=False,
-            on_error="raise",
-            on_existing="raise",
-            crossing="auto",
-            peer_timeout=10.0,
-        )
+        self.options = checked_options(directory, max_to_keep=max_to_keep, peer_timeout=10.0)
         self.exchange = Exchange(
             self.options.directory, queue_size=self.options.slots, on_existing="raise", old_steps=[]
         )
