@@ -174,7 +174,7 @@ class ObjectLock(DirectoryLock):
     token, pid, host), since when, and a heartbeat. It is created with an if-absent
     precondition (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`), so of two writers
     racing to create it one wins; the holder rewrites it every `BEAT_S` seconds under an
-    if-generation-matches precondition, and empties it when it closes. Every write is
+    if-generation-matches precondition, and marks it released when it closes. Every write is
     read back (an emulator may ignore preconditions), and the writer checks the lock is
     still its own before each step it commits.
 
@@ -298,7 +298,7 @@ class ObjectLock(DirectoryLock):
 
     def _beat(self) -> None:
         while not self._beating.wait(self.BEAT_S):
-            with self._io:  # not while release() empties it
+            with self._io:  # not while release() marks it released
                 if self._beating.is_set():
                     return
                 try:
@@ -329,19 +329,28 @@ class ObjectLock(DirectoryLock):
                 del _HELD[self.directory]
         with self._io:  # after a heartbeat in flight: its generation is the one to match
             if not self._lost:
-                try:  # emptied, not deleted: a writer waiting on it sees the release
-                    _remote.write(self.path, b"", if_equal=self._generation, timeout=_RELEASE_S)
+                try:  # released, not deleted: a writer waiting on it sees the release
+                    _remote.write(
+                        self.path, _released(), if_equal=self._generation, timeout=_RELEASE_S
+                    )
                 except (_remote.StorageError, TimeoutError):
                     pass  # the next opener finds no heartbeat and takes it over
         self._released.set()
 
 
-_RELEASE_S = 5.0  # close() does not wait longer to empty the lock (storage may be away)
+_RELEASE_S = 5.0  # close() does not wait longer to release the lock (storage may be away)
 _RECORD = ("token", "pid", "host", "since", "pid_space")
 
 
+def _released() -> bytes:
+    """A released lock object's content. Not empty: gcp-storage-emulator never answers
+    an upload of no bytes (close() waited `_RELEASE_S` and the next opener `STALE_S`)."""
+    return json.dumps({"released": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+
+
 def _holder(data: bytes | None) -> dict[str, Any] | None:
-    """The record of a held lock object; None when absent or released (empty)."""
+    """The record of a held lock object; None when absent or released (emptied, as
+    earlier versions left it, or a `_released` record)."""
     if not data:
         return None
     try:
@@ -350,6 +359,8 @@ def _holder(data: bytes | None) -> dict[str, Any] | None:
         record = None
     if not isinstance(record, dict):  # not ours to read: judged by its heartbeat
         return {"token": "?", "pid": "?", "host": "?", "since": "unreadable lock object"}
+    if set(record) == {"released"}:
+        return None
     return {k: record.get(k) for k in _RECORD}
 
 

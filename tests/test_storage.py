@@ -404,6 +404,39 @@ def test_a_dead_writers_lock_is_taken_over_with_a_warning(remote, tmp_path, capl
     assert jax_cb_ckpt.all_steps(remote.url) == [1]
 
 
+def _reopened_without_a_takeover(remote, monkeypatch, caplog):
+    """A second writer of `remote` opens and saves step 2 at once, with no warning."""
+    from jax_cb_ckpt import _lock
+
+    monkeypatch.setattr(_lock.ObjectLock, "STALE_S", 2.0)  # a failure costs 2 s, not 30
+    caplog.set_level(logging.WARNING, logger="jax_cb_ckpt")
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save({"x": jnp.float32(2)}, 2)
+    assert "took over" not in caplog.text
+
+
+@THREE_SERVERS
+def test_a_released_lock_is_taken_at_once_without_a_warning(remote, monkeypatch, caplog):
+    """close() marks the lock object released, and the next writer takes it at once.
+    Before, close() emptied it: gcp-storage-emulator never answers an upload of no
+    bytes, so close() waited 5 s and the next opener watched the stale record for 30 s
+    and took it over with a warning."""
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save({"x": jnp.float32(1)}, 1)
+    lock = _remote.read(f"{remote.url}/.jax_cb_ckpt.lock")[0]
+    assert set(json.loads(lock)) == {"released"}
+    _reopened_without_a_takeover(remote, monkeypatch, caplog)
+    assert jax_cb_ckpt.all_steps(remote.url) == [1, 2]
+
+
+def test_a_lock_emptied_by_an_earlier_version_reads_as_released(remote, monkeypatch, caplog):
+    """Earlier versions emptied the lock object at close() (on the servers that take an
+    upload of no bytes): that still means released."""
+    put(f"{remote.url}/.jax_cb_ckpt.lock", b"")
+    _reopened_without_a_takeover(remote, monkeypatch, caplog)
+    assert jax_cb_ckpt.all_steps(remote.url) == [2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
 @pytest.mark.parametrize(
