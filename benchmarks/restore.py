@@ -47,7 +47,7 @@ import numpy as np
 
 import jax_cb_ckpt
 from jax_cb_ckpt import _remote
-from jax_cb_ckpt._store import CHUNK_BYTES
+from jax_cb_ckpt._format import CHUNK_BYTES
 
 from .harness import medians, rotated, write_results
 from .run import machine

@@ -12,6 +12,7 @@ import jax
 
 from . import (
     _format,
+    _options,
     _processes,
     _remote,
     _restore,
@@ -32,13 +33,12 @@ from ._errors import (
     SaveFailedWarning,
     shown,
 )
-from ._exchange import Closed, Exchange, OnExisting, is_failed_write
+from ._exchange import Closed, Exchange, is_failed_write
 from ._host import HostSide, probe_callback_arrays
-from ._options import OnError, OnFull, Options
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._traced import Crossing, Gather
-from ._writer import Writer, emit_notes
+from ._types import Crossing, Gather, OnError, OnExisting, OnFull
+from ._writer import Writer
 
 
 class Checkpointer:
@@ -120,7 +120,7 @@ class Checkpointer:
         crossing: Crossing = "auto",
         peer_timeout: float = 60.0,
     ) -> None:
-        options = Options.checked(
+        options = _options.checked(
             directory,
             every=every,
             max_to_keep=max_to_keep,
@@ -403,7 +403,7 @@ class Checkpointer:
     def _raise_writer_error(self) -> None:
         """Issue pending warnings (at the user's line, `_warn`) and raise (or warn
         about) the first writer error."""
-        emit_notes(self._exchange)
+        self._exchange.emit_notes()
         error = self._exchange.take_error()
         if error is None:
             return

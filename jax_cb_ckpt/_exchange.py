@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
+from . import _warn
 from ._errors import (
     CheckpointError,
     DuplicateStepWarning,
@@ -43,8 +44,7 @@ from ._errors import (
     StepExistsError,
     StepOrderWarning,
 )
-
-OnExisting = Literal["raise", "replace"]
+from ._types import OnExisting
 
 
 class Closed(enum.Enum):
@@ -401,6 +401,12 @@ class Exchange:
         with self._cond:
             notes, self._notes = self._notes, []
             return notes
+
+    def emit_notes(self) -> None:
+        """Issue the warnings the callback side and the writer noted, in this thread (at
+        the caller's first line outside the package, `_warn`)."""
+        for category, message in self.take_notes():
+            _warn.warn(message, category)
 
     def forget(self, steps_on_disk: list[int]) -> None:
         """After a restore: the run continues from a restored step, so every step now on

@@ -22,7 +22,6 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.metadata
 import math
@@ -43,57 +42,11 @@ from ._errors import (
     UnflushedSaveWarning,
 )
 from ._exchange import Closed, Exchange, Plan, SaveItem, is_failed_write
-from ._options import OnError, OnFull, Options
+from ._spec import Signature
 from ._staging import StagingPool
 from ._stats import StatsRecorder
+from ._types import OnError, OnFull, Options
 from ._version import version
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Signature:
-    """What the callback needs to know about a traced state, fixed at trace time.
-
-    `constants` are the leaves that were concrete while tracing (numpy arrays, numpy and
-    Python scalars): they are the same at every call of the compiled program, so they
-    are copied once, here, and never cross through JAX (which would canonicalize their
-    dtypes: an int64 leaf would arrive as int32 with x64 off).
-    """
-
-    specs: tuple[_tree.LeafSpec, ...]
-    data_ndims: tuple[int, ...]  # ndim of each leaf's data (key data has extra axes)
-    constants: tuple[tuple[int, np.ndarray], ...] = ()  # (leaf index, host copy)
-
-    def assemble(self, crossed: Sequence[np.ndarray], batch_shape: tuple[int, ...]):
-        """Every leaf's host array, in order: the arrays that crossed, and the constants
-        broadcast to the batch shape (vmap and device gathers prepend axes)."""
-        constant = dict(self.constants)
-        it = iter(crossed)
-        out = []
-        for index in range(len(self.specs)):
-            value = constant.get(index)
-            if value is None:
-                out.append(next(it))
-            elif batch_shape:
-                out.append(np.broadcast_to(value, batch_shape + value.shape))
-            else:
-                out.append(value)
-        return out
-
-    def stored(self, hosts: Sequence[np.ndarray]) -> tuple[_tree.LeafSpec, ...]:
-        """The specs of the arrays as they arrive: vmap and device gathers add or widen
-        leading axes, so the stored shape is read off the array (minus key-data axes)."""
-        specs = []
-        for spec, ndim, host in zip(self.specs, self.data_ndims, hosts, strict=True):
-            trailing = ndim - len(spec.shape)  # key-data axes of a typed key
-            shape = tuple(host.shape[: host.ndim - trailing])
-            if shape == spec.shape:
-                specs.append(spec)
-            elif spec.kind == _tree.SCALAR:  # a Python number broadcast over a batch
-                specs.append(dataclasses.replace(spec, kind=_tree.ARRAY, shape=shape))
-            else:
-                specs.append(dataclasses.replace(spec, shape=shape))
-        return tuple(specs)
-
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
 

@@ -33,6 +33,7 @@ from typing import Any
 from . import _remote
 from ._errors import ConfigError, DirectoryLockedError
 from ._format import LOCK_NAME
+from ._heartbeat import Heartbeat
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -191,7 +192,7 @@ class ObjectLock(DirectoryLock):
 
     def _acquire(self) -> None:
         self.token = uuid.uuid4().hex
-        self._beating = threading.Event()
+        self._heartbeat = Heartbeat("jax_cb_ckpt-lock", self.BEAT_S, self._beat)
         self._lost = False
         self._io = threading.Lock()  # one write of the lock object at a time
         since = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -247,7 +248,7 @@ class ObjectLock(DirectoryLock):
                 _describe(taken_from),
                 self.STALE_S,
             )
-        threading.Thread(target=self._beat, name="jax_cb_ckpt-lock", daemon=True).start()
+        self._heartbeat.start()
 
     def _read(self) -> tuple[bytes | None, bytes]:
         try:
@@ -296,21 +297,21 @@ class ObjectLock(DirectoryLock):
             )
         return generation
 
-    def _beat(self) -> None:
-        while not self._beating.wait(self.BEAT_S):
-            with self._io:  # not while release() marks it released
-                if self._beating.is_set():
-                    return
-                try:
-                    written = _remote.write(
-                        self.path, self._beat_record(), if_equal=self._generation
-                    )
-                except _remote.StorageError:
-                    continue  # the next beat tries again; each step checks still_ours()
-                if written is None:
-                    self._lost = True
-                    return
-                self._generation = written
+    def _beat(self) -> bool:
+        """Rewrite the lock object with a new beat time; False once it is no longer
+        ours (or released): no more beats."""
+        with self._io:  # not while release() marks it released
+            if self._heartbeat.stopped.is_set():
+                return False
+            try:
+                written = _remote.write(self.path, self._beat_record(), if_equal=self._generation)
+            except _remote.StorageError:
+                return True  # the next beat tries again; each step checks still_ours()
+            if written is None:
+                self._lost = True
+                return False
+            self._generation = written
+            return True
 
     def still_ours(self) -> bool:
         """Our record is in the lock object (a `StorageError` when it cannot be read:
@@ -322,9 +323,9 @@ class ObjectLock(DirectoryLock):
 
     def release(self) -> None:
         with _HELD_LOCK:
-            if self._beating.is_set():
+            if self._heartbeat.stopped.is_set():
                 return
-            self._beating.set()
+            self._heartbeat.stop()
             if _HELD.get(self.directory) is self:
                 del _HELD[self.directory]
         with self._io:  # after a heartbeat in flight: its generation is the one to match

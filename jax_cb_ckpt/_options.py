@@ -1,27 +1,22 @@
 """A Checkpointer's options: checked once, in one place, then read by every part.
 
-`Options.checked(...)` validates every argument of `Checkpointer(...)` (each error names
-the argument, what it got, what is allowed and how to fix it) and returns a frozen
-`Options`, which the Checkpointer hands to the host side and the writer; nothing changes
-it afterwards.
+`checked(...)` validates every argument of `Checkpointer(...)` (each error names the
+argument, what it got, what is allowed and how to fix it) and returns a frozen
+`_types.Options`, which the Checkpointer hands to the host side and the writer; nothing
+changes it afterwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
 from . import _format, _remote
 from ._errors import ConfigError, shown
-from ._exchange import OnExisting
-from ._traced import Crossing
-
-OnFull = Literal["block", "skip", "newest"]
-OnError = Literal["raise", "continue"]
+from ._types import Crossing, OnError, OnExisting, OnFull, Options
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
@@ -29,110 +24,87 @@ _ON_EXISTING = typing.get_args(OnExisting)
 _CROSSING = typing.get_args(Crossing)
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Every option of a Checkpointer, checked (see `Checkpointer` for their meaning)."""
-
-    directory: str  # absolute path, or a canonical gs:// / s3:// URL
-    every: int | None
-    max_to_keep: int | None
-    queue_size: int
-    on_full: OnFull
-    compression: bool
-    on_error: OnError
-    on_existing: OnExisting
-    crossing: Crossing
-    peer_timeout: float
-
-    @property
-    def slots(self) -> int:
-        """Saves in flight at most: with "newest", `queue_size` wait and one more may
-        be being written."""
-        return self.queue_size + (self.on_full == "newest")
-
-    @classmethod
-    def checked(
-        cls,
-        directory: Any,
-        *,
-        every: Any,
-        max_to_keep: Any,
-        queue_size: Any,
-        on_full: Any,
-        compression: Any,
-        on_error: Any,
-        on_existing: Any,
-        crossing: Any,
-        peer_timeout: Any,
-    ) -> Options:
-        """The options, or a `ConfigError` for the first invalid one."""
-        path = _format.resolve(directory, "Checkpointer(directory=...)")
-        if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(
-                f"Checkpointer(directory={path!r}): that path is an existing file, not "
-                "a directory. Fix: pass a directory path (it is created if missing)."
-            )
-        every = _positive_int(every, "every", "save when step % every == 0", optional=True)
-        max_to_keep = _positive_int(
-            max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
+def checked(
+    directory: Any,
+    *,
+    every: Any,
+    max_to_keep: Any,
+    queue_size: Any,
+    on_full: Any,
+    compression: Any,
+    on_error: Any,
+    on_existing: Any,
+    crossing: Any,
+    peer_timeout: Any,
+) -> Options:
+    """The options, or a `ConfigError` for the first invalid one."""
+    path = _format.resolve(directory, "Checkpointer(directory=...)")
+    if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(
+            f"Checkpointer(directory={path!r}): that path is an existing file, not "
+            "a directory. Fix: pass a directory path (it is created if missing)."
         )
-        size = _positive_int(queue_size, "queue_size", "saves in flight at most", optional=False)
-        assert size is not None
-        if on_full not in _ON_FULL:
-            raise ConfigError(
-                f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
-                "'block' makes the device wait when the queue is full (nothing lost), "
-                "'skip' drops that save and counts it, 'newest' drops the oldest save "
-                "still waiting instead (the device never waits for the disk)."
-            )
-        if on_error not in _ON_ERROR:
-            raise ConfigError(
-                f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
-                "'raise' stops the run at a failed write, 'continue' trains on and counts it."
-            )
-        if on_existing not in _ON_EXISTING:
-            raise ConfigError(
-                f"Checkpointer(on_existing={on_existing!r}): on_existing must be one of "
-                f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
-                "run's steps in the directory, 'replace' deletes that run's steps from "
-                "the saved step on and writes the new one."
-            )
-        if crossing not in _CROSSING:
-            raise ConfigError(
-                f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
-                "'auto' (the copy-once 'buffer' crossing on CPU and CUDA GPUs, 'callback' "
-                "elsewhere), "
-                "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
-            )
-        if (
-            isinstance(peer_timeout, bool)
-            or not isinstance(peer_timeout, int | float)
-            or not peer_timeout > 0
-        ):
-            raise ConfigError(
-                f"Checkpointer(peer_timeout={peer_timeout!r}): peer_timeout must be a "
-                "positive number of seconds (how long a process of a multi-process run "
-                "waits for the others at each save)."
-            )
-        if on_full != "block" and jax.process_count() > 1:
-            raise ConfigError(
-                f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
-                "queue fills at its own pace, so the processes would drop different "
-                "steps and no checkpoint would be complete. Fix: use on_full='block' "
-                "(the default) and a larger queue_size."
-            )
-        return cls(
-            path,
-            every,
-            max_to_keep,
-            size,
-            on_full,
-            bool(compression),
-            on_error,
-            on_existing,
-            crossing,
-            float(peer_timeout),
+    every = _positive_int(every, "every", "save when step % every == 0", optional=True)
+    max_to_keep = _positive_int(
+        max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
+    )
+    size = _positive_int(queue_size, "queue_size", "saves in flight at most", optional=False)
+    assert size is not None
+    if on_full not in _ON_FULL:
+        raise ConfigError(
+            f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
+            "'block' makes the device wait when the queue is full (nothing lost), "
+            "'skip' drops that save and counts it, 'newest' drops the oldest save "
+            "still waiting instead (the device never waits for the disk)."
         )
+    if on_error not in _ON_ERROR:
+        raise ConfigError(
+            f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
+            "'raise' stops the run at a failed write, 'continue' trains on and counts it."
+        )
+    if on_existing not in _ON_EXISTING:
+        raise ConfigError(
+            f"Checkpointer(on_existing={on_existing!r}): on_existing must be one of "
+            f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
+            "run's steps in the directory, 'replace' deletes that run's steps from "
+            "the saved step on and writes the new one."
+        )
+    if crossing not in _CROSSING:
+        raise ConfigError(
+            f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
+            "'auto' (the copy-once 'buffer' crossing on CPU and CUDA GPUs, 'callback' "
+            "elsewhere), "
+            "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
+        )
+    if (
+        isinstance(peer_timeout, bool)
+        or not isinstance(peer_timeout, int | float)
+        or not peer_timeout > 0
+    ):
+        raise ConfigError(
+            f"Checkpointer(peer_timeout={peer_timeout!r}): peer_timeout must be a "
+            "positive number of seconds (how long a process of a multi-process run "
+            "waits for the others at each save)."
+        )
+    if on_full != "block" and jax.process_count() > 1:
+        raise ConfigError(
+            f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
+            "queue fills at its own pace, so the processes would drop different "
+            "steps and no checkpoint would be complete. Fix: use on_full='block' "
+            "(the default) and a larger queue_size."
+        )
+    return Options(
+        path,
+        every,
+        max_to_keep,
+        size,
+        on_full,
+        bool(compression),
+        on_error,
+        on_existing,
+        crossing,
+        float(peer_timeout),
+    )
 
 
 def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:

@@ -49,6 +49,7 @@ import jax
 
 from . import _format, _remote, _storage
 from ._errors import CheckpointError, ConfigError, SaveError
+from ._heartbeat import Heartbeat
 
 OK = "ok"
 # The check file of an opening; only ever there while a run opens the directory (a
@@ -166,11 +167,11 @@ class Group:
         self.writing: int | None = None
         self.handing: int | None = None
         self._beat_s = min(1.0, timeout_s / 4)
-        self._stopped = threading.Event()
         self._beats = itertools.count()
         self._beats_lock = threading.Lock()
+        self._heartbeat = Heartbeat("jax_cb_ckpt-heartbeat", self._beat_s, self._beat_on)
         self._beat()
-        threading.Thread(target=self._beating, name="jax_cb_ckpt-heartbeat", daemon=True).start()
+        self._heartbeat.start()
 
     def _check_shared(self, directory: str, key: str, nonce: str, trouble: str | None) -> None:
         """Every process sees the directory process 0 opened (the module doc), or every
@@ -238,16 +239,17 @@ class Group:
             value = f"{n} {self.writing} {self.handing}"
             self._client.key_value_set(self._alive_key(self.index), value, allow_overwrite=True)
 
-    def _beating(self) -> None:
-        while not self._stopped.wait(self._beat_s):
-            try:
-                self._beat()
-            except Exception:  # the service is gone: the waits report it
-                return
+    def _beat_on(self) -> bool:
+        """A heartbeat's beat: False once the service is gone (the waits report it)."""
+        try:
+            self._beat()
+        except Exception:
+            return False
+        return True
 
     def close(self) -> None:
         """Stop saying this process lives (its writer has stopped)."""
-        self._stopped.set()
+        self._heartbeat.stop()
         try:
             self._call("key_value_delete", self._alive_key(self.index))
         except Exception:  # the service is gone already
@@ -321,7 +323,7 @@ class Group:
                     raise self._in_vain(what, fix, e) from e
                 last = e
             if peer is not None:
-                beat = self._heartbeat(peer[0])
+                beat = self._peer_beat(peer[0])
                 if beat is not None and beat != heard and str(peer[1]) in beat.split()[1:]:
                     # At work on it: wait on. Its heartbeat may pause for a while as it
                     # writes a large leaf (the writer holds the GIL in copies), so a
@@ -331,7 +333,7 @@ class Group:
             if time.monotonic() >= deadline:
                 raise self._in_vain(what, fix, last) from last
 
-    def _heartbeat(self, index: int) -> str | None:
+    def _peer_beat(self, index: int) -> str | None:
         try:
             return str(self._call("key_value_try_get", self._alive_key(index), bound_s=_SLACK_S))
         except Exception:

@@ -18,7 +18,7 @@ writes (`_store.py`), checked while they are read.
    that the result does not need.
 
 How a leaf is read follows what its `.zarray` says: a small uncompressed leaf (the
-writer's raw chunks, <= `_store.SMALL_BYTES`) as the raw bytes of its chunks (no zarr
+writer's raw chunks, <= `_format.SMALL_BYTES`) as the raw bytes of its chunks (no zarr
 driver to open); any other through TensorStore's zarr driver, given the checked
 `.zarray` (not read twice), writing each piece straight into the result.
 
@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
+from ._format import SMALL_BYTES, checksum, checksum_bytes, param_name, region_key
 from ._spec import LeafSpec
 from ._staging import empty_aligned
-from ._store import SMALL_BYTES, checksum, checksum_bytes, param_name, region_key
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension; () for a scalar
 

@@ -25,8 +25,8 @@ from jax.core import Tracer
 
 from . import _shards, _traced, _tree
 from ._errors import ConfigError, InvalidStateError
-from ._host import Signature
-from ._traced import Gather
+from ._spec import Signature
+from ._types import Gather
 
 _GATHER = typing.get_args(Gather)
 

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,25 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
+from ._types import Saver
 
 logger = logging.getLogger("jax_cb_ckpt")
-
-
-class Saver(Protocol):
-    """What `run` uses of a Checkpointer (its public surface)."""
-
-    @property
-    def directory(self) -> str: ...
-    @property
-    def every(self) -> int | None: ...
-    def latest_step(self) -> int | None: ...
-    def restore(self, like: Any, *, step: int | None = None) -> Any: ...
-    def maybe_save(
-        self, state: Any, step: Any, *, when: Any = None, shardings: Any = None
-    ) -> None: ...
-    def wait(self) -> None: ...
-    @property
-    def stats(self) -> Any: ...
 
 
 def run(

@@ -14,16 +14,13 @@ runs in the same order on the same values as in one `lax.scan`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ._errors import ConfigError
-
-
-class Saver(Protocol):
-    def save(self, state: Any, step: Any, *, shardings: Any = None) -> None: ...
+from ._types import Saver
 
 
 def scan(

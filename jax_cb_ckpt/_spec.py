@@ -1,5 +1,6 @@
 """How one leaf of a state is stored: `LeafSpec`, the description that travels with
-every checkpoint as JSON (never pickle).
+every checkpoint as JSON (never pickle); and `Signature`, a traced state's specs fixed
+at trace time (built by `_route`, read by the host side when the arrays arrive).
 
 Below `_tree.py` (which builds specs from a state, with JAX) and imported by everything
 that reads a checkpoint: it needs numpy only, so the reader and the command line
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -122,3 +124,49 @@ def key_data_shape(impl: str | None) -> tuple[int, ...]:
     import jax  # an implementation registered by the user: only JAX knows it
 
     return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Signature:
+    """What the callback needs to know about a traced state, fixed at trace time.
+
+    `constants` are the leaves that were concrete while tracing (numpy arrays, numpy and
+    Python scalars): they are the same at every call of the compiled program, so they
+    are copied once, here, and never cross through JAX (which would canonicalize their
+    dtypes: an int64 leaf would arrive as int32 with x64 off).
+    """
+
+    specs: tuple[LeafSpec, ...]
+    data_ndims: tuple[int, ...]  # ndim of each leaf's data (key data has extra axes)
+    constants: tuple[tuple[int, np.ndarray], ...] = ()  # (leaf index, host copy)
+
+    def assemble(self, crossed: Sequence[np.ndarray], batch_shape: tuple[int, ...]):
+        """Every leaf's host array, in order: the arrays that crossed, and the constants
+        broadcast to the batch shape (vmap and device gathers prepend axes)."""
+        constant = dict(self.constants)
+        it = iter(crossed)
+        out = []
+        for index in range(len(self.specs)):
+            value = constant.get(index)
+            if value is None:
+                out.append(next(it))
+            elif batch_shape:
+                out.append(np.broadcast_to(value, batch_shape + value.shape))
+            else:
+                out.append(value)
+        return out
+
+    def stored(self, hosts: Sequence[np.ndarray]) -> tuple[LeafSpec, ...]:
+        """The specs of the arrays as they arrive: vmap and device gathers add or widen
+        leading axes, so the stored shape is read off the array (minus key-data axes)."""
+        specs = []
+        for spec, ndim, host in zip(self.specs, self.data_ndims, hosts, strict=True):
+            trailing = ndim - len(spec.shape)  # key-data axes of a typed key
+            shape = tuple(host.shape[: host.ndim - trailing])
+            if shape == spec.shape:
+                specs.append(spec)
+            elif spec.kind == SCALAR:  # a Python number broadcast over a batch
+                specs.append(dataclasses.replace(spec, kind=ARRAY, shape=shape))
+            else:
+                specs.append(dataclasses.replace(spec, shape=shape))
+        return tuple(specs)

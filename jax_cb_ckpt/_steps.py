@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _format, _read, _remote, _storage, _store, _warn
+from . import _format, _read, _remote, _storage, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -297,7 +297,7 @@ def read_leaves(
     except _read.ChecksumMismatch as e:
         if not storage.still_there(step, seen):
             raise removed(storage, step, where) from e
-        name = _store.param_name(e.leaf.name)
+        name = _format.param_name(e.leaf.name)
         raise _mismatch(where, name, e.leaf.path, e.region, storage.step_path(step)) from None
     except _read.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
@@ -321,7 +321,7 @@ def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> Rest
 
 def _leaf_sums(sums: dict[str, Any], saved: LeafSpec, where: str) -> dict[str, int]:
     """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
-    leaf_sums = sums.get(_store.param_name(saved.name))
+    leaf_sums = sums.get(_format.param_name(saved.name))
     if leaf_sums is None:
         raise RestoreError(
             f"{where}: leaf {saved.path} has no checksum in the checkpoint's "

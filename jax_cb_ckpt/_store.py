@@ -43,17 +43,19 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-try:  # ISA-L's CRC-32 (SIMD): zlib's checksum, ~19 GB/s here where zlib's runs at ~2.5
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # a platform without its wheels: the same checksum, slower
-    from zlib import crc32 as _crc32
-
-from ._format import CHUNK_BYTES, PROCESS_PREFIX
+from ._format import (
+    CHUNK_BYTES,
+    PROCESS_PREFIX,
+    SMALL_BYTES,
+    Region,
+    checksum,
+    param_name,
+    region_key,
+)
 
 # Larger leaves are split into chunks of at most CHUNK_BYTES (the on-disk format's:
 # `_format`), so chunks are copied in parallel.
 DATA_FILE_BYTES = 32 << 20  # values are spread over data files of about this size
-SMALL_BYTES = 64 << 10  # smaller leaves: raw chunk bytes, never compressed
 
 # Orbax's OCDBT settings, so that what we write is what Orbax would have written and
 # what it expects to merge (values up to 1 KiB sit inline in the B-tree).
@@ -63,8 +65,6 @@ _OCDBT_CONFIG = {
     "manifest_kind": "single",
 }
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension
-
 
 class Blocks:
     """A leaf written block by block: its global shape and dtype and {region: block}."""
@@ -73,27 +73,6 @@ class Blocks:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.blocks = dict(blocks)
-
-
-def param_name(path: tuple[str, ...]) -> str:
-    """The name Orbax gives a leaf's array inside the database."""
-    return ".".join(path)
-
-
-def region_key(region: Region) -> str:
-    """A region as text, for the checksums in `meta`: '0:4,8:16' ('' for a scalar)."""
-    return ",".join(f"{a}:{b}" for a, b in region)
-
-
-def checksum(array: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order."""
-    array = np.ascontiguousarray(array)
-    return _crc32(array.reshape(-1).view(np.uint8).data) if array.size else 0
-
-
-def checksum_bytes(data: bytes) -> int:
-    """`checksum` of an array whose bytes these are."""
-    return _crc32(data) if data else 0
 
 
 KvstoreSpec = Callable[[str], dict[str, Any]]  # a path -> its key-value store's spec

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +49,7 @@ from ._dtypes import PACKED_AS, packed
 from ._errors import InvalidStateError, shown
 from ._format import MAX_STEP
 from ._shards import Layout
-
-Gather = Literal["stack", "concat", "replicated"]
-Crossing = Literal["auto", "buffer", "callback"]
+from ._types import Gather
 
 
 def buffer_by_default() -> bool:

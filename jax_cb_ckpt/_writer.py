@@ -39,10 +39,10 @@ from ._errors import (
 )
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
-from ._options import Options
 from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
+from ._types import Options
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -146,7 +146,7 @@ class Writer:
         """A writer that ends while warnings or an error are still pending was finished
         by garbage collection or interpreter exit (close() takes them first): nobody will
         ask any more, so report them now rather than lose them."""
-        emit_notes(self._exchange)
+        self._exchange.emit_notes()
         error = self._exchange.take_error()
         if error is not None:
             _warn.warn(f"jax_cb_ckpt: {error}", SaveFailedWarning)
@@ -325,7 +325,7 @@ class Writer:
             if isinstance(leaf, ShardedArray):
                 blocks = {k: _dtypes.storable(b) for k, b in leaf.written_here().items()}
                 stored = _dtypes.storage_dtype(leaf.dtype)
-                if round_.count == 1 and leaf.nbytes <= _store.SMALL_BYTES:
+                if round_.count == 1 and leaf.nbytes <= _format.SMALL_BYTES:
                     # A small leaf this process holds whole: one chunk (a memcpy costs
                     # less than a key per block).
                     flat[path] = _assemble(leaf.shape, stored, blocks)
@@ -423,10 +423,3 @@ def _untouched_message(urls: list[str]) -> str:
         "have it as a step here, restore it where it came from and save it with a "
         "Checkpointer on this location."
     )
-
-
-def emit_notes(exchange: Exchange) -> None:
-    """Issue the warnings the callback side and the writer noted, in this thread (at
-    the caller's first line outside the package, `_warn`)."""
-    for category, message in exchange.take_notes():
-        _warn.warn(message, category)

@@ -279,9 +279,9 @@ def run_twice(tmp_path, code):
 
 
 def checked_options(directory, **changes):
-    """`_options.Options.checked` of `directory` with the Checkpointer's defaults but
+    """`_options.checked` of `directory` with the Checkpointer's defaults but
     `changes` (a stage's unit tests build the options without a Checkpointer)."""
-    from jax_cb_ckpt._options import Options
+    from jax_cb_ckpt._options import checked
 
     given = dict(
         every=None,
@@ -295,4 +295,4 @@ def checked_options(directory, **changes):
         peer_timeout=60,
     )
     given.update(changes)
-    return Options.checked(directory, **given)
+    return checked(directory, **given)

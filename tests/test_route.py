@@ -1,5 +1,5 @@
 """Which way a save goes (`_route.plan`), the checks made while tracing (`_traced`) and
-the options a save runs under (`_options.Options.checked`), each on its own: no
+the options a save runs under (`_options.checked`), each on its own: no
 Checkpointer, no callback, no disk.
 The whole save is the end-to-end tests'; these pin the rules a stage owns."""
 
@@ -94,7 +94,7 @@ def test_shardings_that_do_not_fit_the_state_are_refused():
         plan(state, 1, 1, processes=1, shardings=sharding, axis_name="i")
 
 
-# -- _options.Options.checked
+# -- _options.checked
 
 
 def test_options_are_checked_once_and_frozen(tmp_path):

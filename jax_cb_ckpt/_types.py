@@ -1,0 +1,59 @@
+"""The types several stages share, below all of them: the values a Checkpointer's
+options take, the checked options (`Options`) that the façade builds once
+(`_options.checked`) and hands to the host side, the exchange and the writer, and what
+the loops `run` and `ckpt.scan` use of a Checkpointer (`Saver`).
+
+Nothing here runs or blocks; it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Protocol
+
+OnFull = Literal["block", "skip", "newest"]  # a save that finds the queue full
+OnError = Literal["raise", "continue"]  # a write that failed
+OnExisting = Literal["raise", "replace"]  # another run's steps at or above a save's
+Crossing = Literal["auto", "buffer", "callback"]  # how traced arrays reach the host
+Gather = Literal["stack", "concat", "replicated"]  # a state gathered over an axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every option of a Checkpointer, checked (see `Checkpointer` for their meaning)."""
+
+    directory: str  # absolute path, or a canonical gs:// / s3:// URL
+    every: int | None
+    max_to_keep: int | None
+    queue_size: int
+    on_full: OnFull
+    compression: bool
+    on_error: OnError
+    on_existing: OnExisting
+    crossing: Crossing
+    peer_timeout: float
+
+    @property
+    def slots(self) -> int:
+        """Saves in flight at most: with "newest", `queue_size` wait and one more may
+        be being written."""
+        return self.queue_size + (self.on_full == "newest")
+
+
+class Saver(Protocol):
+    """What the loops (`_run.run`, `_scan.scan`) use of a Checkpointer: its public
+    surface, so they need not import the façade."""
+
+    @property
+    def directory(self) -> str: ...
+    @property
+    def every(self) -> int | None: ...
+    def latest_step(self) -> int | None: ...
+    def restore(self, like: Any, *, step: int | None = None) -> Any: ...
+    def save(self, state: Any, step: Any, *, shardings: Any = None) -> None: ...
+    def maybe_save(
+        self, state: Any, step: Any, *, when: Any = None, shardings: Any = None
+    ) -> None: ...
+    def wait(self) -> None: ...
+    @property
+    def stats(self) -> Any: ...
