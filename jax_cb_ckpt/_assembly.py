@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ._exchange import Claim
+
 
 class Assembly:
     """The blocks of one step arriving from the devices of a mesh.
@@ -37,13 +39,13 @@ class Assembly:
         self._reserved: list[set[Any]] = [set() for _ in range(leaves)]
         self.releases: list[Callable[[], None]] = []
         self.blocking_s = 0.0  # the longest any device waited in its own call
-        self.plan: Any = None  # the first device's decision: None saves nothing
+        self.claim: Claim | None = None  # the first device's decision: None saves nothing
         self.failed = False  # a device's report raised, or the run ended without it
         self.settled = False  # given back (buffers, slot) without being saved
         self._decided = threading.Event()
 
-    def decide(self, plan: Any) -> None:
-        self.plan = plan
+    def decide(self, claim: Claim | None) -> None:
+        self.claim = claim
         self._decided.set()
 
     def wait_decided(self) -> None:
@@ -51,7 +53,7 @@ class Assembly:
 
     @property
     def saving(self) -> bool:
-        return self.plan is not None and not self.failed
+        return self.claim is not None and not self.failed
 
     def add(self, blocks: Sequence[tuple[int, Any, np.ndarray]], release: Callable[[], None]):
         """One device's copies: (leaf, block key, copy) each, and how to give them back."""

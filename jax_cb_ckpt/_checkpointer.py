@@ -303,25 +303,28 @@ class Checkpointer:
         """
         where = "maybe_save"
         self._check_usable(where)
-        known = _traced.check_step(step, where)
+        step_value = _traced.check_step(step, where)
         if when is None:
             if self._options.every is None:
                 raise ConfigError(
                     "maybe_save: no predicate. Fix: pass when=<bool scalar>, or create "
                     "the Checkpointer with every=N to save when step % N == 0."
                 )
-            if known is not None:  # decided in Python: no cond in the program
-                pred = None if known % self._options.every == 0 else False
+            if step_value is not None:  # decided in Python: no cond in the program
+                wanted, condition = step_value % self._options.every == 0, None
             else:
-                pred = _traced.traced_step(step, known, where) % self._options.every == 0
+                traced = _traced.traced_step(step, None, where)
+                wanted, condition = True, traced % self._options.every == 0
+        elif isinstance(when, bool):  # decided in Python too
+            wanted, condition = when, None
         else:
-            pred = _traced.check_when(when, where)
-            if isinstance(when, bool):
-                pred = None if when else False
-        if pred is False:
+            wanted, condition = True, _traced.check_when(when, where)
+        if not wanted:
             _tree.describe_state(state, where)  # still check the state
             return
-        self._cross(state, step, known, pred, where, axis_name, gather, shardings)
+        self._cross(
+            _route.Request(where, state, step, step_value, condition, axis_name, gather, shardings)
+        )
 
     def save(
         self,
@@ -338,24 +341,16 @@ class Checkpointer:
         """
         where = "save"
         self._check_usable(where)
-        known = _traced.check_step(step, where)
-        self._cross(state, step, known, None, where, axis_name, gather, shardings)
-
-    def _cross(
-        self,
-        state: Any,
-        step: Any,
-        known: int | None,
-        pred: Any,
-        where: str,
-        axis_name: Any,
-        gather: Gather,
-        shardings: Any = None,
-    ) -> None:
-        processes = 1 if self._group is None else self._group.count
-        route = _route.plan(
-            state, step, known, pred, where, axis_name, gather, shardings, processes=processes
+        step_value = _traced.check_step(step, where)
+        self._cross(
+            _route.Request(where, state, step, step_value, None, axis_name, gather, shardings)
         )
+
+    def _cross(self, request: _route.Request) -> None:
+        """One save on its way: planned (`_route`), then handed over eagerly or through
+        the traced crossing."""
+        processes = 1 if self._group is None else self._group.count
+        route = _route.plan(request, processes=processes)
         if route is None:
             return
         if isinstance(route, _route.Eager):
@@ -364,7 +359,7 @@ class Checkpointer:
             self._host.eager(route.signature, route.step, route.hosts)
             self._raise_writer_error()
             return
-        fast = self._options.crossing == "buffer" or (
+        by_buffer = self._options.crossing == "buffer" or (
             self._options.crossing == "auto" and _traced.buffer_by_default()
         )
         if route.layout is not None:
@@ -375,8 +370,8 @@ class Checkpointer:
                 route.mesh,
                 route.step,
                 route.payload,
-                pred,
-                fast=fast,
+                request.condition,
+                by_buffer=by_buffer,
             )
             return
         _traced.cross(
@@ -384,10 +379,10 @@ class Checkpointer:
             route.signature,
             route.step,
             route.payload,
-            pred,
-            axis_name=axis_name,
-            gather=gather,
-            fast=fast,
+            request.condition,
+            axis_name=request.axis_name,
+            gather=request.gather,
+            by_buffer=by_buffer,
         )
 
     def _check_usable(self, where: str) -> None:

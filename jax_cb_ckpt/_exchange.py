@@ -59,7 +59,7 @@ _STOP = object()  # in the queue: the writer ends once it gets there
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Claim:
     """A claimed save holding a slot: its step, and the other run's steps it replaces."""
 
     step: int
@@ -296,10 +296,10 @@ class Exchange:
         if replace:
             self._old = sorted(set(self._old) | set(replace))
 
-    def unclaim_slot(self, plan: Plan) -> None:
+    def unclaim_slot(self, claim: Claim) -> None:
         """A claimed save that will not be submitted after all: its step may come
         again, and its slot is free."""
-        self.unclaim(plan.step, plan.replace)
+        self.unclaim(claim.step, claim.replace)
         self._slots.release()
 
     def take_slot(self, block: bool) -> bool:

@@ -273,7 +273,7 @@ def run_temp_name(step: int, run: str, attempt: int) -> str:
     return f"{step}.jax_cb_ckpt-tmp-{run[:24]}{attempt:08x}"
 
 
-def step_meta(
+def meta_record(
     step: int,
     leaves: list[dict[str, Any]],
     versions: dict[str, str],
@@ -317,7 +317,7 @@ def step_meta(
 
 @dataclasses.dataclass(frozen=True)
 class StepMeta:
-    """A step's `meta` item as read back (the schema of `step_meta`), checked: restore,
+    """A step's `meta` item as read back (the schema of `meta_record`), checked: restore,
     verify and the CLI read these fields, never the JSON's keys. What a version before
     a field existed did not record has its default."""
 

@@ -41,7 +41,7 @@ from ._errors import (
     SkippedSaveWarning,
     UnflushedSaveWarning,
 )
-from ._exchange import Closed, Exchange, Plan, SaveItem, is_failed_write
+from ._exchange import Claim, Closed, Exchange, SaveItem, is_failed_write
 from ._spec import Signature
 from ._staging import StagingPool
 from ._stats import StatsRecorder
@@ -227,11 +227,11 @@ class HostSide:
             self._settle(stale)
         try:
             if first:
-                plan = None
+                claim = None
                 try:
-                    plan = self._decide(step)
+                    claim = self._decide(step)
                 finally:  # also when it raised: the other devices wait for it
-                    assembly.decide(plan)
+                    assembly.decide(claim)
             else:
                 assembly.wait_decided()
             if assembly.saving:
@@ -244,7 +244,7 @@ class HostSide:
             if self._assemblies.finish(key, assembly, blocking_s):
                 self._complete(signature, step, members, assembly, layout, arrays, shapes)
 
-    def _decide(self, step: int) -> Plan | None:
+    def _decide(self, step: int) -> Claim | None:
         """The first device's decision on a per-device save: the other run's steps it
         replaces (it then holds a slot until the writer is done), or None (a repeated
         step, or skipped: the queue is full and on_full="skip")."""
@@ -286,7 +286,8 @@ class HostSide:
         shapes: Sequence[tuple[int, ...]],
     ) -> None:
         """Every device has reported: queue the save, or give back what it holds."""
-        if not assembly.saving:
+        claim = assembly.claim
+        if claim is None or not assembly.saving:
             self._settle(assembly)
             return
 
@@ -297,7 +298,7 @@ class HostSide:
             ]
             return Taken(crossed, assembly.release)
 
-        self._submit(signature, step, members, take, assembly.plan, blocking_s=assembly.blocking_s)
+        self._submit(signature, step, members, take, claim, blocking_s=assembly.blocking_s)
 
     def _settle(self, assembly: _assembly.Assembly) -> None:
         """A per-device save that will not be written: its staging and its slot (and the
@@ -305,8 +306,8 @@ class HostSide:
         if not self._assemblies.take_settled(assembly):
             return
         assembly.release()
-        if assembly.plan is not None:
-            self._exchange.unclaim_slot(assembly.plan)
+        if assembly.claim is not None:
+            self._exchange.unclaim_slot(assembly.claim)
 
     def _pinned_pool(self) -> StagingPool:
         if self._pinned is None:
@@ -428,13 +429,13 @@ class HostSide:
         in_callback: bool,
         owner: object,
     ) -> None:
-        plan = self._claim(step, owner, in_callback=in_callback)
-        if plan is not None:
-            self._submit(signature, step, members, take, plan, start=start)
+        claim = self._claim(step, owner, in_callback=in_callback)
+        if claim is not None:
+            self._submit(signature, step, members, take, claim, start=start)
 
-    def _claim(self, step: int, owner: object, *, in_callback: bool) -> Plan | None:
+    def _claim(self, step: int, owner: object, *, in_callback: bool) -> Claim | None:
         """Claim `step` and take a slot for it (the caller then owes the slot back or a
-        submitted save): the plan, or None when it is not to be written (another
+        submitted save): the claim, or None when it is not to be written (another
         device's copy; a repeated step, noted; skipped, the queue being full with
         on_full="skip", noted and counted). With on_full="newest" a full queue gives up
         its oldest waiting save instead (counted in `superseded`)."""
@@ -452,13 +453,13 @@ class HostSide:
             self._stats.duplicate()
             return None
         if exchange.take_slot(block=False):
-            return Plan(step, replace)
+            return Claim(step, replace)
         if self._on_full == "block":
             # Blocks the device program: nothing is lost, the device waits for the
             # writer to free a slot.
             self._stats.queue_wait()
             exchange.take_slot(block=True)
-            return Plan(step, replace)
+            return Claim(step, replace)
         if self._on_full == "newest":
             # The oldest save still waiting gives its slot (and staging) to this one.
             # None waits when every save in flight is being written or handed over
@@ -470,7 +471,7 @@ class HostSide:
             else:
                 self._stats.queue_wait()
                 exchange.take_slot(block=True)
-            return Plan(step, replace)
+            return Claim(step, replace)
         # on_full="skip". Never written: a later run's save of it is welcome (other
         # devices' copies of this one are dropped, see Exchange.skipped).
         exchange.skipped(step, replace, owner)
@@ -488,7 +489,7 @@ class HostSide:
         step: int,
         members: np.ndarray,
         take: Callable[[], Taken],
-        plan: Plan,
+        claim: Claim,
         *,
         start: float | None = None,
         blocking_s: float = 0.0,
@@ -501,14 +502,14 @@ class HostSide:
             hosts = signature.assemble(crossed, members.shape)
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
-            self._exchange.unclaim_slot(plan)
+            self._exchange.unclaim_slot(claim)
             raise
         saved_at = time.time()
 
         def describe() -> tuple[dict[str, Any], dict[str, Any]]:
             """The tree and meta of the save (by the writer: off the device's path)."""
             specs = signature.stored(hosts)
-            meta = _format.step_meta(
+            meta = _format.meta_record(
                 step,
                 [s.to_json() for s in specs],
                 _versions(),
@@ -524,7 +525,7 @@ class HostSide:
             blocking_s = end - start
         self._stats.handed_off(blocking_s)
         item = SaveItem(
-            step, describe, nbytes, blocking_s, end - taken, release, plan.replace, ready
+            step, describe, nbytes, blocking_s, end - taken, release, claim.replace, ready
         )
         self._stats.in_flight(self._exchange.submit(item))
 

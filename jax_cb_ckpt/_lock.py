@@ -245,7 +245,7 @@ class ObjectLock(DirectoryLock):
                 "for %.0f s (or its process is gone from this host), so its writer is "
                 "taken to be dead (docs/storage.md, 'One writer').",
                 self.directory,
-                _describe(taken_from),
+                _holder_text(taken_from),
                 self.STALE_S,
             )
         self._heartbeat.start()
@@ -291,7 +291,7 @@ class ObjectLock(DirectoryLock):
                 return now
             raise DirectoryLockedError(
                 f"Checkpointer({self.directory!r}): another live writer holds this "
-                f"location ({_describe(_holder(data) or holder)}); two writers would race "
+                f"location ({_holder_text(_holder(data) or holder)}); two writers would race "
                 "on steps and retention. Fix: stop the other run, or point this run at "
                 "another location."
             )
@@ -378,7 +378,7 @@ def _pid_space() -> str:
         return f"unknown-{uuid.uuid4().hex}"  # never equal to another process's
 
 
-def _describe(holder: dict[str, Any]) -> str:
+def _holder_text(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')}"
 
 

@@ -1,7 +1,8 @@
 """Which way a save goes: planned from its arguments, before anything crosses.
 
-`plan(...)` checks a save's arguments (gather, axis_name, shardings), describes its
-state, and returns its route:
+The façade builds one frozen `Request` per call of `save`/`maybe_save`; `plan(request)`
+checks its arguments (gather, axis_name, shardings), describes its state, and returns
+its route:
 
 - `Eager`: outside any trace. Every leaf's value is read on the host (copied into
   memory the library keeps by the host side before the save returns); no JAX callback.
@@ -32,6 +33,20 @@ _GATHER = typing.get_args(Gather)
 
 
 @dataclasses.dataclass(frozen=True)
+class Request:
+    """One save as the façade received it, built once per call and never changed."""
+
+    where: str  # the public call, named in every error ("save", "maybe_save")
+    state: Any
+    step: Any  # as given: a Python int, or a traced integer scalar
+    step_value: int | None  # the step as a Python int, where it is known while tracing
+    condition: Any = None  # None: unconditional; else a bool scalar, traced or not
+    axis_name: Any = None
+    gather: Gather = "stack"
+    shardings: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Eager:
     signature: Signature
     step: int
@@ -47,24 +62,20 @@ class Traced:
     mesh: Any = None
 
 
-def plan(
-    state: Any,
-    step: Any,
-    known: int | None,
-    pred: Any,
-    where: str,
-    axis_name: Any,
-    gather: Gather,
-    shardings: Any,
-    *,
-    processes: int,
-) -> Eager | Traced | None:
-    """The route of one save (None: an eager save whose predicate is false)."""
+def plan(request: Request, *, processes: int) -> Eager | Traced | None:
+    """The route of one save (None: an eager save whose condition is false)."""
+    state, where, axis_name, gather = (
+        request.state,
+        request.where,
+        request.axis_name,
+        request.gather,
+    )
+    shardings, step_value, condition = request.shardings, request.step_value, request.condition
     _check_arguments(where, axis_name, gather, shardings)
     _, specs, leaves = _tree.describe_state(state, where)
     per_leaf = _per_leaf_shardings(shardings, state, len(leaves), where)
-    if axis_name is None and known is not None and not _traced.is_tracing(leaves, pred):
-        if pred is not None and not bool(pred):
+    if axis_name is None and step_value is not None and not _traced.is_tracing(leaves, condition):
+        if condition is not None and not bool(condition):
             return None
         if processes > 1:
             raise InvalidStateError(
@@ -79,7 +90,7 @@ def plan(
             )
         hosts = [_tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
         ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
-        return Eager(Signature(specs, ndims), known, hosts)
+        return Eager(Signature(specs, ndims), step_value, hosts)
     # Traced: leaves Python knows are constants of the program are copied now and never
     # cross through JAX (which would narrow 64-bit dtypes). Concatenated over devices
     # they must cross, to be concatenated like the rest.
@@ -102,7 +113,7 @@ def plan(
         constant[i].ndim if i in constant else next(crossing).ndim for i in range(len(specs))
     )
     signature = Signature(specs, ndims, tuple(constants))
-    traced_step = _traced.traced_step(step, known, where)
+    traced_step = _traced.traced_step(request.step, step_value, where)
     chosen = None
     if axis_name is None and payload:
         if per_leaf is not None:

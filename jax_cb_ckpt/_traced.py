@@ -65,7 +65,7 @@ def buffer_by_default() -> bool:
     return "rocm" not in str(version).lower()
 
 
-def _describe(x: Any) -> str:
+def _value_text(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
     shape = getattr(x, "shape", None)
     if dtype is not None and shape is not None:
@@ -93,7 +93,7 @@ def check_step(step: Any, where: str) -> int | None:
             cast = "cast with step.astype(jnp.int32) if it is a float array"
         raise InvalidStateError(
             f"{where}: step must be an integer scalar (a Python int or an integer array "
-            f"of shape ()), got {_describe(step)}. Fix: pass the loop counter (e.g. the "
+            f"of shape ()), got {_value_text(step)}. Fix: pass the loop counter (e.g. the "
             f"scan index or TrainState.step), {cast}, or index out a single element if "
             "it is batched."
         )
@@ -157,7 +157,7 @@ def check_when(when: Any, where: str) -> jax.Array:
     if not ok:
         raise InvalidStateError(
             f"{where}: when must be a boolean scalar (a Python bool or a bool array of "
-            f"shape ()), got {_describe(when)}. Fix: compare to get a bool, e.g. "
+            f"shape ()), got {_value_text(when)}. Fix: compare to get a bool, e.g. "
             "when=(step % 500 == 0) | done."
         )
     return jnp.asarray(when)
@@ -230,7 +230,7 @@ def cross(
     *,
     axis_name: Any = None,
     gather: Gather = "stack",
-    fast: bool = True,
+    by_buffer: bool = True,
 ) -> None:
     """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
 
@@ -243,7 +243,7 @@ def cross(
     payload = [jax.lax.stop_gradient(p) for p in payload]
     always = pred is None and axis_name is None
     pred = jnp.asarray(True) if pred is None else pred
-    save = _batched_save(host, signature, fast, always=always)
+    save = _batched_save(host, signature, by_buffer, always=always)
     if axis_name is None:
         save(step, pred, payload)
         return
@@ -251,7 +251,7 @@ def cross(
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if gather != "replicated" and set(names) == manual and payload:
         # Every device hands over its own block; nothing is gathered (_shards.py).
-        _per_device_in_map(host, signature, step, pred, payload, names, gather, fast)
+        _per_device_in_map(host, signature, step, pred, payload, names, gather, by_buffer)
         return
     _gather_and_save(save, step, pred, payload, axis_name, gather)
 
@@ -278,18 +278,15 @@ def _gather_and_save(save: Any, step: Any, pred: Any, payload: list[Any], axis_n
     jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
 
 
-def _per_device_in_map(host, signature, step, pred, payload, names, gather, fast):
+def _per_device_in_map(host, signature, step, pred, payload, names, gather, by_buffer):
     """Inside `pmap`/`shard_map` over exactly the axes `names`: each device crosses with
     its own block. `"stack"`: the saved leaf gets a leading axis of one block per device
     (the per-device mask, a few bytes, is gathered and travels along); `"concat"`: the
     blocks make up the leaf's first axis (0-d leaves: device 0's). Under `vmap` the
     batched state takes the gather path instead, exactly as before."""
     sizes = tuple(int(jax.lax.axis_size(name)) for name in names)
-    # On a CPU, per-device crossings always copy from XLA's buffers: with debug.callback
-    # each device's callback waits for JAX's copy while the others are blocked in
-    # theirs, and jax 0.10.2 hangs (measured: a 16 MiB leaf on 4 devices).
-    fast = fast or jax.default_backend() == "cpu"
-    fallback = _batched_save(host, signature, fast)
+    by_buffer = _per_device_by_buffer(by_buffer)
+    fallback = _batched_save(host, signature, by_buffer)
 
     @jax.custom_batching.custom_vmap
     def save(step, pred, payload):
@@ -304,7 +301,7 @@ def _per_device_in_map(host, signature, step, pred, payload, names, gather, fast
         layout = Layout(names, sizes, dims)
 
         def crossing(step, mask, blocks):
-            _device_crosses(host, signature, layout, step, mask, blocks, fast)
+            _device_crosses(host, signature, layout, step, mask, blocks, by_buffer)
 
         jax.lax.cond(anyone, crossing, lambda *_: None, step, mask, blocks)
         return ()
@@ -336,7 +333,7 @@ def cross_sharded(
     payload: list[Any],
     pred: Any,
     *,
-    fast: bool,
+    by_buffer: bool,
 ) -> None:
     """Hand `payload` to the host device by device (`shardings=`; see _shards.py).
 
@@ -348,14 +345,11 @@ def cross_sharded(
     payload = [jax.lax.stop_gradient(p) for p in payload]
     pred = jnp.asarray(True) if pred is None else pred
     specs = [layout.spec(i) for i in range(len(payload))]
-    # On a CPU, per-device crossings always copy from XLA's buffers: with debug.callback
-    # each device's callback waits for JAX's copy while the others are blocked in
-    # theirs, and jax 0.10.2 hangs (measured: a 16 MiB leaf on 4 devices).
-    fast = fast or jax.default_backend() == "cpu"
+    by_buffer = _per_device_by_buffer(by_buffer)
     replicated = jax.sharding.PartitionSpec()
 
     def per_device(step, pred, *blocks):
-        _device_crosses(host, signature, layout, step, pred, list(blocks), fast)
+        _device_crosses(host, signature, layout, step, pred, list(blocks), by_buffer)
         return ()
 
     @jax.custom_batching.custom_vmap
@@ -383,22 +377,19 @@ def cross_sharded(
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, pred, payload):
-        step_b, pred_b, payload_b = in_batched
-        _batched_save(host, signature, fast)(
-            _broadcast(step, step_b, axis_size),
-            _broadcast(pred, pred_b, axis_size),
-            [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
+        _batched_save(host, signature, by_buffer)(
+            *_whole_batch(axis_size, in_batched, step, pred, payload)
         )
         return (), ()
 
     save(step, pred, payload)
 
 
-def _device_crosses(host, signature, layout, step, mask, blocks, fast) -> None:
+def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> None:
     """One device's crossing with its own `blocks` and its coordinates in the mesh (in a
     manual context: `shard_map` or `pmap`); see _shards.py."""
     coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
-    if fast:
+    if by_buffer:
         narrow, widened = _widened(blocks)
         deposit = functools.partial(host.deposit_shard, signature, layout, narrow)
         token_type = jax.ShapeDtypeStruct((), jnp.int32)
@@ -442,7 +433,27 @@ def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
 
 
-def _batched_save(host: Host, signature: Any, fast: bool, *, always: bool = False):
+def _whole_batch(
+    axis_size: int, in_batched: Any, step: Any, pred: Any, payload: list[Any]
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """A `custom_vmap` rule's operands with the batch axis on each: the unbatched ones
+    broadcast, so the host gets the whole batch and a per-member mask."""
+    step_b, pred_b, payload_b = in_batched
+    return (
+        _broadcast(step, step_b, axis_size),
+        _broadcast(pred, pred_b, axis_size),
+        [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
+    )
+
+
+def _per_device_by_buffer(by_buffer: bool) -> bool:
+    """Whether a per-device crossing copies from XLA's buffers: always on a CPU, where
+    with debug.callback each device's callback waits for JAX's copy while the others
+    are blocked in theirs, and jax 0.10.2 hangs (measured: a 16 MiB leaf on 4 devices)."""
+    return by_buffer or jax.default_backend() == "cpu"
+
+
+def _batched_save(host: Host, signature: Any, by_buffer: bool, *, always: bool = False):
     """`save(step, pred, payload)`: one crossing when any member's `pred` holds
     (`always`: the save is unconditional, and crosses with no `cond` around it).
 
@@ -457,7 +468,7 @@ def _batched_save(host: Host, signature: Any, fast: bool, *, always: bool = Fals
     @jax.custom_batching.custom_vmap
     def save(step, pred, payload):
         def crossing(step, pred, payload):
-            if fast:
+            if by_buffer:
                 # The data goes through a pure buffer_callback (XLA's buffers, copied
                 # once by the host side); its token feeds a debug.callback, whose effect
                 # keeps both alive in a program that uses neither result.
@@ -479,12 +490,7 @@ def _batched_save(host: Host, signature: Any, fast: bool, *, always: bool = Fals
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, pred, payload):
-        step_b, pred_b, payload_b = in_batched
-        save(
-            _broadcast(step, step_b, axis_size),
-            _broadcast(pred, pred_b, axis_size),
-            [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
-        )
+        save(*_whole_batch(axis_size, in_batched, step, pred, payload))
         return (), ()
 
     return save

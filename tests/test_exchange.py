@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError, StepOrderWarning
-from jax_cb_ckpt._exchange import Exchange, HandedSteps, Plan, is_failed_write
+from jax_cb_ckpt._exchange import Claim, Exchange, HandedSteps, is_failed_write
 
 
 def exchange(old=(), on_existing="raise", queue_size=2):
@@ -174,7 +174,7 @@ def test_unclaim_slot_frees_the_step_and_the_slot():
     ex = exchange(queue_size=1)
     ex.claim(2)
     assert ex.take_slot(block=False)
-    ex.unclaim_slot(Plan(2, ()))
+    ex.unclaim_slot(Claim(2, ()))
     assert ex.take_slot(block=False)
     assert ex.claim(2) == ()
 

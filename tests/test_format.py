@@ -98,7 +98,7 @@ def test_url_parts_and_key_ranges():
 
 def _meta(**changes):
     leaf = {"path": "state['w']", "name": ["w"], "kind": "array", "dtype": "float32"}
-    meta = fmt.step_meta(
+    meta = fmt.meta_record(
         7,
         [dict(leaf, shape=[2, 3], impl=None, pytype=None)],
         {"library_version": "1.0", "jax_version": "0.10.2"},

@@ -12,10 +12,11 @@ from helpers import checked_options
 from jax_cb_ckpt import ConfigError, InvalidStateError, _route
 
 
-def plan(state, step, known=None, pred=None, *, axis_name=None, gather="stack", **kw):
-    return _route.plan(
-        state, step, known, pred, "maybe_save", axis_name, gather, kw.pop("shardings", None), **kw
+def plan(state, step, known=None, condition=None, *, axis_name=None, gather="stack", **kw):
+    request = _route.Request(
+        "maybe_save", state, step, known, condition, axis_name, gather, kw.pop("shardings", None)
     )
+    return _route.plan(request, **kw)
 
 
 # -- _route.plan

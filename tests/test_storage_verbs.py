@@ -42,7 +42,7 @@ def _write_step(storage, step, token, *, tree=None):
             LeafSpec(repr(name), (name,), ARRAY, str(v.dtype), v.shape).to_json()
             for name, v in tree.items()
         ]
-        meta = _format.step_meta(step, leaves, {}, shardings={}, batch_shape=(), members=[])
+        meta = _format.meta_record(step, leaves, {}, shardings={}, batch_shape=(), members=[])
         storage.write_meta(temp, dict(meta, checksums=sums))
         storage.fence(str(step), token, lambda: None)
         storage.commit(temp, storage.step_path(step), sum(v.nbytes for v in tree.values()), sync)
@@ -78,7 +78,9 @@ def test_a_step_is_listed_only_once_committed(where):
     token = uuid.uuid4().hex
     temp = storage.temp_path(4, _format.temp_name(4))
     storage.begin(temp, token)
-    storage.write_meta(temp, _format.step_meta(4, [], {}, shardings={}, batch_shape=(), members=[]))
+    storage.write_meta(
+        temp, _format.meta_record(4, [], {}, shardings={}, batch_shape=(), members=[])
+    )
     assert storage.list_steps() == [] and all_steps(where) == []
     assert storage.clean_failed(os.path.basename(temp), token, OSError("disk")) in (None, "4")
 

@@ -26,7 +26,7 @@ def _item(step, tree, released):
             LeafSpec(repr(name), (name,), ARRAY, str(v.dtype), v.shape).to_json()
             for name, v in tree.items()
         ]
-        meta = _format.step_meta(step, leaves, {}, shardings={}, batch_shape=(), members=[])
+        meta = _format.meta_record(step, leaves, {}, shardings={}, batch_shape=(), members=[])
         return dict(tree), meta
 
     nbytes = sum(v.nbytes for v in tree.values())
