@@ -23,17 +23,15 @@ from . import (
     _storage,
     _traced,
     _tree,
-    _warn,
 )
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     ConfigError,
     SaveError,
-    SaveFailedWarning,
     shown,
 )
-from ._exchange import Closed, Exchange, is_failed_write
+from ._exchange import Closed, Exchange
 from ._host import HostSide, probe_callback_arrays
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
@@ -156,7 +154,13 @@ class Checkpointer:
             self._group = _processes.current(path, options.peer_timeout, list_steps)
             old_steps = list_steps() if self._group is None else self._group.old_steps
             self._exchange = Exchange(
-                path, queue_size=options.slots, on_existing=options.on_existing, old_steps=old_steps
+                path,
+                queue_size=options.slots,
+                on_existing=options.on_existing,
+                old_steps=old_steps,
+                on_full=options.on_full,
+                on_error=options.on_error,
+                stats=self._stats,
             )
             self._host = HostSide(self._exchange, self._stats, options)
             if self._group is not None:
@@ -397,19 +401,8 @@ class Checkpointer:
 
     def _raise_writer_error(self) -> None:
         """Issue pending warnings (at the user's line, `_warn`) and raise (or warn
-        about) the first writer error."""
-        self._exchange.emit_notes()
-        error = self._exchange.take_error()
-        if error is None:
-            return
-        if self.on_error == "continue" and is_failed_write(error):
-            _warn.warn(
-                f"jax_cb_ckpt: {self._stats.snapshot().failed} save(s) failed so far and "
-                f"training continued (on_error='continue'); the first: {error}",
-                SaveFailedWarning,
-            )
-            return
-        raise error
+        about) the first writer error (`Exchange.report`)."""
+        self._exchange.report()
 
     # -- waiting and closing --------------------------------------------------------
 

@@ -31,20 +31,25 @@ import bisect
 import collections
 import dataclasses
 import enum
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
+
+import numpy as np
 
 from . import _warn
 from ._errors import (
     CheckpointError,
     DuplicateStepWarning,
     SaveError,
+    SaveFailedWarning,
+    SkippedSaveWarning,
     StepExistsError,
     StepOrderWarning,
 )
-from ._types import OnExisting
+from ._spec import Signature
+from ._stats import StatsRecorder
+from ._types import OnError, OnExisting, OnFull
 
 
 class Closed(enum.Enum):
@@ -146,28 +151,21 @@ class SaveItem:
     """One state handed off by the callback, waiting to be written."""
 
     step: int
-    # (tree, meta): the nested dict of host numpy arrays (or per-device blocks) and the
-    # step's JSON-able description. Built by the writer when it takes the save: a save
-    # that a newer one supersedes (on_full="newest") never costs the device its ~0.1 ms.
-    describe: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    # What the step is made of, as the host side took it: the leaves' specs as traced,
+    # every leaf in host memory (numpy arrays, or per-device blocks), the vmap batch's
+    # mask. The writer describes the step from them (its tree and meta) when it takes
+    # the save: a save that a newer one supersedes (on_full="newest") never costs the
+    # device that ~0.1 ms.
+    signature: Signature
+    hosts: list[Any]
+    members: np.ndarray
+    saved_at: float  # time.time() of the hand-off
     nbytes: int
     blocking_s: float
     handoff_s: float
     release: Callable[[], None]  # give the host buffers back (staging pool)
     replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
-
-    @functools.cached_property
-    def _described(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.describe()
-
-    @property
-    def tree(self) -> dict[str, Any]:
-        return self._described[0]
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        return self._described[1]
 
 
 def is_failed_write(error: CheckpointError) -> bool:
@@ -176,11 +174,27 @@ def is_failed_write(error: CheckpointError) -> bool:
 
 
 class Exchange:
+    """`queue_size`: the slots (saves in flight at most). It admits each save (`admit`:
+    the `on_existing` and `on_full` rules) and reports what went wrong (`report`,
+    `refuse_if_failed`: the `on_error` rule), counting both in `stats`."""
+
     def __init__(
-        self, directory: str, *, queue_size: int, on_existing: OnExisting, old_steps: list[int]
+        self,
+        directory: str,
+        *,
+        queue_size: int,
+        on_existing: OnExisting,
+        old_steps: list[int],
+        on_full: OnFull = "block",
+        on_error: OnError = "raise",
+        stats: StatsRecorder | None = None,
     ) -> None:
         self.directory = directory
         self.on_existing = on_existing
+        self.on_full: OnFull = on_full
+        self.on_error: OnError = on_error
+        self.stats = StatsRecorder() if stats is None else stats
+        self._queue_size = queue_size
         self._slots = threading.BoundedSemaphore(queue_size)
         self._cond = threading.Condition()
         self._queue: collections.deque[Any] = collections.deque()  # waiting for the writer
@@ -296,6 +310,56 @@ class Exchange:
         if replace:
             self._old = sorted(set(self._old) | set(replace))
 
+    def admit(self, step: int, owner: object, *, in_callback: bool) -> Claim | None:
+        """Claim `step` and take a slot for it (the caller then owes the slot back,
+        `unclaim_slot`, or a submitted save): the claim, or None when it is not to be
+        written (another device's copy; a repeated step, noted; skipped, the queue being
+        full with on_full="skip", noted and counted). With on_full="block" a full queue
+        blocks the caller (in a callback: the device program) until the writer frees a
+        slot; with "newest" it gives up its oldest waiting save instead (counted in
+        `superseded`)."""
+        try:
+            replace = self.claim(step, owner)
+        except CheckpointError as e:
+            if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
+                self.record(e)
+            raise
+        if replace == "replica":  # another device's copy of a save already decided
+            return None
+        self.stats.crossed()
+        if replace == "duplicate":  # noted for the user
+            self.stats.duplicate()
+            return None
+        if self.take_slot(block=False):
+            return Claim(step, replace)
+        if self.on_full == "block":
+            # Nothing is lost: the device waits for the writer to free a slot.
+            self.stats.queue_wait()
+            self.take_slot(block=True)
+            return Claim(step, replace)
+        if self.on_full == "newest":
+            # The oldest save still waiting gives its slot (and staging) to this one.
+            # None waits when every save in flight is being written or handed over
+            # (per-device saves take their slot at the first device): then wait.
+            older = self.supersede()
+            if older is not None:
+                older.release()
+                self.stats.superseded()
+            else:
+                self.stats.queue_wait()
+                self.take_slot(block=True)
+            return Claim(step, replace)
+        # on_full="skip". Never written: a later run's save of it is welcome (other
+        # devices' copies of this one are dropped, see `skipped`).
+        self.skipped(step, replace, owner)
+        self.stats.skipped()
+        self.note(
+            SkippedSaveWarning,
+            f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
+            f"({self._queue_size} saves in flight, on_full='skip').",
+        )
+        return None
+
     def unclaim_slot(self, claim: Claim) -> None:
         """A claimed save that will not be submitted after all: its step may come
         again, and its slot is free."""
@@ -407,6 +471,37 @@ class Exchange:
         the caller's first line outside the package, `_warn`)."""
         for category, message in self.take_notes():
             _warn.warn(message, category)
+
+    # -- reporting: the on_error rule, in one place -----------------------------------
+
+    def stops_saving(self, error: CheckpointError) -> bool:
+        """Whether `error` ends the run's saving: every error but a failed write with
+        on_error="continue" (a refusal always does)."""
+        return self.on_error == "raise" or not is_failed_write(error)
+
+    def refuse_if_failed(self) -> None:
+        """Raise the first error when it ends the run's saving (in a callback: fail the
+        running computation, so no hours of training go unsaved); it stays recorded for
+        `report`."""
+        error = self.peek_error()
+        if error is not None and self.stops_saving(error):
+            raise error
+
+    def report(self) -> None:
+        """In the user's thread: issue the pending warnings (at the user's line) and
+        raise the first error, or warn about it when training continues past it."""
+        self.emit_notes()
+        error = self.take_error()
+        if error is None:
+            return
+        if not self.stops_saving(error):
+            _warn.warn(
+                f"jax_cb_ckpt: {self.stats.snapshot().failed} save(s) failed so far and "
+                f"training continued (on_error='continue'); the first: {error}",
+                SaveFailedWarning,
+            )
+            return
+        raise error
 
     def forget(self, steps_on_disk: list[int]) -> None:
         """After a restore: the run continues from a restored step, so every step now on

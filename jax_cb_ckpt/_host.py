@@ -22,8 +22,6 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -33,20 +31,18 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from . import _assembly, _cuda, _format, _shards, _tree, _warn
+from . import _assembly, _cuda, _shards, _warn
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     InvalidStateError,
-    SkippedSaveWarning,
     UnflushedSaveWarning,
 )
-from ._exchange import Claim, Closed, Exchange, SaveItem, is_failed_write
+from ._exchange import Claim, Closed, Exchange, SaveItem
 from ._spec import Signature
 from ._staging import StagingPool
 from ._stats import StatsRecorder
-from ._types import OnError, OnFull, Options
-from ._version import version
+from ._types import Options
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
 
@@ -88,8 +84,6 @@ class HostSide:
     ):
         self._exchange = exchange
         self._stats = stats
-        self._on_full: OnFull = options.on_full
-        self._on_error: OnError = options.on_error
         self._queue_size = options.queue_size
         self._pool = StagingPool(keep=options.queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
@@ -250,7 +244,7 @@ class HostSide:
         step, or skipped: the queue is full and on_full="skip")."""
         self._refuse_if_failed()
         # owner=None: a step is complete once per run, so a second one is a duplicate.
-        return self._claim(step, owner=None, in_callback=True)
+        return self._exchange.admit(step, owner=None, in_callback=True)
 
     def _copy_blocks(
         self,
@@ -393,9 +387,7 @@ class HostSide:
         """Raise (in a callback: fail the running computation, so no hours of training
         go unsaved) when closed or after an error that stops saving."""
         self._check_open()
-        error = self._exchange.peek_error()
-        if error is not None and (self._on_error == "raise" or not is_failed_write(error)):
-            raise error
+        self._exchange.refuse_if_failed()
 
     def _check_open(self) -> None:
         closed = self._exchange.closed
@@ -429,59 +421,9 @@ class HostSide:
         in_callback: bool,
         owner: object,
     ) -> None:
-        claim = self._claim(step, owner, in_callback=in_callback)
+        claim = self._exchange.admit(step, owner, in_callback=in_callback)
         if claim is not None:
             self._submit(signature, step, members, take, claim, start=start)
-
-    def _claim(self, step: int, owner: object, *, in_callback: bool) -> Claim | None:
-        """Claim `step` and take a slot for it (the caller then owes the slot back or a
-        submitted save): the claim, or None when it is not to be written (another
-        device's copy; a repeated step, noted; skipped, the queue being full with
-        on_full="skip", noted and counted). With on_full="newest" a full queue gives up
-        its oldest waiting save instead (counted in `superseded`)."""
-        exchange = self._exchange
-        try:
-            replace = exchange.claim(step, owner)
-        except CheckpointError as e:
-            if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
-                exchange.record(e)
-            raise
-        if replace == "replica":  # another device's copy of a save already decided
-            return None
-        self._stats.crossed()
-        if replace == "duplicate":  # noted for the user
-            self._stats.duplicate()
-            return None
-        if exchange.take_slot(block=False):
-            return Claim(step, replace)
-        if self._on_full == "block":
-            # Blocks the device program: nothing is lost, the device waits for the
-            # writer to free a slot.
-            self._stats.queue_wait()
-            exchange.take_slot(block=True)
-            return Claim(step, replace)
-        if self._on_full == "newest":
-            # The oldest save still waiting gives its slot (and staging) to this one.
-            # None waits when every save in flight is being written or handed over
-            # (per-device saves take their slot at the first device): then wait.
-            older = exchange.supersede()
-            if older is not None:
-                older.release()
-                self._stats.superseded()
-            else:
-                self._stats.queue_wait()
-                exchange.take_slot(block=True)
-            return Claim(step, replace)
-        # on_full="skip". Never written: a later run's save of it is welcome (other
-        # devices' copies of this one are dropped, see Exchange.skipped).
-        exchange.skipped(step, replace, owner)
-        self._stats.skipped()
-        exchange.note(
-            SkippedSaveWarning,
-            f"jax_cb_ckpt: skipped the save of step {step}: the queue was full "
-            f"({self._queue_size} saves in flight, on_full='skip').",
-        )
-        return None
 
     def _submit(
         self,
@@ -505,27 +447,22 @@ class HostSide:
             self._exchange.unclaim_slot(claim)
             raise
         saved_at = time.time()
-
-        def describe() -> tuple[dict[str, Any], dict[str, Any]]:
-            """The tree and meta of the save (by the writer: off the device's path)."""
-            specs = signature.stored(hosts)
-            meta = _format.meta_record(
-                step,
-                [s.to_json() for s in specs],
-                _versions(),
-                shardings=_described_shardings(specs, hosts),
-                batch_shape=members.shape,
-                members=members.tolist(),
-                saved_at=saved_at,
-            )
-            return _tree.nest(specs, hosts), meta
-
         end = time.perf_counter()
         if start is not None:
             blocking_s = end - start
         self._stats.handed_off(blocking_s)
         item = SaveItem(
-            step, describe, nbytes, blocking_s, end - taken, release, claim.replace, ready
+            step,
+            signature,
+            hosts,
+            members,
+            saved_at,
+            nbytes,
+            blocking_s,
+            end - taken,
+            release,
+            claim.replace,
+            ready,
         )
         self._stats.in_flight(self._exchange.submit(item))
 
@@ -562,40 +499,6 @@ def _narrowed(arrays: list[Any], narrow: dict[int, Any]) -> list[Any]:
     for index, dtype in narrow.items():
         arrays[index] = arrays[index].astype(dtype)
     return arrays
-
-
-@functools.cache
-def _versions() -> dict[str, str]:
-    """What wrote a step, for `metadata()` and `jax-cb-ckpt show` (read once)."""
-    import jaxlib
-
-    def installed(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "unknown"
-
-    return {
-        "library_version": version(),
-        "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jaxlib, "__version__", installed("jaxlib")),
-        "orbax_version": installed("orbax-checkpoint"),
-        "tensorstore_version": installed("tensorstore"),
-    }
-
-
-def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
-    """How each leaf saved per device was split: the mesh's axes and, per dimension,
-    the mesh axes it is split over (`jax-cb-ckpt show` prints them)."""
-    out = {}
-    for spec, host in zip(specs, hosts, strict=True):
-        if isinstance(host, _shards.ShardedArray):
-            layout = host.layout
-            out[spec.path] = {
-                "mesh": dict(zip(layout.axis_names, layout.axis_sizes, strict=True)),
-                "spec": [list(axes) for axes in layout.dims[host.leaf]],
-            }
-    return out
 
 
 def _noop() -> None:

@@ -21,16 +21,19 @@ steps live is `_storage`'s (the writer calls its verbs, never asks which kind).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
-from . import _dtypes, _exit, _format, _remote, _storage, _store, _warn
+from . import _dtypes, _exit, _format, _remote, _storage, _store, _tree, _warn
 from ._errors import (
     ForeignStepWarning,
     SaveError,
@@ -43,6 +46,7 @@ from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._shards import ShardedArray
 from ._stats import SaveRecord, StatsRecorder
 from ._types import Options
+from ._version import version
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -196,11 +200,12 @@ class Writer:
         temp = self._storage.temp_path(item.step, round_.temp_name)
         start = time.perf_counter()
         try:
+            step = _described(item)
             with self._storage.step_sync() as sync:  # before the step's files
                 if round_.primary:
-                    checksum_s = self._write_as_primary(item, round_, temp, sync)
+                    checksum_s = self._write_as_primary(item, step, round_, temp, sync)
                 else:
-                    checksum_s = self._write_as_peer(item, round_, temp, sync)
+                    checksum_s = self._write_as_peer(item, step, round_, temp, sync)
         except BaseException as e:
             return self._failed(item.step, e)
         finally:
@@ -209,7 +214,7 @@ class Writer:
         return None
 
     def _write_as_primary(
-        self, item: SaveItem, round_: Round, temp: str, sync: _storage.Sync
+        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: _storage.Sync
     ) -> float:
         """Process 0 (or the only one): start the step, write its part, collect the
         others', write the step's description, commit, decide. The seconds spent on
@@ -230,20 +235,20 @@ class Writer:
             alone = round_.count == 1
 
             def meanwhile(sums: dict[str, Any]) -> None:
-                self._write_descriptions(temp, item)
+                self._write_descriptions(temp, step)
                 if alone:
-                    self._storage.write_meta(temp, dict(item.meta, checksums=sums))
+                    self._storage.write_meta(temp, dict(step.meta, checksums=sums))
 
             sums, checksum_s = self._write_part(
-                item, round_, temp, sync, meanwhile if early else None
+                item, step, round_, temp, sync, meanwhile if early else None
             )
             sums = round_.collect(sums)
             self._fence(final)  # (object storage: still ours, before its files)
             self._store.merge(os.path.join(temp, _format.STATE_ITEM), round_.count)
             if not early:
-                self._write_descriptions(temp, item)
+                self._write_descriptions(temp, step)
             if not (early and alone):
-                self._storage.write_meta(temp, dict(item.meta, checksums=sums))
+                self._storage.write_meta(temp, dict(step.meta, checksums=sums))
             self._commit(temp, final, item.nbytes, sync)
             round_.committed(self._storage)
             self._retain()  # before the decision: every process then lists the same
@@ -257,18 +262,19 @@ class Writer:
         return checksum_s
 
     def _write_as_peer(
-        self, item: SaveItem, round_: Round, temp: str, sync: _storage.Sync
+        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: _storage.Sync
     ) -> float:
         """Another process: once process 0 started the step, write this process's part,
         then wait for process 0's decision. The seconds spent on checksums."""
         round_.await_start()
-        _, checksum_s = self._write_part(item, round_, temp, sync, None)
+        _, checksum_s = self._write_part(item, step, round_, temp, sync, None)
         round_.await_verdict()
         return checksum_s
 
     def _write_part(
         self,
         item: SaveItem,
+        step: _Described,
         round_: Round,
         temp: str,
         sync: _storage.Sync,
@@ -282,7 +288,7 @@ class Writer:
                 item.ready()
             if not round_.primary:
                 self._enter_attempt(temp, round_)
-            finish = self._write_arrays(temp, item, round_)
+            finish = self._write_arrays(temp, step, round_)
             sums, checksum_s = finish(meanwhile)
             if not round_.primary:  # (the primary's files are synced with the step's)
                 sync.tree(os.path.join(temp, _format.STATE_ITEM, _part(round_)), item.nbytes)
@@ -306,22 +312,22 @@ class Writer:
             item.blocking_s * 1e3,
         )
 
-    def _write_descriptions(self, temp: str, item: SaveItem) -> None:
+    def _write_descriptions(self, temp: str, step: _Described) -> None:
         """The primary's file of a step that depends on no array written: Orbax's
         description of the tree (`state/_METADATA`). (Orbax's step file,
         `_CHECKPOINT_METADATA`, holds our record of the meta item: `write_meta`.)"""
-        text = _store.state_metadata(tuple(_paths(item.tree)))
+        text = _store.state_metadata(tuple(_paths(step.tree)))
         path = os.path.join(temp, _format.STATE_ITEM, _format.STATE_METADATA)
         self._storage.write_file(path, text.encode())
 
     def _write_arrays(
-        self, temp: str, item: SaveItem, round_: Round
+        self, temp: str, step: _Described, round_: Round
     ) -> Callable[..., tuple[dict[str, Any], float]]:
         """Start writing this process's arrays of the step; returns once they are
         committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
         the commit and gives their checksums and the time spent computing them."""
         flat = {}
-        for path, leaf in _flatten(item.tree):
+        for path, leaf in _flatten(step.tree):
             if isinstance(leaf, ShardedArray):
                 blocks = {k: _dtypes.storable(b) for k, b in leaf.written_here().items()}
                 stored = _dtypes.storage_dtype(leaf.dtype)
@@ -373,6 +379,64 @@ class Writer:
             self._storage.remove_aside(self._aside.pop())
         while self._unfinished:  # best effort: else the next opening removes it
             self._storage.remove_temp(self._unfinished.pop(), self._lock.token)
+
+
+class _Described(NamedTuple):
+    """A step as it is written: the nested dict of its arrays (or per-device blocks)
+    that Orbax's layout names, and its `meta` record (without the checksums)."""
+
+    tree: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def _described(item: SaveItem) -> _Described:
+    """The step's tree and meta, built here, where they are written (in the writer
+    thread: off the device's path)."""
+    specs = item.signature.stored(item.hosts)
+    meta = _format.meta_record(
+        item.step,
+        [s.to_json() for s in specs],
+        _versions(),
+        shardings=_described_shardings(specs, item.hosts),
+        batch_shape=item.members.shape,
+        members=item.members.tolist(),
+        saved_at=item.saved_at,
+    )
+    return _Described(_tree.nest(specs, item.hosts), meta)
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    """What wrote a step, for `metadata()` and `jax-cb-ckpt show` (read once)."""
+    import jaxlib
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "library_version": version(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jaxlib, "__version__", installed("jaxlib")),
+        "orbax_version": installed("orbax-checkpoint"),
+        "tensorstore_version": installed("tensorstore"),
+    }
+
+
+def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
+    """How each leaf saved per device was split: the mesh's axes and, per dimension,
+    the mesh axes it is split over (`jax-cb-ckpt show` prints them)."""
+    out = {}
+    for spec, host in zip(specs, hosts, strict=True):
+        if isinstance(host, ShardedArray):
+            layout = host.layout
+            out[spec.path] = {
+                "mesh": dict(zip(layout.axis_names, layout.axis_sizes, strict=True)),
+                "spec": [list(axes) for axes in layout.dims[host.leaf]],
+            }
+    return out
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):

@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from jax_cb_ckpt import DuplicateStepWarning, SaveError, StepExistsError, StepOrderWarning
+from jax_cb_ckpt import (
+    DuplicateStepWarning,
+    SaveError,
+    SaveFailedWarning,
+    SkippedSaveWarning,
+    StepExistsError,
+    StepOrderWarning,
+)
 from jax_cb_ckpt._exchange import Claim, Exchange, HandedSteps, is_failed_write
 
 
@@ -226,3 +233,100 @@ def test_handed_steps_keeps_a_regular_run_of_saves_in_constant_memory():
     big, handed = footprint(1_000_000)
     assert big == small
     assert 99_999_900 in handed and 99_999_950 not in handed and 100_000_000 not in handed
+
+
+# -- admission (`admit`: the on_existing and on_full rules) and the on_error rule
+
+
+class Waiting:
+    """A save in the queue, as `supersede` hands it back: its release is counted."""
+
+    def __init__(self, step):
+        self.step, self.replace, self.released = step, (), 0
+
+    def release(self):
+        self.released += 1
+
+
+def admitted(on_full, queue_size=1):
+    """An exchange whose one slot is held by a waiting save of step 1."""
+    ex = Exchange("/d", queue_size=queue_size, on_existing="raise", old_steps=[], on_full=on_full)
+    first = Waiting(1)
+    assert ex.admit(1, None, in_callback=False) == Claim(1, ())
+    ex.submit(first)
+    return ex, first
+
+
+def test_admit_skip_drops_a_save_that_finds_the_queue_full_and_says_so():
+    ex, _ = admitted("skip")
+    assert ex.admit(2, None, in_callback=True) is None
+    snap = ex.stats.snapshot()
+    assert snap.skipped == 1 and snap.queue_waits == 0
+    [(category, message)] = ex.take_notes()
+    assert category is SkippedSaveWarning and "step 2" in message and "on_full='skip'" in message
+    ex.next_item()
+    ex.finished(1, (), None)
+    assert ex.admit(2, None, in_callback=True) == Claim(2, ())  # never written: may come again
+
+
+def test_admit_newest_gives_the_oldest_waiting_save_s_slot_to_the_new_one():
+    ex, first = admitted("newest")
+    assert ex.admit(2, None, in_callback=True) == Claim(2, ())
+    assert first.released == 1 and ex.stats.snapshot().superseded == 1
+    assert ex.pending == 0  # the superseded save left the queue
+    assert ex.claim(1) == ()  # never written: may come again
+
+
+def test_admit_block_waits_for_the_writer_to_free_a_slot():
+    ex, _ = admitted("block")
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ex.admit(2, None, in_callback=True)))
+    waiter.start()
+    time.sleep(0.2)
+    assert got == [] and waiter.is_alive()  # the device waits: nothing is lost
+    ex.next_item()
+    ex.finished(1, (), None)
+    waiter.join(timeout=10)
+    assert got == [Claim(2, ())] and ex.stats.snapshot().queue_waits == 1
+
+
+def test_admit_drops_repeats_and_replicas_and_keeps_a_refusal_raised_in_a_callback():
+    ex = Exchange("/d", queue_size=2, on_existing="raise", old_steps=[9])
+    owner = object()
+    assert ex.admit(12, owner, in_callback=True) == Claim(12, ())
+    assert ex.admit(12, owner, in_callback=True) is None  # the same crossing's copy
+    assert ex.admit(12, None, in_callback=True) is None  # a repeat: noted and counted
+    assert ex.stats.snapshot().duplicates == 1
+    with pytest.raises(StepExistsError):
+        ex.admit(5, None, in_callback=True)
+    assert isinstance(ex.take_error(), StepExistsError)  # kept for wait()/close()
+    with pytest.raises(StepExistsError):
+        ex.admit(5, None, in_callback=False)  # the caller sees it itself
+    assert ex.take_error() is None
+
+
+@pytest.mark.parametrize("on_error", ["raise", "continue"])
+def test_the_on_error_rule_is_applied_in_one_place(on_error):
+    """A failed write stops the saving with on_error="raise" (the next crossing fails,
+    wait() raises it) and is a warning with "continue"; a refusal always stops it."""
+    ex = Exchange("/d", queue_size=2, on_existing="raise", old_steps=[], on_error=on_error)
+    ex.admit(1, None, in_callback=False)
+    ex.submit(Item(1))
+    failure = SaveError("disk full")
+    ex.stats.failed()
+    ex.finished(ex.next_item().step, (), failure)
+    if on_error == "raise":
+        with pytest.raises(SaveError, match="disk full"):
+            ex.refuse_if_failed()
+        with pytest.raises(SaveError, match="disk full"):
+            ex.report()
+    else:
+        ex.refuse_if_failed()  # training goes on
+        with pytest.warns(SaveFailedWarning, match="1 save.s. failed so far.*disk full"):
+            ex.report()
+    ex.report()  # reported once
+    ex.record(StepExistsError("another run's steps"))
+    with pytest.raises(StepExistsError):
+        ex.refuse_if_failed()
+    with pytest.raises(StepExistsError):
+        ex.report()

@@ -5,6 +5,7 @@ reader lists, gives each save's host buffers back once written (or failed), keep
 its step free to come again, and stops once the saves queued before `stop` are done."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -13,24 +14,30 @@ from helpers import checked_options
 import jax_cb_ckpt
 from jax_cb_ckpt import SaveError, _format, _storage
 from jax_cb_ckpt._exchange import Exchange, SaveItem
-from jax_cb_ckpt._spec import ARRAY, LeafSpec
+from jax_cb_ckpt._spec import ARRAY, LeafSpec, Signature
 from jax_cb_ckpt._stats import StatsRecorder
 from jax_cb_ckpt._writer import Writer
 
 
 def _item(step, tree, released):
     """A handed-off save of `tree` (numpy arrays by name), as the host side makes it."""
-
-    def describe():
-        leaves = [
-            LeafSpec(repr(name), (name,), ARRAY, str(v.dtype), v.shape).to_json()
-            for name, v in tree.items()
-        ]
-        meta = _format.meta_record(step, leaves, {}, shardings={}, batch_shape=(), members=[])
-        return dict(tree), meta
-
-    nbytes = sum(v.nbytes for v in tree.values())
-    return SaveItem(step, describe, nbytes, 0.0, 0.0, lambda: released.append(step))
+    specs = tuple(
+        LeafSpec(repr(name), (name,), ARRAY, str(v.dtype), v.shape) for name, v in tree.items()
+    )
+    hosts = list(tree.values())
+    signature = Signature(specs, tuple(v.ndim for v in hosts))
+    nbytes = sum(v.nbytes for v in hosts)
+    return SaveItem(
+        step,
+        signature,
+        hosts,
+        np.asarray(True),
+        time.time(),
+        nbytes,
+        0.0,
+        0.0,
+        lambda: released.append(step),
+    )
 
 
 class Parts:
