@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -200,7 +200,7 @@ class Writer:
         temp = self._storage.temp_path(item.step, round_.temp_name)
         start = time.perf_counter()
         try:
-            step = _described(item)
+            step = _Described(item)  # (built on first use, within the round)
             with self._storage.step_sync() as sync:  # before the step's files
                 if round_.primary:
                     checksum_s = self._write_as_primary(item, step, round_, temp, sync)
@@ -381,28 +381,38 @@ class Writer:
             self._storage.remove_temp(self._unfinished.pop(), self._lock.token)
 
 
-class _Described(NamedTuple):
+class _Described:
     """A step as it is written: the nested dict of its arrays (or per-device blocks)
-    that Orbax's layout names, and its `meta` record (without the checksums)."""
+    that Orbax's layout names, and its `meta` record (without the checksums). Built
+    from the item here, where they are written (in the writer thread: off the device's
+    path), on first use: within the round, so a failure to build them is reported to
+    the other processes like any failure of the step."""
 
-    tree: dict[str, Any]
-    meta: dict[str, Any]
+    def __init__(self, item: SaveItem):
+        self._item = item
 
+    @functools.cached_property
+    def _built(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        item = self._item
+        specs = item.signature.stored(item.hosts)
+        meta = _format.meta_record(
+            item.step,
+            [s.to_json() for s in specs],
+            _versions(),
+            shardings=_described_shardings(specs, item.hosts),
+            batch_shape=item.members.shape,
+            members=item.members.tolist(),
+            saved_at=item.saved_at,
+        )
+        return _tree.nest(specs, item.hosts), meta
 
-def _described(item: SaveItem) -> _Described:
-    """The step's tree and meta, built here, where they are written (in the writer
-    thread: off the device's path)."""
-    specs = item.signature.stored(item.hosts)
-    meta = _format.meta_record(
-        item.step,
-        [s.to_json() for s in specs],
-        _versions(),
-        shardings=_described_shardings(specs, item.hosts),
-        batch_shape=item.members.shape,
-        members=item.members.tolist(),
-        saved_at=item.saved_at,
-    )
-    return _Described(_tree.nest(specs, item.hosts), meta)
+    @property
+    def tree(self) -> dict[str, Any]:
+        return self._built[0]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self._built[1]
 
 
 @functools.cache
