@@ -162,14 +162,13 @@ class Checkpointer:
                 on_error=options.on_error,
                 stats=self._stats,
             )
-            self._host = HostSide(self._exchange, self._stats, options)
+            self._host = HostSide(self._exchange, options)
             if self._group is not None:
                 self._host.on_step = self._group.hand_over
             self._writer = Writer(
                 self._exchange,
                 lock,
                 options,
-                stats=self._stats,
                 # Not a bound method: the writer must not keep this object alive.
                 on_exit=functools.partial(self._exchange.close, Closed.AT_EXIT),
                 group=self._group,

@@ -41,7 +41,6 @@ from ._errors import (
 from ._exchange import Claim, Closed, Exchange, SaveItem
 from ._spec import Signature
 from ._staging import StagingPool
-from ._stats import StatsRecorder
 from ._types import Options
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
@@ -76,14 +75,9 @@ def probe_callback_arrays() -> bool:
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
-    def __init__(
-        self,
-        exchange: Exchange,
-        stats: StatsRecorder,
-        options: Options,
-    ):
+    def __init__(self, exchange: Exchange, options: Options):
         self._exchange = exchange
-        self._stats = stats
+        self._stats = exchange.stats
         self._queue_size = options.queue_size
         self._pool = StagingPool(keep=options.queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed

@@ -44,7 +44,7 @@ from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
 from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._shards import ShardedArray
-from ._stats import SaveRecord, StatsRecorder
+from ._stats import SaveRecord
 from ._types import Options
 from ._version import version
 
@@ -66,7 +66,6 @@ class Writer:
         lock: DirectoryLock,
         options: Options,
         *,
-        stats: StatsRecorder,
         on_exit: Callable[[], None],
         group: Group | None = None,
     ) -> None:
@@ -75,7 +74,7 @@ class Writer:
         self._exchange = exchange
         self._lock = lock
         self._max_to_keep = options.max_to_keep
-        self._stats = stats
+        self._stats = exchange.stats  # (the Checkpointer's, shared with the host side)
         self._storage = _storage.at(directory)  # where the steps live: chosen once
         self._identity = self._storage.identity()
         self._group: Processes = group or Solo()

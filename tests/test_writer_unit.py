@@ -15,7 +15,6 @@ import jax_cb_ckpt
 from jax_cb_ckpt import SaveError, _format, _storage
 from jax_cb_ckpt._exchange import Exchange, SaveItem
 from jax_cb_ckpt._spec import ARRAY, LeafSpec, Signature
-from jax_cb_ckpt._stats import StatsRecorder
 from jax_cb_ckpt._writer import Writer
 
 
@@ -48,7 +47,7 @@ class Parts:
         self.exchange = Exchange(
             self.options.directory, queue_size=self.options.slots, on_existing="raise", old_steps=[]
         )
-        self.stats = StatsRecorder()
+        self.stats = self.exchange.stats
         storage = _storage.at(self.options.directory)
         storage.make()  # (as the Checkpointer does before it takes the lock)
         self.lock = storage.lock(_format.LOCK_NAME)
@@ -57,7 +56,6 @@ class Parts:
             self.exchange,
             self.lock,
             self.options,
-            stats=self.stats,
             on_exit=lambda: self.exited.append(True),
         )
 
