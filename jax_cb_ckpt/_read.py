@@ -165,7 +165,7 @@ class StepArrays:
             ),
             _threads(),
         )
-        self._kv = storage.database(step, ts, self._context)
+        self._kv = storage.database(step, ts, self._context, len(leaves))
         self.layouts: dict[tuple[str, ...], Layout] = {}
 
     # -- layouts -------------------------------------------------------------------------

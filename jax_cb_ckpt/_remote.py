@@ -340,6 +340,17 @@ def read_many(urls: list[str]) -> list[tuple[bytes | None, bytes]]:
     return [_read_result(url, future) for url, future in pending]
 
 
+def list_and_read(url: str, names: list[str]) -> tuple[list[str], list[tuple[bytes | None, bytes]]]:
+    """(`list_keys(url)`, `read_many` of `url/name` for each of `names`), the reads and
+    the listing sent at once: one round trip where they would be two."""
+    pending = []
+    for name in names:
+        store, key = _bucket_store(f"{url}/{name}")
+        pending.append((f"{url}/{name}", store.read(key)))
+    keys = list_keys(url)  # sent while the reads are in flight
+    return keys, [_read_result(one, future) for one, future in pending]
+
+
 def _read_result(url: str, future: Any) -> tuple[bytes | None, bytes]:
     try:
         result = future.result()

@@ -71,12 +71,13 @@ def restore(
             its data.
     """
     storage = _storage.at(_format.resolve(directory, "restore"))
-    step = _steps.pick_step(storage, _steps.check_step_arg(step, "restore"), "restore")
+    named = _steps.check_step_arg(step, "restore")
+    step = _steps.pick_step(storage, named, "restore")
     where = f"restore(step={step}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    seen, described = _steps.open_step(storage, step, where)
+    seen, described = _steps.open_step(storage, step, where, None if named is None else "restore")
     meta = _steps.parsed(described, where)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:

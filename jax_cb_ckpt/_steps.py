@@ -111,6 +111,17 @@ def check_step_arg(step: Any, what: str) -> int | None:
 
 
 def pick_step(storage: Storage, step: int | None, what: str) -> int:
+    """The step to read: `step`, or the latest when None; `NoCheckpointError` /
+    `RestoreError` saying what the directory holds when there is no such complete
+    step. A named step of a storage whose `open_step` checks it (a bucket: the check
+    and the reads are one round trip) is taken as named here, and `open_step` below
+    says what is wrong with it."""
+    if step is not None and storage.open_checks_step:
+        return step
+    return _listed_step(storage, step, what)
+
+
+def _listed_step(storage: Storage, step: int | None, what: str) -> int:
     path = storage.path
     steps = _listed(storage, what) if step is None else storage.list_steps()
     if step is not None and step in steps:
@@ -195,10 +206,14 @@ def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
     )
 
 
-def open_step(storage: Storage, step: int, where: str) -> tuple[Any, dict[str, Any]]:
+def open_step(
+    storage: Storage, step: int, where: str, what: str | None = None
+) -> tuple[Any, dict[str, Any]]:
     """(the identity of checkpoint `step`, its `meta` item), read and checked before
     its arrays are read (`Storage.open_step`); errors say whether it was removed
-    meanwhile or is damaged."""
+    meanwhile or is damaged. `what` (the caller's name), for a step the caller named:
+    `pick_step` may have left it to this to check (`Storage.open_checks_step`), so a
+    step that is not there is reported as `pick_step` reports it, not as removed."""
     links = storage.symlinks_inside(step)
     if links:
         raise RestoreError(
@@ -209,17 +224,24 @@ def open_step(storage: Storage, step: int, where: str) -> tuple[Any, dict[str, A
         )
     try:
         return storage.open_step(step)
-    except _format.DamagedStep as e:
-        if not storage.is_checkpoint(step):
-            raise removed(storage, step, where) from e
-        raise RestoreError(
+    except Exception as e:
+        raise _open_failure(e, storage, step, where, what) from e
+
+
+def _open_failure(
+    e: Exception, storage: Storage, step: int, where: str, what: str | None
+) -> CheckpointError:
+    """The error for `storage.open_step(step)` raising `e` (`open_step`)."""
+    if not storage.is_checkpoint(step):
+        if what is not None and storage.open_checks_step:
+            _listed_step(storage, step, what)  # raises: what is, and is not, there
+        return removed(storage, step, where)
+    if isinstance(e, _format.DamagedStep):
+        return RestoreError(
             f"{where}: the step is damaged: {e}. Fix: restore another step "
             "(all_steps()), or the folder from a good copy."
-        ) from e
-    except Exception as e:
-        if not storage.is_checkpoint(step):
-            raise removed(storage, step, where) from e
-        raise RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}") from e
+        )
+    return RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}")
 
 
 @step_by_keyword
@@ -230,9 +252,10 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
 
 def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict[str, Any], str]:
     storage = _storage.at(_format.resolve(directory, "metadata"))
-    step = pick_step(storage, check_step_arg(step, "metadata"), "metadata")
+    named = check_step_arg(step, "metadata")
+    step = pick_step(storage, named, "metadata")
     where = f"metadata(step={step}) from {storage.path!r}"
-    return open_step(storage, step, where)[1], where
+    return open_step(storage, step, where, None if named is None else "metadata")[1], where
 
 
 def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
@@ -347,12 +370,11 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     the steps checked; raises `RestoreError` naming the first corrupted leaf (its step,
     region and directory), or a damaged step named by `step=`. Blocks while reading."""
     storage = _storage.at(_format.resolve(directory, "verify"))
-    steps = storage.list_steps()
-    if step is not None:
-        steps = [pick_step(storage, check_step_arg(step, "verify"), "verify")]
+    named = check_step_arg(step, "verify")
+    steps = storage.list_steps() if named is None else [pick_step(storage, named, "verify")]
     for one in steps:
         where = f"verify(step={one}) of {storage.path!r}"
-        seen, described = open_step(storage, one, where)
+        seen, described = open_step(storage, one, where, None if named is None else "verify")
         meta = parsed(described, where)
         stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
         # Without checksums (an older version's step) every byte is still read: a cut

@@ -321,6 +321,44 @@ def test_listing_and_retention_touch_only_our_steps(remote):
     assert set(foreign) <= set(keys(url))
 
 
+@THREE_SERVERS
+def test_a_named_step_is_read_without_listing_the_directory(remote, monkeypatch):
+    """A read of a named step lists only that step's objects, in the round trip that
+    reads its description (a directory may hold thousands of steps, and a bucket's
+    listing is a round trip of its own); a named step that is missing, damaged or
+    foreign is still reported as a listing of the directory reports it."""
+    url = remote.url
+    states = {step: {"x": jnp.arange(4.0) + step, "s": jnp.int32(step)} for step in (1, 2)}
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        for step, state in states.items():
+            ckpt.save(state, step)
+    put(f"{url}/7/_CHECKPOINT_METADATA")  # a foreign step-named prefix
+    _remote.delete(f"{url}/2/meta/metadata")  # step 2 committed, then damaged
+    listed = []
+    original = _remote.list_keys
+
+    def list_keys(where):
+        listed.append(where)
+        return original(where)
+
+    monkeypatch.setattr(_remote, "list_keys", list_keys)
+    assert_same_state(jax_cb_ckpt.restore(url, states[1], step=1), states[1])
+    assert jax_cb_ckpt.metadata(url, step=1)["step"] == 1
+    assert jax_cb_ckpt.verify(url, step=1) == [1]
+    assert listed == [f"{url}/1"] * 3
+    for read in (
+        lambda step: jax_cb_ckpt.restore(url, states[1], step=step),
+        lambda step: jax_cb_ckpt.metadata(url, step=step),
+        lambda step: jax_cb_ckpt.verify(url, step=step),
+    ):
+        with pytest.raises(jax_cb_ckpt.NoCheckpointError, match=r"no checkpoint for step 9"):
+            read(9)
+        with pytest.raises(jax_cb_ckpt.NoCheckpointError, match=r"the steps there are \[1\]"):
+            read(7)
+        with pytest.raises(jax_cb_ckpt.RestoreError, match=r"step 2 .* is damaged"):
+            read(2)
+
+
 @pytest.mark.slow
 def test_a_two_process_run_writes_each_processes_shards_and_restores(remote, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed, gloo): each process writes its own
