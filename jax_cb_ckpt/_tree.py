@@ -330,41 +330,29 @@ def eager_value(spec: LeafSpec, leaf: Any) -> Any:
 EMPTY_NAME = "_jax_cb_ckpt_empty"  # Orbax refuses an empty item: a placeholder leaf
 
 
-def nest(specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-    """The nested dict {name: {...: array}} that Orbax writes.
+def stored_leaves(
+    specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]
+) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """(name, array) of each leaf Orbax stores, in the order of the nested dict
+    {name[0]: {name[1]: ...}} that it writes (a group's leaves together, the groups in
+    the order they first appear): the order of the state's `_METADATA` and data files.
 
     Zero-size arrays are left out (Orbax cannot store them; the spec records the shape,
     and restore rebuilds them), and an item left with nothing gets a placeholder.
     """
-    out: dict[str, Any] = {}
-    for spec, array in zip(specs, arrays, strict=True):
-        if array.size == 0:
-            continue
-        if isinstance(array, (np.ndarray, np.generic)):  # per-device leaves: the writer
-            array = _dtypes.storable(array)
-        put(out, spec.name, array)
+    out = [
+        # Per-device leaves (ShardedArray) are made storable by the writer.
+        (spec.name, _dtypes.storable(a) if isinstance(a, (np.ndarray, np.generic)) else a)
+        for spec, a in zip(specs, arrays, strict=True)
+        if a.size != 0
+    ]
     if not out:
-        out[EMPTY_NAME] = np.zeros((), np.int8)
-    return out
-
-
-def put(tree: dict[str, Any], name: tuple[str, ...], value: Any) -> None:
-    """`tree[name[0]][name[1]]... = value`, making the dicts on the way (the nesting
-    Orbax gives a leaf named `name`; `unnest` reads it back)."""
-    node = tree
-    for part in name[:-1]:
-        node = node.setdefault(part, {})
-    node[name[-1]] = value
-
-
-def unnest(tree: dict[str, Any], spec: LeafSpec) -> Any:
-    """The array stored under `spec.name` in a restored nested dict, or None."""
-    node: Any = tree
-    for part in spec.name:
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+        return [((EMPTY_NAME,), np.zeros((), np.int8))]
+    first: dict[tuple[str, ...], int] = {}
+    for index, (name, _) in enumerate(out):
+        for depth in range(1, len(name) + 1):
+            first.setdefault(name[:depth], index)
+    return sorted(out, key=lambda leaf: [first[leaf[0][:d]] for d in range(1, len(leaf[0]) + 1)])
 
 
 def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], where: str) -> None:

@@ -315,7 +315,7 @@ class Writer:
         """The primary's file of a step that depends on no array written: Orbax's
         description of the tree (`state/_METADATA`). (Orbax's step file,
         `_CHECKPOINT_METADATA`, holds our record of the meta item: `write_meta`.)"""
-        text = _store.state_metadata(tuple(_paths(step.tree)))
+        text = _store.state_metadata(tuple(path for path, _ in step.leaves))
         path = os.path.join(temp, _format.STATE_ITEM, _format.STATE_METADATA)
         self._storage.write_file(path, text.encode())
 
@@ -326,7 +326,7 @@ class Writer:
         committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
         the commit and gives their checksums and the time spent computing them."""
         flat = {}
-        for path, leaf in _flatten(step.tree):
+        for path, leaf in step.leaves:
             if isinstance(leaf, ShardedArray):
                 blocks = {k: _dtypes.storable(b) for k, b in leaf.written_here().items()}
                 stored = _dtypes.storage_dtype(leaf.dtype)
@@ -381,17 +381,17 @@ class Writer:
 
 
 class _Described:
-    """A step as it is written: the nested dict of its arrays (or per-device blocks)
-    that Orbax's layout names, and its `meta` record (without the checksums). Built
-    from the item here, where they are written (in the writer thread: off the device's
-    path), on first use: within the round, so a failure to build them is reported to
-    the other processes like any failure of the step."""
+    """A step as it is written: its stored leaves, (name, array or per-device blocks)
+    in the order of Orbax's nested dict (`_tree.stored_leaves`), and its `meta` record
+    (without the checksums). Built from the item here, where they are written (in the
+    writer thread: off the device's path), on first use: within the round, so a failure
+    to build them is reported to the other processes like any failure of the step."""
 
     def __init__(self, item: SaveItem):
         self._item = item
 
     @functools.cached_property
-    def _built(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _built(self) -> tuple[list[tuple[tuple[str, ...], Any]], dict[str, Any]]:
         item = self._item
         specs = item.signature.stored(item.hosts)
         meta = _format.meta_record(
@@ -403,10 +403,10 @@ class _Described:
             members=item.members.tolist(),
             saved_at=item.saved_at,
         )
-        return _tree.nest(specs, item.hosts), meta
+        return _tree.stored_leaves(specs, item.hosts), meta
 
     @property
-    def tree(self) -> dict[str, Any]:
+    def leaves(self) -> list[tuple[tuple[str, ...], Any]]:
         return self._built[0]
 
     @property
@@ -446,19 +446,6 @@ def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
                 "spec": [list(axes) for axes in layout.dims[host.leaf]],
             }
     return out
-
-
-def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()):
-    """(path, leaf) of a nested dict of arrays, in order."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-def _paths(tree: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [path for path, _ in _flatten(tree)]
 
 
 def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray]) -> np.ndarray:

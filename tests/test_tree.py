@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_cb_ckpt._tree import KEY, SCALAR, LeafSpec, describe_state
+from jax_cb_ckpt import _tree
+from jax_cb_ckpt._tree import ARRAY, KEY, SCALAR, LeafSpec, describe_state
 
 
 def _state():
@@ -150,3 +151,40 @@ def test_a_python_number_in_the_state_does_not_fill_the_memory_of_descriptions()
         _, specs, _ = describe_state({"w": x, "n": n, "lr": n / 3}, "save")
         assert specs[1].pytype == "int" and specs[0].pytype == "float"
     assert len(_tree._DESCRIBED) <= before + 1
+
+
+def _orbax_order(names):
+    """The order Orbax writes a nested dict {name[0]: {name[1]: ...}} in: the dict built
+    leaf by leaf, then walked (the writer did exactly this before `stored_leaves`)."""
+    tree = {}
+    for name in names:
+        node = tree
+        for part in name[:-1]:
+            node = node.setdefault(part, {})
+        node[name[-1]] = name
+
+    def walk(node):
+        for value in node.values():
+            yield from walk(value) if isinstance(value, dict) else [value]
+
+    return list(walk(tree))
+
+
+def test_stored_leaves_come_in_the_order_of_orbax_s_nested_dict():
+    """Leaves of one group that are not next to each other (a name's groups interleave)
+    are stored together, the groups in the order they first appear, as Orbax's nested
+    dict orders them; zero-size leaves are left out; nothing stored is a placeholder."""
+    names = [("b", "x", "1"), ("a",), ("b", "y"), ("c", "z"), ("b", "x", "0"), ("c", "e")]
+    specs = tuple(
+        LeafSpec(name=n, path="/".join(n), kind=ARRAY, dtype="float32", shape=(2,)) for n in names
+    )
+    arrays = [np.full(2, i, np.float32) for i in range(len(names))]
+    stored = _tree.stored_leaves(specs, arrays)
+    assert [name for name, _ in stored] == _orbax_order(names)
+    assert [name for name, _ in stored][:3] == [("b", "x", "1"), ("b", "x", "0"), ("b", "y")]
+    for name, array in stored:
+        assert np.array_equal(array, arrays[names.index(name)])
+    zero = [np.zeros(0, np.float32)] * len(names)
+    assert [n for n, _ in _tree.stored_leaves(specs, zero)] == [(_tree.EMPTY_NAME,)]
+    some = arrays[:2] + zero[2:]
+    assert [n for n, _ in _tree.stored_leaves(specs, some)] == names[:2]
