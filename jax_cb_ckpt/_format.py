@@ -326,7 +326,7 @@ class StepMeta:
     batch_shape: tuple[int, ...] = ()  # () unless saved under vmap
     # Which members asked for the save (bool, batch_shape); all of them when not recorded.
     members: np.ndarray = dataclasses.field(default_factory=lambda: np.ones((), bool))
-    checksums: dict[str, Any] | None = None  # None: written before checksums were kept
+    checksums: Sums | None = None  # None: written before checksums were kept
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -439,6 +439,8 @@ def step_file(record: dict[str, Any]) -> bytes:
 
 # -- names and checksums of the arrays inside the state item (written by `_store`,
 # read by `_read`)
+
+Sums = dict[str, dict[str, int]]  # a step's checksums: {leaf name: {region key: CRC-32}}
 
 
 def param_name(path: tuple[str, ...]) -> str:

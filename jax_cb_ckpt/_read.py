@@ -42,14 +42,20 @@ import os
 import sys
 import threading
 from collections.abc import Iterable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _dtypes
-from ._format import SMALL_BYTES, checksum, checksum_bytes, param_name, region_key
+from ._format import SMALL_BYTES, Sums, checksum, checksum_bytes, param_name, region_key
 from ._spec import LeafSpec
 from ._staging import empty_aligned
+
+if TYPE_CHECKING:
+    import tensorstore
+
+    from ._storage import Storage
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension; () for a scalar
 
@@ -95,7 +101,7 @@ class Layout:
     zarray: dict[str, Any]  # what TensorStore's zarr driver is given
 
 
-def _ts() -> Any:
+def _ts() -> ModuleType:
     import tensorstore
 
     return tensorstore
@@ -137,7 +143,7 @@ def _hull(boxes: Iterable[Box], rank: int) -> Box:
 
 
 @functools.cache
-def _threads() -> Any:
+def _threads() -> tensorstore.Context:
     """TensorStore's thread pools for reading, made once per process (each read's
     own context holds only its caches): pools made anew for every read start cold."""
     return _ts().Context(
@@ -152,7 +158,7 @@ class StepArrays:
     """The arrays of one step (its `state` item), opened for reading; one per read
     of a step, used by one thread."""
 
-    def __init__(self, storage: Any, step: int, leaves: tuple[LeafSpec, ...]) -> None:
+    def __init__(self, storage: Storage, step: int, leaves: tuple[LeafSpec, ...]) -> None:
         """`storage`: where the step lives (`_storage.at`), which opens its database."""
         ts = _ts()
         self.leaves = {spec.name: spec for spec in leaves}
@@ -193,7 +199,7 @@ class StepArrays:
     def read(
         self,
         requests: list[tuple[LeafSpec, Box | None]],
-        sums: dict[str, dict[str, int]] | None,
+        sums: Sums | None,
     ) -> list[np.ndarray]:
         """The stored data of each (leaf, box) of `requests` (box None: the whole leaf),
         as new arrays of the stored dtype, read concurrently. With `sums` ({leaf name:
@@ -240,7 +246,7 @@ class StepArrays:
         outer = _hull([box] + [r for _, r in hit], len(box))
         return _ZarrBox(self._zarr(saved, layout), saved, layout, box, outer, hit, sums or {})
 
-    def _zarr(self, saved: LeafSpec, layout: Layout) -> Any:
+    def _zarr(self, saved: LeafSpec, layout: Layout) -> tensorstore.TensorStore:
         """The leaf's zarr array, opened on its checked `.zarray` (not read again)."""
         return (
             _ts()
@@ -267,7 +273,7 @@ class _ZarrBox:
 
     def __init__(
         self,
-        store: Any,
+        store: tensorstore.TensorStore,
         saved: LeafSpec,
         layout: Layout,
         box: Box,
@@ -304,7 +310,9 @@ class _ZarrBox:
             future.add_done_callback(functools.partial(self._check, checked, done))
             self.pending.append((future, done, checked))
 
-    def _check(self, checked: list[tuple[str, Box]], done: threading.Event, future: Any) -> None:
+    def _check(
+        self, checked: list[tuple[str, Box]], done: threading.Event, future: tensorstore.Future
+    ) -> None:
         try:
             if future.exception() is None:
                 for key, region in checked:
@@ -372,7 +380,7 @@ class _Destination:
 
 
 @functools.cache
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return libc
@@ -406,7 +414,7 @@ class _RawLeaf:
 
     def __init__(
         self,
-        kv: Any,
+        kv: tensorstore.KvStore,
         saved: LeafSpec,
         layout: Layout,
         box: Box,
@@ -444,7 +452,7 @@ class _RawLeaf:
                     raise ChecksumMismatch(self.saved, key)
         return dest if self.box == full else dest[_slices(self.box)].copy()
 
-    def _bytes(self, chunk: Box, future: Any) -> bytes:
+    def _bytes(self, chunk: Box, future: tensorstore.Future) -> bytes:
         """A chunk's bytes, once they are there and the size its layout gives."""
         layout = self.layout
         result = future.result()
@@ -479,7 +487,7 @@ def _chunk_key(box: Box, chunks: tuple[int, ...], separator: str) -> str:
 # -- a leaf's .zarray, checked --------------------------------------------------------------
 
 
-def _layout(saved: LeafSpec, result: Any) -> Layout:
+def _layout(saved: LeafSpec, result: tensorstore.KvStore.ReadResult) -> Layout:
     """The `.zarray` a read gave for `saved`, parsed and checked against it."""
     name = param_name(saved.name)
     if result.state != "value":

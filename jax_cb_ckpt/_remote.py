@@ -35,9 +35,12 @@ import json
 import os
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError
+
+if TYPE_CHECKING:
+    import tensorstore
 
 
 class _OnFirstUse:
@@ -177,11 +180,11 @@ def _emulator_environment() -> None:
     os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
 
 
-_STORES: dict[str, Any] = {}
+_STORES: dict[str, tensorstore.KvStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _bucket_store(url: str) -> tuple[Any, str]:
+def _bucket_store(url: str) -> tuple[tensorstore.KvStore, str]:
     """(the bucket's KvStore, the key of `url` in it). Opened once per bucket and
     environment (a test may point one process at several servers)."""
     scheme, bucket, key = split(url)
@@ -196,7 +199,7 @@ def _bucket_store(url: str) -> tuple[Any, str]:
 
 
 @functools.cache
-def _context() -> Any:
+def _context() -> tensorstore.Context:
     return ts.Context()
 
 
@@ -351,7 +354,9 @@ def list_and_read(url: str, names: list[str]) -> tuple[list[str], list[tuple[byt
     return keys, [_read_result(one, future) for one, future in pending]
 
 
-def _read_result(url: str, future: Any) -> tuple[bytes | None, bytes]:
+def _read_result(
+    url: str, future: tensorstore.Future[tensorstore.KvStore.ReadResult]
+) -> tuple[bytes | None, bytes]:
     try:
         result = future.result()
     except Exception as e:
@@ -408,7 +413,7 @@ def list_keys(url: str) -> list[str]:
     return sorted(k[len(prefix) :] for k in _keys_in(store, prefix, url, "listing"))
 
 
-def _keys_in(store: Any, prefix: str, url: str, what: str) -> list[str]:
+def _keys_in(store: tensorstore.KvStore, prefix: str, url: str, what: str) -> list[str]:
     """The keys of `store` that start with `prefix`, filtered here: a server may answer
     a range listing with keys outside the range (gcp-storage-emulator ignores GCS's
     `startOffset`/`endOffset`; S3- and GCS-compatible servers differ), and a key
@@ -421,7 +426,7 @@ def _keys_in(store: Any, prefix: str, url: str, what: str) -> list[str]:
     return [k for k in (k.decode() for k in keys) if k.startswith(prefix)]
 
 
-def _listing_refusal(store: Any, prefix: str, e: Exception) -> Exception:
+def _listing_refusal(store: tensorstore.KvStore, prefix: str, e: Exception) -> Exception:
     """The error that says why a listing failed. TensorStore < 0.1.86 reads any S3 error
     answer to a listing (a 403 for a wrong secret as much as a missing bucket's 404) as
     "missing <ListBucketResult>", without the status or the server's message: the same
@@ -453,7 +458,7 @@ def delete_prefix(url: str, *, keep: str | None = None) -> None:
     _delete_keys(store, [k for k in keys if keep is None or k != prefix + keep], url)
 
 
-def _delete_keys(store: Any, keys: list[str], url: str) -> None:
+def _delete_keys(store: tensorstore.KvStore, keys: list[str], url: str) -> None:
     """Delete `keys` by name, concurrently (a missing one is no error)."""
     pending = [store.write(k, None) for k in keys]
     try:

@@ -132,12 +132,12 @@ def restore(
     return treedef.unflatten(leaves)
 
 
-def _box(index: Any, shape: tuple[int, ...]) -> _read.Box:
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> _read.Box:
     """A device's index into a leaf (a tuple of slices) as a box."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _member_index(member: Any, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
     """`member` as an index into the batch axes, checked (and saved: a member whose
     `maybe_save` predicate was false at this step holds no state of its own)."""
     batch = meta.batch_shape
@@ -192,7 +192,7 @@ def _check_batched_like(
 def _restore_member(
     storage: _storage.Storage,
     step: int,
-    seen: tuple[int, int],
+    seen: _storage.StepIdentity,
     meta: _format.StepMeta,
     like: Any,
     index: tuple[int, ...],
@@ -245,7 +245,9 @@ def _restore_member(
     return treedef.unflatten(leaves)
 
 
-def _as_described(array: Any, saved: _tree.LeafSpec, shape: tuple[int, ...], where: str) -> Any:
+def _as_described(
+    array: np.ndarray, saved: _tree.LeafSpec, shape: tuple[int, ...], where: str
+) -> np.ndarray:
     """A leaf's stored data as the dtype it was saved with, once its shape (`shape`:
     the stored one, or one member's) is the described one; else an error."""
     dtype = np.dtype(saved.dtype)

@@ -37,7 +37,7 @@ from ._errors import (
 )
 from ._format import META_ITEM, STATE_ITEM
 from ._spec import LeafSpec
-from ._storage import Storage
+from ._storage import StepIdentity, Storage
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,7 +99,7 @@ def _listed(storage: Storage, what: str) -> list[int]:
     return sorted(step for step, f in found.items() if f.kind == "complete")
 
 
-def check_step_arg(step: Any, what: str) -> int | None:
+def check_step_arg(step: object, what: str) -> int | None:
     if step is None:
         return None
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -157,7 +157,7 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
 
 
 def read_failure(
-    e: Exception, storage: Storage, step: int, seen: Any, where: str, what: str
+    e: Exception, storage: Storage, step: int, seen: StepIdentity, where: str, what: str
 ) -> CheckpointError:
     """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
     raised `e`: a stored layout unlike the step's description; the step removed while it
@@ -208,7 +208,7 @@ def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
 
 def open_step(
     storage: Storage, step: int, where: str, what: str | None = None
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[StepIdentity, dict[str, Any]]:
     """(the identity of checkpoint `step`, its `meta` item), read and checked before
     its arrays are read (`Storage.open_step`); errors say whether it was removed
     meanwhile or is damaged. `what` (the caller's name), for a step the caller named:
@@ -272,7 +272,7 @@ def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
 def open_arrays(
     storage: Storage,
     step: int,
-    seen: Any,
+    seen: StepIdentity,
     where: str,
     meta: _format.StepMeta,
     specs: list[LeafSpec],
@@ -292,7 +292,7 @@ def open_arrays(
 
 def sums_to_check(
     meta: _format.StepMeta, specs: list[LeafSpec], verify: bool, where: str
-) -> dict[str, Any] | None:
+) -> _format.Sums | None:
     """The checksums to check the stored leaves `specs` against, or None to read them
     unchecked (`verify=False`, or a step written before checksums were kept). A step
     with checksums that lacks a leaf's was edited: an error, before anything is read."""
@@ -306,10 +306,10 @@ def sums_to_check(
 def read_leaves(
     arrays: _read.StepArrays,
     requests: list[tuple[LeafSpec, _read.Box | None]],
-    sums: dict[str, Any] | None,
+    sums: _format.Sums | None,
     storage: Storage,
     step: int,
-    seen: Any,
+    seen: StepIdentity,
     where: str,
 ) -> list[np.ndarray]:
     """`arrays.read(requests)`, its failures as our errors; and the step checked to
@@ -342,7 +342,7 @@ def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> Rest
     )
 
 
-def _leaf_sums(sums: dict[str, Any], saved: LeafSpec, where: str) -> dict[str, int]:
+def _leaf_sums(sums: _format.Sums, saved: LeafSpec, where: str) -> dict[str, int]:
     """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
     leaf_sums = sums.get(_format.param_name(saved.name))
     if leaf_sums is None:

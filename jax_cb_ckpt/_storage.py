@@ -34,7 +34,12 @@ import shutil
 import stat
 import threading
 import uuid
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tensorstore
 
 from . import _format, _remote
 from ._durable import StepSync, fsync_dir
@@ -61,6 +66,11 @@ from ._lock import DirectoryLock, ObjectLock
 # The OCDBT database's root, read once per step from a bucket (`Bucket.database`).
 _MANIFEST = "manifest.ocdbt"
 _MANIFEST_KEY = f"{STATE_ITEM}/{_MANIFEST}"  # under the step
+
+# What a step is, taken before it is read and compared after (a step replaced under its
+# name, or removed, is another): (device, inode) of its directory; in a bucket
+# ("object", its commit marker's generation).
+StepIdentity = tuple[int, int] | tuple[str, bytes]
 
 
 def at(directory: str) -> Local | Bucket:
@@ -200,7 +210,7 @@ class Local(_Steps):
         """Create the directory (and its parents) if it is not there."""
         os.makedirs(self.path, exist_ok=True)
 
-    def identity(self) -> Any:
+    def identity(self) -> tuple[int, int] | None:
         """(device, inode) of the directory: tells it from one re-created in its place."""
         st = os.stat(self.path)
         return st.st_dev, st.st_ino
@@ -241,7 +251,7 @@ class Local(_Steps):
     # `open_step` does not check that the step is complete: `_steps.pick_step` lists.
     open_checks_step = False
 
-    def open_step(self, step: int) -> tuple[Any, dict[str, Any]]:
+    def open_step(self, step: int) -> tuple[StepIdentity, dict[str, Any]]:
         """(the identity of checkpoint `step`, its `meta` item read within
         `META_MAX_BYTES` and checked as `examine` checks it: `DamagedStep`), taken
         before its arrays are read. `FileNotFoundError` when it is gone."""
@@ -253,13 +263,13 @@ class Local(_Steps):
         text = _read_file(os.path.join(path, META_ITEM, META_FILE), META_MAX_BYTES)
         return seen, _format.check_meta_bytes(text, step, record)
 
-    def step_identity(self, step: int) -> Any:
+    def step_identity(self, step: int) -> StepIdentity:
         """(device, inode) of the step's directory: tells it from one re-created under
         its name (a replacing save)."""
         st = os.stat(self.step_path(step))
         return st.st_dev, st.st_ino
 
-    def still_there(self, step: int, seen: Any) -> bool:
+    def still_there(self, step: int, seen: StepIdentity) -> bool:
         """Checkpoint `step` is still a checkpoint of ours, the same directory it was when
         a read began (not set aside by retention, nor replaced under its name)."""
         try:
@@ -277,7 +287,9 @@ class Local(_Steps):
             ]
         return found
 
-    def database(self, step: int, ts: Any, context: Any, leaves: int = 1) -> Any:
+    def database(
+        self, step: int, ts: ModuleType, context: tensorstore.Context, leaves: int = 1
+    ) -> tensorstore.KvStore:
         """The step's state item (its OCDBT database), opened for reading (`leaves`:
         how many the read will ask for, for `Bucket.database`)."""
         state = os.path.join(self.step_path(step), STATE_ITEM)
@@ -336,10 +348,10 @@ class Local(_Steps):
         with open(path, "wb") as f:
             f.write(data)
 
-    def fence(self, name: str, token: str, check: Any) -> None:
+    def fence(self, name: str, token: str, check: Callable[[], None]) -> None:
         """Nothing to check locally: the `flock` is held for the Checkpointer's life."""
 
-    def check_directory(self, identity: Any, lock: DirectoryLock) -> None:
+    def check_directory(self, identity: tuple[int, int] | None, lock: DirectoryLock) -> None:
         """The directory opened is still there, and is still the same directory: one
         removed (Orbax would silently re-create it) or replaced by another is an error,
         and nothing is written into the replacement."""
@@ -532,7 +544,7 @@ def _read_in(fd: int, name: str, limit: int) -> bytes:
         return _format.within(name, f.read(limit + 1), limit)
 
 
-def _is_in(fd: int, name: str, kind: Any) -> bool:
+def _is_in(fd: int, name: str, kind: Callable[[int], bool]) -> bool:
     st = _lstat_in(fd, name)
     return st is not None and kind(st.st_mode)
 
@@ -621,7 +633,7 @@ class Bucket(_Steps):
     def make(self) -> None:
         pass  # a prefix needs no making
 
-    def identity(self) -> Any:
+    def identity(self) -> tuple[int, int] | None:
         return None  # a prefix is not re-created: the lock object says whose it is
 
     def unfinished_steps(self) -> list[tuple[int, str]]:
@@ -645,7 +657,7 @@ class Bucket(_Steps):
     # reads: `_steps.pick_step` need not list the directory first for a named step.
     open_checks_step = True
 
-    def open_step(self, step: int) -> tuple[Any, dict[str, Any]]:
+    def open_step(self, step: int) -> tuple[StepIdentity, dict[str, Any]]:
         """`Local.open_step`, in one round trip: the step's objects are listed (the step
         is complete: `examine`) while its commit marker (whose generation is the step's
         identity), Orbax's step file, the meta item and the OCDBT manifest are read.
@@ -675,14 +687,14 @@ class Bucket(_Steps):
             self._manifest = (step, manifest)
         return ("object", marker[1]), described
 
-    def step_identity(self, step: int) -> Any:
+    def step_identity(self, step: int) -> StepIdentity:
         """The generation of the step's commit marker (a step is committed once)."""
         data, generation = _remote.read(f"{self.step_path(step)}/{COMMIT_NAME}")
         if data is None:
             raise FileNotFoundError(f"{self.step_path(step)} is not a complete step")
         return ("object", generation)
 
-    def still_there(self, step: int, seen: Any) -> bool:
+    def still_there(self, step: int, seen: StepIdentity) -> bool:
         """Its commit marker is the one the read began with: nothing is unlisted or
         replaced without removing it first."""
         try:
@@ -693,7 +705,9 @@ class Bucket(_Steps):
     def symlinks_inside(self, step: int) -> list[str]:
         return []  # object storage has none
 
-    def database(self, step: int, ts: Any, context: Any, leaves: int = 1) -> Any:
+    def database(
+        self, step: int, ts: ModuleType, context: tensorstore.Context, leaves: int = 1
+    ) -> tensorstore.KvStore:
         """The step's state item, opened for reading, for a read of `leaves` leaves.
 
         A committed step never changes: its manifest is read once (by `open_step`, with
@@ -765,7 +779,7 @@ class Bucket(_Steps):
         if _remote.write(path, data, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{path} was written by another writer meanwhile")
 
-    def fence(self, name: str, token: str, check: Any) -> None:
+    def fence(self, name: str, token: str, check: Callable[[], None]) -> None:
         """Before a step's files and its commit: this writer still holds the lock
         (`check()`), and the step is still the one it began. A writer paused longer
         than the lock's stale time (a stopped VM) may have been taken over meanwhile; it
@@ -778,7 +792,7 @@ class Bucket(_Steps):
                 "over)"
             )
 
-    def check_directory(self, identity: Any, lock: DirectoryLock) -> None:
+    def check_directory(self, identity: tuple[int, int] | None, lock: DirectoryLock) -> None:
         """Our lock object is still ours."""
         if not lock.still_ours():
             raise FileNotFoundError(

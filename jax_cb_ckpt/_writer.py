@@ -233,7 +233,7 @@ class Writer:
             early = self._storage.describes_early
             alone = round_.count == 1
 
-            def meanwhile(sums: dict[str, Any]) -> None:
+            def meanwhile(sums: _format.Sums) -> None:
                 self._write_descriptions(temp, step)
                 if alone:
                     self._storage.write_meta(temp, dict(step.meta, checksums=sums))
@@ -277,8 +277,8 @@ class Writer:
         round_: Round,
         temp: str,
         sync: _storage.Sync,
-        meanwhile: Callable[[dict[str, Any]], None] | None,
-    ) -> tuple[dict[str, Any], float]:
+        meanwhile: Callable[[_format.Sums], None] | None,
+    ) -> tuple[_format.Sums, float]:
         """This process's arrays of the step, reported to the others (or why they could
         not be written); `meanwhile(sums)` runs while they commit. Their checksums and
         the seconds spent on them."""
@@ -321,7 +321,7 @@ class Writer:
 
     def _write_arrays(
         self, temp: str, step: _Described, round_: Round
-    ) -> Callable[..., tuple[dict[str, Any], float]]:
+    ) -> Callable[..., tuple[_format.Sums, float]]:
         """Start writing this process's arrays of the step; returns once they are
         committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
         the commit and gives their checksums and the time spent computing them."""
@@ -434,7 +434,9 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
+def _described_shardings(
+    specs: tuple[_tree.LeafSpec, ...], hosts: list[Any]
+) -> dict[str, dict[str, Any]]:
     """How each leaf saved per device was split: the mesh's axes and, per dimension,
     the mesh axes it is split over (`jax-cb-ckpt show` prints them)."""
     out = {}
@@ -448,7 +450,9 @@ def _described_shardings(specs: Any, hosts: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _assemble(shape: tuple[int, ...], dtype: Any, blocks: dict[Any, np.ndarray]) -> np.ndarray:
+def _assemble(
+    shape: tuple[int, ...], dtype: np.dtype, blocks: dict[tuple[tuple[int, int], ...], np.ndarray]
+) -> np.ndarray:
     out = np.empty(shape, dtype)
     for key, block in blocks.items():
         out[tuple(slice(a, b) for a, b in key)] = block
