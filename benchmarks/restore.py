@@ -28,7 +28,9 @@ fake-gcs-server and s3:// on moto (benchmarks.storage's servers, on 127.0.0.1, n
 proxy), restored, against one GET of an object holding as many bytes as the step's
 objects (`_remote.read`, TensorStore's client: the server's own speed for them), and
 the same object read as concurrent ranges of the writer's chunk size, as the read path
-reads a large leaf (servers differ in how fast they serve ranges: both are ceilings).
+reads a large leaf (servers differ in how fast they serve ranges: both are ceilings),
+and a plain read of the step: its objects listed, then all read at once (the same
+objects as the restore reads, in the fewest round trips: two).
 
 Results: results.json and results.md under --out.
 """
@@ -158,6 +160,14 @@ def _ranged_get(url: str, nbytes: int) -> None:
         future.result()
 
 
+def _plain_bucket_read(url: str) -> int:
+    """Every object of a step read into memory: the step listed, then all of its objects
+    read at once (`plain_read`'s counterpart: the server's own speed for the step's
+    objects, two round trips)."""
+    objects = _remote.read_many([f"{url}/{key}" for key in _remote.list_keys(url)])
+    return sum(len(data or b"") for data, _ in objects)
+
+
 def run_bucket_case(where: str, name: str, make: Callable[[], Any], reps: int) -> dict:
     """A step saved to `where` (a bucket prefix), restored, against one GET of as many
     bytes as the step holds."""
@@ -174,6 +184,7 @@ def run_bucket_case(where: str, name: str, make: Callable[[], Any], reps: int) -
         "restore, verify=False": lambda: jax_cb_ckpt.restore(where, like, step=1, verify=False),
         "one GET": lambda: _remote.read(blob),
         "ranged GETs": lambda: _ranged_get(blob, nbytes),
+        "plain read": lambda: _plain_bucket_read(f"{where}/1"),
     }
     for method in methods.values():
         method()
@@ -195,16 +206,17 @@ def run_bucket_case(where: str, name: str, make: Callable[[], Any], reps: int) -
 def _bucket_table(results: list[dict]) -> str:
     lines = [
         "| storage | state | step bytes | restore | verify=False | one GET | ranged GETs "
-        "| x GET | x ranged |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| plain read | x GET | x ranged | x read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ms = r["ms"]
         lines.append(
             f"| {r['dir']} | {r['case']} | {r['bytes']} | {ms['restore']:.2f} | "
             f"{ms['restore, verify=False']:.2f} | {ms['one GET']:.2f} | "
-            f"{ms['ranged GETs']:.2f} | {ms['restore'] / ms['one GET']:.2f} | "
-            f"{ms['restore'] / ms['ranged GETs']:.2f} |"
+            f"{ms['ranged GETs']:.2f} | {ms['plain read']:.2f} | "
+            f"{ms['restore'] / ms['one GET']:.2f} | {ms['restore'] / ms['ranged GETs']:.2f} | "
+            f"{ms['restore'] / ms['plain read']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -151,14 +151,16 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
             assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
     assert not os.listdir(disk)  # cleaned up
     # The object-storage rows (the test extra installs the servers): restore from gs://
-    # and s3:// next to one GET and ranged GETs of as many bytes.
+    # and s3:// next to one GET and ranged GETs of as many bytes, and a plain read of
+    # the step's objects.
     assert [(b["dir"], b["case"]) for b in report["buckets"]] == [
         ("gs://", "tiny"),
         ("s3://", "tiny"),
     ]
     for bucket in report["buckets"]:
         assert bucket["bytes"] > 0
-        for method in ("restore", "restore, verify=False", "one GET", "ranged GETs"):
+        for method in ("restore", "restore, verify=False", "one GET", "ranged GETs", "plain read"):
             assert bucket["ms"][method] > 0, (bucket["dir"], method)
     markdown = (out / "results.md").read_text()
     assert markdown in printed and "x Orbax" in markdown and "x GET" in markdown
+    assert "x read |" in markdown.split("x GET")[1]  # the bucket table's plain-read ratio
