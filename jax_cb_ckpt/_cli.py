@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, TextIO
 
 from . import _format, _spec, _storage
 from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
@@ -35,7 +35,7 @@ def _safe(text: object) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
-def _say(text: object = "", file: Any = None) -> None:
+def _say(text: object = "", file: TextIO | None = None) -> None:
     print(_safe(text), file=file or sys.stdout)
 
 

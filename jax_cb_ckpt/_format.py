@@ -369,7 +369,7 @@ class StepMeta:
         )
 
 
-def _check_sums(name: str, sums: Any, shape: tuple[int, ...] | None) -> None:
+def _check_sums(name: str, sums: object, shape: tuple[int, ...] | None) -> None:
     """One leaf's checksums in a `meta` item: {region key: CRC-32}, each region a box
     inside the leaf's stored shape ('0:4,8:16'; '' for a scalar); `ValueError` else."""
     if shape is None:
