@@ -283,7 +283,7 @@ class Group:
                 pass
         self._previous = prefix
 
-    def _tell(self, key: str, value: str, what: str) -> None:
+    def _publish(self, key: str, value: str, what: str) -> None:
         try:
             self._call("key_value_set", key, value)
         except Exception as e:  # the service lives in process 0
@@ -294,7 +294,7 @@ class Group:
                 "the run; they resume from the last complete checkpoint."
             ) from e
 
-    def _hear(self, key: str, what: str, peer: int, step: int) -> str:
+    def _await_peer(self, key: str, what: str, peer: int, step: int) -> str:
         """The value process `peer` tells under `key`: waited for while `peer`'s writer
         works on `step`, and at most `timeout_s` more once it does not."""
         return self._get(key, what, (peer, step), "")
@@ -372,20 +372,20 @@ class GroupRound:
     def start(self, error: BaseException | None) -> None:
         """The primary made the place the step is written to (or says why it could not:
         `error`); from then on it owes the others a decision."""
-        self._tell("ready", OK if error is None else _reason(error), "that it started")
+        self._publish("ready", OK if error is None else _reason(error), "that it started")
         self._owed = error is None
 
     def await_start(self) -> None:
         """A peer: until the primary started the step; SaveError when it could not."""
-        ready = self._hear("ready", f"process 0 to start step {self.step}", 0)
+        ready = self._await_peer("ready", f"process 0 to start step {self.step}", 0)
         if ready != OK:
             raise SaveError(f"process 0 could not start step {self.step}: {ready}")
 
     def report(self, error: BaseException | None, sums: Sums | None = None) -> None:
         """Every process: it wrote its part, with its blocks' checksums `sums` (or why
         it failed: `error`)."""
-        told = f"{OK} {json.dumps(sums or {})}" if error is None else _reason(error)
-        self._tell(f"wrote/{self.index}", told, "that it wrote its part")
+        outcome = f"{OK} {json.dumps(sums or {})}" if error is None else _reason(error)
+        self._publish(f"wrote/{self.index}", outcome, "that it wrote its part")
 
     def collect(self, sums: Sums) -> Sums:
         """The primary: every other process's report, its checksums merged into `sums`
@@ -393,12 +393,12 @@ class GroupRound:
         problems = []
         for other in range(1, self.count):
             what = f"process {other} to write its part of step {self.step}"
-            said = self._hear(f"wrote/{other}", what, other)
-            if said.startswith(OK):
-                for name, regions in json.loads(said[len(OK) :] or "{}").items():
+            outcome = self._await_peer(f"wrote/{other}", what, other)
+            if outcome.startswith(OK):
+                for name, regions in json.loads(outcome[len(OK) :] or "{}").items():
                     sums.setdefault(name, {}).update(regions)
             else:
-                problems.append(f"process {other}: {said}")
+                problems.append(f"process {other}: {outcome}")
         self._group._heard_all(self._prefix)
         if problems:
             raise SaveError("; ".join(problems))
@@ -417,7 +417,7 @@ class GroupRound:
             return
         self._owed = False
         try:
-            self._tell("commit", OK if error is None else _reason(error), "its decision")
+            self._publish("commit", OK if error is None else _reason(error), "its decision")
         except SaveError as e:
             logger.warning("%s", e)
 
@@ -425,7 +425,7 @@ class GroupRound:
         """A peer, after its report: until the primary decides. SaveError when the step
         was not committed; `VerdictUnknown` when no decision comes."""
         try:
-            verdict = self._hear("commit", f"process 0 to commit step {self.step}", 0)
+            verdict = self._await_peer("commit", f"process 0 to commit step {self.step}", 0)
         except SaveError as e:
             cause = e.__cause__ or e
             raise VerdictUnknown(
@@ -440,11 +440,13 @@ class GroupRound:
         if verdict != OK:
             raise SaveError(f"step {self.step} was not committed: {verdict}")
 
-    def _tell(self, name: str, value: str, what: str) -> None:
-        self._group._tell(f"{self._prefix}/{name}", value, f"{what} ({name!r} of step {self.step})")
+    def _publish(self, name: str, value: str, what: str) -> None:
+        self._group._publish(
+            f"{self._prefix}/{name}", value, f"{what} ({name!r} of step {self.step})"
+        )
 
-    def _hear(self, name: str, what: str, peer: int) -> str:
-        return self._group._hear(f"{self._prefix}/{name}", what, peer, self.step)
+    def _await_peer(self, name: str, what: str, peer: int) -> str:
+        return self._group._await_peer(f"{self._prefix}/{name}", what, peer, self.step)
 
 
 class Solo:

@@ -314,8 +314,8 @@ def _agreed(read: Callable[[Any], jax.Array], shardings: Any) -> Callable[[Any],
     axes = tuple(mesh.axis_names)
 
     def per_device(i: Any) -> jax.Array:
-        mine = read(i).astype(jnp.int32)
-        return jax.lax.pmax(mine, axes) > 0
+        requested = read(i).astype(jnp.int32)  # this process's flag
+        return jax.lax.pmax(requested, axes) > 0
 
     def agreed(i: Any) -> jax.Array:
         return jax.shard_map(

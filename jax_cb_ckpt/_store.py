@@ -198,8 +198,8 @@ class StoreWriter:
 
         Returns once the transaction is committing (the data copied into TensorStore,
         the large leaves' checksums computed meanwhile); then call the returned
-        `finish(meanwhile)`: it computes the small leaves' checksums, calls
-        `meanwhile(checksums)` (the caller's small files, written while the transaction
+        `finish(during_commit)`: it computes the small leaves' checksums, calls
+        `during_commit(checksums)` (the caller's small files, written while the transaction
         commits), waits for the commit, and returns the checksums, {name: {region key:
         crc32}}, and the seconds spent computing them."""
         part = state_dir if index == 0 else os.path.join(state_dir, f"{PROCESS_PREFIX}{index}")
@@ -243,12 +243,12 @@ class StoreWriter:
         committed = txn.commit_async()
 
         def finish(
-            meanwhile: Callable[[dict[str, dict[str, int]]], None] | None = None,
+            during_commit: Callable[[dict[str, dict[str, int]]], None] | None = None,
         ) -> tuple[dict[str, dict[str, int]], float]:
             try:  # while the transaction commits:
                 seconds = checksum_s + _checksums(small, sums)
-                if meanwhile is not None:
-                    meanwhile(sums)
+                if during_commit is not None:
+                    during_commit(sums)
             finally:
                 committed.result()  # ended, whatever happened
             for future in staged:  # staged in the transaction (done by now): any failure?
