@@ -5,7 +5,7 @@ queue, the pending count, the steps handed over, the first writer error and the 
 (warnings to emit in the user's thread). Each side uses its own methods:
 
 - callback side (inside JAX's callbacks, or an eager `save`): `claim`, `take_slot`,
-  `submit`, `supersede`, `unclaim`, `record`, `mark`;
+  `submit`, `supersede`, `unclaim`, `record`, `end_run`;
 - writer thread: `next_item`, `finished`;
 - user thread: `drain`, `take_error`, `take_notes`, `forget`.
 
@@ -21,7 +21,7 @@ write failed was never written: it is forgotten, and a later save of it is writt
 The data of one save may arrive several times from one program run: under GSPMD `jit`
 every device runs the crossing with the whole (gathered) state. Such copies come from
 the same crossing (its `owner`, the traced call's Signature) and are dropped silently.
-Whether a program run repeated a step is decided once per run instead, by `mark`,
+Whether a program run repeated a step is decided once per run instead, by `end_run`,
 which the crossing calls once per save after its data (see _traced.py).
 """
 
@@ -200,8 +200,8 @@ class Exchange:
         self._queue: collections.deque[Any] = collections.deque()  # waiting for the writer
         self._pending = 0
         self._handed = HandedSteps()  # step -> the crossing that handed it
-        self._arrived: set[tuple[object, int]] = set()  # handed, not yet marked
-        self._skipped: set[tuple[object, int]] = set()  # skipped, not yet marked
+        self._arrived: set[tuple[object, int]] = set()  # handed, the run not yet ended (`end_run`)
+        self._skipped: set[tuple[object, int]] = set()  # skipped, the run not yet ended
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
@@ -215,7 +215,7 @@ class Exchange:
     ) -> tuple[int, ...] | Literal["duplicate", "replica"]:
         """May `step` be written? `"duplicate"`: drop it (noted for the user);
         `"replica"`: drop it silently (another device's copy of the same save, or a
-        later run's, which `mark` reports); otherwise the old steps to delete first
+        later run's, which `end_run` reports); otherwise the old steps to delete first
         (empty unless replacing). Raises `StepExistsError` when the step would mix with
         steps another run left in the directory."""
         with self._cond:
@@ -251,7 +251,7 @@ class Exchange:
                 self._arrived.add((owner, step))
             return clash
 
-    def mark(self, step: int, owner: object) -> bool:
+    def end_run(self, step: int, owner: object) -> bool:
         """One program run's save of `step` by the crossing `owner` is over (its data
         arrived before this). False when that data was dropped because the same crossing
         had handed the step over in an earlier run (noted for the user)."""
@@ -270,7 +270,7 @@ class Exchange:
     def skipped(self, step: int, replace: tuple[int, ...], owner: object) -> None:
         """A claimed step was not handed over (the queue was full, on_full="skip"): it
         may come again in a later run; copies of it from other devices in this run
-        are dropped until `mark` ends the run's save."""
+        are dropped until `end_run` ends the run's save."""
         with self._cond:
             self._unclaim(step, replace)
             if owner is not None:

@@ -9,7 +9,7 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
 
 - `deposit` (the "buffer" crossing): XLA's own buffers, valid only during the call,
   each copied once into a reused, already touched staging buffer (`StagingPool`).
-  `mark` runs after it, once per program run, to report repeated steps.
+  `end_run` runs after it, once per program run, to report repeated steps.
 - `deposit_shard` (`shardings=`): one device's blocks and mesh coordinates; the blocks
   it owns are copied, and the device that completes the step queues it (_assembly.py).
 - `__call__` (the "callback" fallback): `jax.debug.callback` hands over `jax.Array`s that
@@ -91,27 +91,27 @@ class HostSide:
     def directory(self) -> str:
         return self._exchange.directory
 
-    def __call__(self, signature: Signature, step: Any, pred: Any, *arrays: Any) -> None:
+    def __call__(self, signature: Signature, step: Any, wanted: Any, *arrays: Any) -> None:
         """The `debug.callback` crossing's target (the fallback path; see _traced.py):
         `arrays` are the leaves that crossed through JAX, as JAX's own copies."""
 
-        def take() -> Taken:
+        def copy_out() -> HostCopy:
             if _OWNED:
                 # np.asarray waits until JAX's copy of the argument is complete (it may
                 # still be in flight), so what we keep is a finished, owned snapshot.
-                return Taken([np.asarray(a) for a in arrays], _noop)
-            return Taken(*self._pool.copy_in(arrays))
+                return HostCopy([np.asarray(a) for a in arrays], _noop)
+            return HostCopy(*self._pool.copy_in(arrays))
 
-        self._in_callback(signature, step, pred, take, owner=None)
+        self._in_callback(signature, step, wanted, copy_out, owner=None)
 
     def deposit(
         self,
         signature: Signature,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         ctx: Any,
         out: Any,
         step: Any,
-        pred: Any,
+        wanted: Any,
         *buffers: Any,
     ) -> None:
         """The `buffer_callback` crossing's target (the fast path; see _traced.py).
@@ -119,48 +119,49 @@ class HostSide:
         `buffers` are XLA's own buffers, valid only during this call: each is copied
         once, here, into a staging buffer the library reuses (already touched memory),
         while the device program waits. `out` is the crossing's one-element token.
-        `narrow` gives the dtype of leaves that crossed widened (packed sub-byte types).
+        `widened` gives the saved dtype of the leaves that crossed widened (packed sub-byte
+        types), by index.
         """
         if buffers and _cuda.is_device_buffer(buffers[0]):
-            self._deposit_from_gpu(signature, narrow, ctx, step, pred, buffers)
+            self._deposit_from_gpu(signature, widened, ctx, step, wanted, buffers)
             return
         np.asarray(out)[...] = 0
-        arrays = _narrowed([np.asarray(b) for b in buffers], narrow)
-        self._in_callback(signature, step, pred, self._staged(arrays), owner=signature)
+        arrays = _as_saved_dtypes([np.asarray(b) for b in buffers], widened)
+        self._in_callback(signature, step, wanted, self._staged(arrays), owner=signature)
 
     def _deposit_from_gpu(
         self,
         signature: Signature,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         ctx: Any,
         step: Any,
-        pred: Any,
+        wanted: Any,
         buffers: Sequence[Any],
     ) -> None:
         """`deposit` on a GPU (`crossing="buffer"`; see _cuda.py): the copies to pinned
         memory are queued on XLA's stream and the writer waits for them. The token is
         left as it is: nobody reads its value."""
-        step, pred = _cuda.read_now([step, pred], ctx.stream)
+        step, wanted = _cuda.read_now([step, wanted], ctx.stream)
         pinned = self._pinned_pool()
 
-        def take() -> Taken:
+        def copy_out() -> HostCopy:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
-            if not narrow:
-                return Taken(list(hosts), release, ready)
+            if not widened:
+                return HostCopy(list(hosts), release, ready)
             ready()  # packed dtypes are narrowed here, so wait for their copies now
-            return Taken(_narrowed(list(hosts), narrow), release)
+            return HostCopy(_as_saved_dtypes(list(hosts), widened), release)
 
-        self._in_callback(signature, step, pred, take, owner=signature)
+        self._in_callback(signature, step, wanted, copy_out, owner=signature)
 
     def deposit_shard(
         self,
         signature: Signature,
         layout: _shards.Layout,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         ctx: Any,
         out: Any,
         step: Any,
-        pred: Any,
+        wanted: Any,
         coords: Any,
         *blocks: Any,
     ) -> None:
@@ -171,14 +172,14 @@ class HostSide:
         start = time.perf_counter()
         pinned_release = None
         if blocks and _cuda.is_device_buffer(blocks[0]):  # a GPU: copy out, wait for it
-            step, pred, coords = _cuda.read_now([step, pred, coords], ctx.stream)
+            step, wanted, coords = _cuda.read_now([step, wanted, coords], ctx.stream)
             hosts, pinned_release, ready = _cuda.copy_async(blocks, ctx.stream, self._pinned_pool())
             ready()
             blocks = tuple(hosts)
         elif out is not None:
             np.asarray(out)[...] = 0
         try:
-            self._deposit_shard(signature, layout, narrow, start, step, pred, coords, blocks)
+            self._deposit_shard(signature, layout, widened, start, step, wanted, coords, blocks)
         finally:
             if pinned_release is not None:
                 pinned_release()  # the blocks it owns were copied into staging
@@ -187,14 +188,14 @@ class HostSide:
         self,
         signature: Signature,
         layout: _shards.Layout,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         start: float,
         step: Any,
-        pred: Any,
+        wanted: Any,
         coords: Any,
         blocks: Sequence[Any],
     ) -> None:
-        members = np.asarray(pred).astype(bool)  # a per-device mask under pmap "stack"
+        members = np.asarray(wanted).astype(bool)  # a per-device mask under pmap "stack"
         if not members.any():
             return
         try:
@@ -205,7 +206,7 @@ class HostSide:
         if self.on_step is not None:
             self.on_step(step)
         position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
-        arrays = _narrowed([np.asarray(b) for b in blocks], narrow)
+        arrays = _as_saved_dtypes([np.asarray(b) for b in blocks], widened)
         shapes = [layout.global_shape(i, a.shape) for i, a in enumerate(arrays)]
         if self._shard_pool is None:
             self._shard_pool = StagingPool(keep=self._queue_size * layout.devices, layouts=64)
@@ -279,14 +280,14 @@ class HostSide:
             self._settle(assembly)
             return
 
-        def take() -> Taken:
+        def copy_out() -> HostCopy:
             crossed = [
                 _shards.ShardedArray(shapes[i], arrays[i].dtype, layout, i, assembly.blocks[i])
                 for i in range(len(arrays))
             ]
-            return Taken(crossed, assembly.release)
+            return HostCopy(crossed, assembly.release)
 
-        self._submit(signature, step, members, take, claim, blocking_s=assembly.blocking_s)
+        self._submit(signature, step, members, copy_out, claim, blocking_s=assembly.blocking_s)
 
     def _settle(self, assembly: _assembly.Assembly) -> None:
         """A per-device save that will not be written: its staging and its slot (and the
@@ -309,43 +310,43 @@ class HostSide:
         for assembly in self._assemblies.take_failed():
             self._settle(assembly)
 
-    def mark(self, signature: Signature, shapes: Any, packed: Any) -> None:
+    def end_run(self, signature: Signature, shapes: Any, packed: Any) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a
         step whose data was dropped because this crossing handed it over in an earlier
         run is reported here, once, however many devices deposited it. `packed` is the
         token, the steps and the mask in one flat array (`_traced._packed`), `shapes` the
         shapes of the steps and the mask."""
-        step_shape, pred_shape = shapes
+        step_shape, wanted_shape = shapes
         flat = np.asarray(packed)[1:]  # [0] is the token
         n = math.prod(step_shape)
         step = flat[:n].reshape(step_shape)
-        members = flat[n:].reshape(pred_shape).astype(bool)
+        members = flat[n:].reshape(wanted_shape).astype(bool)
         if not members.any():
             return
         try:
             step = _one_step(np.asarray(step), members)
         except CheckpointError:
             return  # deposit raised it already and the program failed there
-        if not self._exchange.mark(step, signature):
+        if not self._exchange.end_run(step, signature):
             self._stats.duplicate()
 
     def _in_callback(
         self,
         signature: Signature,
         step: Any,
-        pred: Any,
-        take: Callable[[], Taken],
+        wanted: Any,
+        copy_out: Callable[[], HostCopy],
         owner: object,
     ) -> None:
         start = time.perf_counter()
         self._refuse_if_failed()
-        members = np.asarray(pred).astype(bool)
+        members = np.asarray(wanted).astype(bool)
         try:
             step = _one_step(np.asarray(step), members)
         except CheckpointError as e:
             self._exchange.record(e)  # re-raised by wait()/close() as our own type
             raise
-        self._hand_over(signature, step, members, start, take, in_callback=True, owner=owner)
+        self._hand_over(signature, step, members, start, copy_out, in_callback=True, owner=owner)
 
     def eager(self, signature: Signature, step: int, hosts: list[Any]) -> None:
         """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
@@ -364,18 +365,18 @@ class HostSide:
             owner=None,
         )
 
-    def _staged(self, arrays: Sequence[Any]) -> Callable[[], Taken]:
-        """A `take` that copies `arrays` into staging buffers, but for those it may keep
+    def _staged(self, arrays: Sequence[Any]) -> Callable[[], HostCopy]:
+        """A `copy_out` that copies `arrays` into staging buffers, but for those it may keep
         as they are (`_immutable_view`)."""
 
-        def take() -> Taken:
+        def copy_out() -> HostCopy:
             views = [_immutable_view(a) for a in arrays]
             owned = [a for a, v in zip(arrays, views, strict=True) if v is None]
             copies, release = self._pool.copy_in(owned)
             copied = iter(copies)
-            return Taken([next(copied) if v is None else v for v in views], release)
+            return HostCopy([next(copied) if v is None else v for v in views], release)
 
-        return take
+        return copy_out
 
     def _refuse_if_failed(self) -> None:
         """Raise (in a callback: fail the running computation, so no hours of training
@@ -410,21 +411,21 @@ class HostSide:
         step: int,
         members: np.ndarray,
         start: float,
-        take: Callable[[], Taken],
+        copy_out: Callable[[], HostCopy],
         *,
         in_callback: bool,
         owner: object,
     ) -> None:
         claim = self._exchange.admit(step, owner, in_callback=in_callback)
         if claim is not None:
-            self._submit(signature, step, members, take, claim, start=start)
+            self._submit(signature, step, members, copy_out, claim, start=start)
 
     def _submit(
         self,
         signature: Signature,
         step: int,
         members: np.ndarray,
-        take: Callable[[], Taken],
+        copy_out: Callable[[], HostCopy],
         claim: Claim,
         *,
         start: float | None = None,
@@ -432,9 +433,9 @@ class HostSide:
     ) -> None:
         """Queue a claimed save (its slot taken). The device waited `blocking_s`, or
         from `start` until now."""
-        taken = time.perf_counter()
+        copying = time.perf_counter()
         try:
-            crossed, release, ready = take()
+            crossed, release, ready = copy_out()
             hosts = signature.assemble(crossed, members.shape)
             nbytes = sum(h.nbytes for h in hosts)
         except BaseException:
@@ -453,7 +454,7 @@ class HostSide:
             saved_at,
             nbytes,
             blocking_s,
-            end - taken,
+            end - copying,
             release,
             claim.replace,
             ready,
@@ -477,8 +478,8 @@ def _immutable_view(array: Any) -> np.ndarray | None:
     return view if view.ctypes.data == array.unsafe_buffer_pointer() else None
 
 
-class Taken(NamedTuple):
-    """What a crossing's `take` gives the hand-off: the leaves in host memory the
+class HostCopy(NamedTuple):
+    """What a crossing's `copy_out` gives the hand-off: the leaves in host memory the
     library may keep, how to give that memory back once written, and (copies from a
     GPU still in flight) how to wait until they hold the data."""
 
@@ -487,10 +488,10 @@ class Taken(NamedTuple):
     ready: Callable[[], None] | None = None
 
 
-def _narrowed(arrays: list[Any], narrow: dict[int, Any]) -> list[Any]:
+def _as_saved_dtypes(arrays: list[Any], widened: dict[int, Any]) -> list[Any]:
     """`arrays` with the leaves that crossed widened (packed sub-byte types, see
-    _traced._widened) cast back to their dtype {index: dtype} (exact)."""
-    for index, dtype in narrow.items():
+    _traced._widen) cast back to their dtype {index: dtype} (exact)."""
+    for index, dtype in widened.items():
         arrays[index] = arrays[index].astype(dtype)
     return arrays
 

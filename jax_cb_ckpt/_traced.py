@@ -9,7 +9,7 @@ and docs/handoff.md have the evidence):
   the crossing, so steps that do not save move no data to the host.
 - `custom_vmap`: under `vmap` a `cond` with a batched predicate becomes a `select` that
   runs both branches (a callback in it would fire for every member on every step). Our
-  batching rule instead does one `cond(any(pred))` for the whole batch: one crossing per
+  batching rule instead does one `cond(any(wanted))` for the whole batch: one crossing per
   save step, carrying the per-member mask. Nested `vmap` applies the rule again.
 - `stop_gradient`: a checkpoint saves primal values and must not touch gradients.
 - The fast crossing ("buffer", CPU): a *pure* `jax.experimental.buffer_callback` gets
@@ -192,16 +192,16 @@ class Host(Protocol):
     """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
     callbacks: each call takes the data it is given before it returns."""
 
-    def __call__(self, signature: Any, step: Any, pred: Any, *arrays: Any) -> None: ...
+    def __call__(self, signature: Any, step: Any, wanted: Any, *arrays: Any) -> None: ...
 
     def deposit(
         self,
         signature: Any,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         ctx: Any,
         out: Any,
         step: Any,
-        pred: Any,
+        wanted: Any,
         *buffers: Any,
     ) -> None: ...
 
@@ -209,16 +209,16 @@ class Host(Protocol):
         self,
         signature: Any,
         layout: Any,
-        narrow: dict[int, Any],
+        widened: dict[int, Any],
         ctx: Any,
         out: Any,
         step: Any,
-        pred: Any,
+        wanted: Any,
         coords: Any,
         *blocks: Any,
     ) -> None: ...
 
-    def mark(self, signature: Any, shapes: Any, packed: Any) -> None: ...
+    def end_run(self, signature: Any, shapes: Any, packed: Any) -> None: ...
 
 
 def cross(
@@ -226,59 +226,61 @@ def cross(
     signature: Any,
     step: jax.Array,
     payload: list[Any],
-    pred: Any,
+    wanted: Any,
     *,
     axis_name: Any = None,
     gather: Gather = "stack",
     by_buffer: bool = True,
 ) -> None:
-    """Hand `payload` to `host_fn(signature, step, pred, *payload)` on the host, if `pred`.
+    """Hand `payload` to `host(signature, step, wanted, *payload)` on the host, if `wanted`.
 
-    With `pred=None` the crossing is unconditional. Blocks the device program (not the
+    `wanted` is the device-side decision to save: a bool scalar, traced or not (under
+    `vmap`, the rule makes it the per-member mask the host receives); with `wanted=None`
+    the crossing is unconditional. Blocks the device program (not the
     Python caller) until the host side has taken the data. With `axis_name` (inside
     `pmap`/`shard_map`) the state is gathered along that axis (stacked, or concatenated
     when `gather="concat"`; not at all when `"replicated"`) and handed over once, by the
     first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
-    always = pred is None and axis_name is None
-    pred = jnp.asarray(True) if pred is None else pred
+    always = wanted is None and axis_name is None
+    wanted = jnp.asarray(True) if wanted is None else wanted
     save = _batched_save(host, signature, by_buffer, always=always)
     if axis_name is None:
-        save(step, pred, payload)
+        save(step, wanted, payload)
         return
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if gather != "replicated" and set(names) == manual and payload:
         # Every device hands over its own block; nothing is gathered (_shards.py).
-        _per_device_in_map(host, signature, step, pred, payload, names, gather, by_buffer)
+        _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer)
         return
-    _gather_and_save(save, step, pred, payload, axis_name, gather)
+    _gather_and_save(save, step, wanted, payload, axis_name, gather)
 
 
-def _gather_and_save(save: Any, step: Any, pred: Any, payload: list[Any], axis_name, gather):
+def _gather_and_save(save: Any, step: Any, wanted: Any, payload: list[Any], axis_name, gather):
     """Gather the state along `axis_name` and let the first device save it."""
     # Every device must take the same branch around the collective below.
-    anyone = jax.lax.pmax(pred.astype(jnp.int32), axis_name) > 0
+    anyone = jax.lax.pmax(wanted.astype(jnp.int32), axis_name) > 0
 
-    def gather_and_save(step, pred, payload):
+    def gather_and_save(step, wanted, payload):
         if gather != "stack":
-            pred = jnp.asarray(True)  # one state, not one per device: no per-device mask
+            wanted = jnp.asarray(True)  # one state, not one per device: no per-device mask
         if gather == "concat":
             payload = [jax.lax.all_gather(p, axis_name, tiled=True) for p in payload]
         elif gather == "stack":
             payload = [jax.lax.all_gather(p, axis_name) for p in payload]
-            pred = jax.lax.all_gather(pred, axis_name)  # per-device mask
+            wanted = jax.lax.all_gather(wanted, axis_name)  # per-device mask
 
         def first_device_saves():
-            save(step, pred, payload)
+            save(step, wanted, payload)
 
         jax.lax.cond(jax.lax.axis_index(axis_name) == 0, first_device_saves, lambda: None)
 
-    jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, pred, payload)
+    jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, wanted, payload)
 
 
-def _per_device_in_map(host, signature, step, pred, payload, names, gather, by_buffer):
+def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer):
     """Inside `pmap`/`shard_map` over exactly the axes `names`: each device crosses with
     its own block. `"stack"`: the saved leaf gets a leading axis of one block per device
     (the per-device mask, a few bytes, is gathered and travels along); `"concat"`: the
@@ -289,11 +291,11 @@ def _per_device_in_map(host, signature, step, pred, payload, names, gather, by_b
     fallback = _batched_save(host, signature, by_buffer)
 
     @jax.custom_batching.custom_vmap
-    def save(step, pred, payload):
-        anyone = jax.lax.pmax(pred.astype(jnp.int32), names) > 0
+    def save(step, wanted, payload):
+        anyone = jax.lax.pmax(wanted.astype(jnp.int32), names) > 0
         if gather == "stack":
             blocks = [p[None] for p in payload]
-            mask = jax.lax.all_gather(pred, names).reshape(-1)
+            mask = jax.lax.all_gather(wanted, names).reshape(-1)
         else:
             blocks = list(payload)
             mask = jnp.asarray(True)
@@ -307,21 +309,21 @@ def _per_device_in_map(host, signature, step, pred, payload, names, gather, by_b
         return ()
 
     @save.def_vmap
-    def _rule(axis_size, in_batched, step, pred, payload):
-        step_b, pred_b, payload_b = in_batched
+    def _rule(axis_size, in_batched, step, wanted, payload):
+        step_b, wanted_b, payload_b = in_batched
         in_axes = (
             0 if step_b else None,
-            0 if pred_b else None,
+            0 if wanted_b else None,
             [0 if b else None for b in payload_b],
         )
         jax.vmap(
             lambda s, p, x: _gather_and_save(fallback, s, p, x, names, gather),
             in_axes=in_axes,
             axis_size=axis_size,
-        )(step, pred, payload)
+        )(step, wanted, payload)
         return (), ()
 
-    save(step, pred, payload)
+    save(step, wanted, payload)
 
 
 def cross_sharded(
@@ -331,7 +333,7 @@ def cross_sharded(
     mesh: Any,
     step: jax.Array,
     payload: list[Any],
-    pred: Any,
+    wanted: Any,
     *,
     by_buffer: bool,
 ) -> None:
@@ -343,28 +345,28 @@ def cross_sharded(
     (the `cross` path), since the batch axis is not part of the layout.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
-    pred = jnp.asarray(True) if pred is None else pred
+    wanted = jnp.asarray(True) if wanted is None else wanted
     specs = [layout.spec(i) for i in range(len(payload))]
     by_buffer = _per_device_by_buffer(by_buffer)
     replicated = jax.sharding.PartitionSpec()
 
-    def per_device(step, pred, *blocks):
-        _device_crosses(host, signature, layout, step, pred, list(blocks), by_buffer)
+    def per_device(step, wanted, *blocks):
+        _device_crosses(host, signature, layout, step, wanted, list(blocks), by_buffer)
         return ()
 
     @jax.custom_batching.custom_vmap
-    def save(step, pred, payload):
-        def each_device(step, pred, payload):
+    def save(step, wanted, payload):
+        def each_device(step, wanted, payload):
             jax.shard_map(
                 per_device,
                 mesh=mesh,
                 in_specs=(replicated, replicated, *specs),
                 out_specs=(),
                 check_vma=False,
-            )(step, pred, *payload)
+            )(step, wanted, *payload)
 
         try:
-            jax.lax.cond(pred, each_device, lambda *_: None, step, pred, payload)
+            jax.lax.cond(wanted, each_device, lambda *_: None, step, wanted, payload)
         except ValueError as e:
             if "devices" not in str(e):
                 raise
@@ -376,13 +378,13 @@ def cross_sharded(
         return ()
 
     @save.def_vmap
-    def _rule(axis_size, in_batched, step, pred, payload):
+    def _rule(axis_size, in_batched, step, wanted, payload):
         _batched_save(host, signature, by_buffer)(
-            *_whole_batch(axis_size, in_batched, step, pred, payload)
+            *_whole_batch(axis_size, in_batched, step, wanted, payload)
         )
         return (), ()
 
-    save(step, pred, payload)
+    save(step, wanted, payload)
 
 
 def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> None:
@@ -390,10 +392,10 @@ def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> N
     manual context: `shard_map` or `pmap`); see _shards.py."""
     coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
     if by_buffer:
-        narrow, widened = _widened(blocks)
-        deposit = functools.partial(host.deposit_shard, signature, layout, narrow)
+        widened, crossing = _widen(blocks)
+        deposit = functools.partial(host.deposit_shard, signature, layout, widened)
         token_type = jax.ShapeDtypeStruct((), jnp.int32)
-        token = buffer_callback(deposit, token_type)(step, mask, coords, *widened)
+        token = buffer_callback(deposit, token_type)(step, mask, coords, *crossing)
         jax.debug.callback(_keep_alive, token)
     else:
         deposit = functools.partial(host.deposit_shard, signature, layout, {}, None, None)
@@ -405,26 +407,26 @@ def _keep_alive(token: Any) -> None:
     del token
 
 
-def _widened(values: Sequence[Any]) -> tuple[dict[int, Any], list[Any]]:
+def _widen(values: Sequence[jax.Array]) -> tuple[dict[int, np.dtype], list[jax.Array]]:
     """XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte,
     so those leaves cross widened to a byte-per-element dtype that holds their values
-    exactly; returns {index: original dtype} (for the host to narrow back) and the
-    values to cross."""
-    narrow = {i: v.dtype for i, v in enumerate(values) if packed(v.dtype)}
-    widened = [
-        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in narrow else v
+    exactly; returns `widened`, {index: original dtype} of those leaves (for the host
+    to cast back), and the values to cross."""
+    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if packed(v.dtype)}
+    crossing = [
+        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in widened else v
         for i, v in enumerate(values)
     ]
-    return narrow, widened
+    return widened, crossing
 
 
-def _packed(token: jax.Array, step: jax.Array, pred: jax.Array) -> jax.Array:
-    """The mark's one operand: the token (the dependence that keeps the buffer callback
-    alive), then the steps and the mask, flat, in the step's dtype (see `HostSide.mark`).
+def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
+    """`end_run`'s one operand: the token (the dependence that keeps the buffer callback
+    alive), then the steps and the mask, flat, in the step's dtype (see `HostSide.end_run`).
     `debug.callback` puts each operand on a device again before calling (~60-130 us per
     operand on a CPU): one operand instead of three saves ~0.1 ms per crossing."""
     dtype = jnp.result_type(step)
-    flat = [token.reshape(1), jnp.ravel(step), jnp.ravel(pred)]
+    flat = [token.reshape(1), jnp.ravel(step), jnp.ravel(wanted)]
     return jnp.concatenate([x.astype(dtype) for x in flat])
 
 
@@ -434,14 +436,14 @@ def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
 
 
 def _whole_batch(
-    axis_size: int, in_batched: Any, step: Any, pred: Any, payload: list[Any]
+    axis_size: int, in_batched: Any, step: Any, wanted: Any, payload: list[Any]
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """A `custom_vmap` rule's operands with the batch axis on each: the unbatched ones
     broadcast, so the host gets the whole batch and a per-member mask."""
-    step_b, pred_b, payload_b = in_batched
+    step_b, wanted_b, payload_b = in_batched
     return (
         _broadcast(step, step_b, axis_size),
-        _broadcast(pred, pred_b, axis_size),
+        _broadcast(wanted, wanted_b, axis_size),
         [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
     )
 
@@ -454,43 +456,43 @@ def _per_device_by_buffer(by_buffer: bool) -> bool:
 
 
 def _batched_save(host: Host, signature: Any, by_buffer: bool, *, always: bool = False):
-    """`save(step, pred, payload)`: one crossing when any member's `pred` holds
+    """`save(step, wanted, payload)`: one crossing when any member's `wanted` holds
     (`always`: the save is unconditional, and crosses with no `cond` around it).
 
-    Unbatched, `pred` is a scalar. Each `vmap` applied from outside prepends its axis to
-    `pred`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
+    Unbatched, `wanted` is a scalar. Each `vmap` applied from outside prepends its axis to
+    `wanted`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
     the whole batch with a leading axis per `vmap` and the per-member mask.
     """
     callback = functools.partial(host, signature)
-    mark = functools.partial(host.mark, signature)
+    end_run = functools.partial(host.end_run, signature)
     token_type = jax.ShapeDtypeStruct((), jnp.int32)
 
     @jax.custom_batching.custom_vmap
-    def save(step, pred, payload):
-        def crossing(step, pred, payload):
+    def save(step, wanted, payload):
+        def crossing(step, wanted, payload):
             if by_buffer:
                 # The data goes through a pure buffer_callback (XLA's buffers, copied
                 # once by the host side); its token feeds a debug.callback, whose effect
                 # keeps both alive in a program that uses neither result.
                 # XLA packs sub-byte types (int4: two per byte), numpy views them one
                 # per byte: they cross widened and are narrowed back on the host.
-                narrow, payload = _widened(payload)
-                deposit = functools.partial(host.deposit, signature, narrow)
-                token = buffer_callback(deposit, token_type)(step, pred, *payload)
-                shapes = (jnp.shape(step), jnp.shape(pred))
-                jax.debug.callback(functools.partial(mark, shapes), _packed(token, step, pred))
+                widened, payload = _widen(payload)
+                deposit = functools.partial(host.deposit, signature, widened)
+                token = buffer_callback(deposit, token_type)(step, wanted, *payload)
+                shapes = (jnp.shape(step), jnp.shape(wanted))
+                jax.debug.callback(functools.partial(end_run, shapes), _packed(token, step, wanted))
             else:
-                jax.debug.callback(callback, step, pred, *payload)
+                jax.debug.callback(callback, step, wanted, *payload)
 
         if always:
-            crossing(step, pred, payload)
+            crossing(step, wanted, payload)
         else:
-            jax.lax.cond(jnp.any(pred), crossing, lambda *_: None, step, pred, payload)
+            jax.lax.cond(jnp.any(wanted), crossing, lambda *_: None, step, wanted, payload)
         return ()
 
     @save.def_vmap
-    def _rule(axis_size, in_batched, step, pred, payload):
-        save(*_whole_batch(axis_size, in_batched, step, pred, payload))
+    def _rule(axis_size, in_batched, step, wanted, payload):
+        save(*_whole_batch(axis_size, in_batched, step, wanted, payload))
         return (), ()
 
     return save

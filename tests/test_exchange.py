@@ -69,15 +69,15 @@ def test_handed_steps_know_their_highest():
     assert steps.highest() == 5
 
 
-def test_copies_from_one_crossing_are_replicas_and_mark_ends_the_run():
+def test_copies_from_one_crossing_are_replicas_and_end_run_ends_the_run():
     ex, owner = exchange(), object()
     assert ex.claim(3, owner) == ()
     assert ex.claim(3, owner) == "replica"  # another device's copy: silent
-    assert ex.mark(3, owner) is True
+    assert ex.end_run(3, owner) is True
     assert ex.take_notes() == []
     # The same crossing in a later program run hands step 3 again: dropped, noted.
     assert ex.claim(3, owner) == "replica"
-    assert ex.mark(3, owner) is False
+    assert ex.end_run(3, owner) is False
     assert [c for c, _ in ex.take_notes()] == [DuplicateStepWarning]
 
 
@@ -97,12 +97,12 @@ def test_an_unclaimed_step_may_come_again_and_its_replaced_steps_count_again():
     assert ex.claim(6) == (8,)  # 8 is the other run's again, and 6 is free again
 
 
-def test_a_skipped_save_drops_its_copies_until_marked_then_may_be_saved_again():
+def test_a_skipped_save_drops_its_copies_until_the_run_ends_then_may_be_saved_again():
     ex, owner = exchange(), object()
     assert ex.claim(7, owner) == ()
     ex.skipped(7, (), owner)
     assert ex.claim(7, owner) == "replica"  # another device's copy of the skipped save
-    assert ex.mark(7, owner) is True
+    assert ex.end_run(7, owner) is True
     assert ex.claim(7, owner) == ()  # a later run saves it
 
 
