@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from typing import Any
+from collections.abc import Callable, Hashable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import jax
 
@@ -35,8 +37,11 @@ from ._exchange import Closed, Exchange
 from ._host import HostSide, probe_callback_arrays
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._types import Crossing, Gather, OnError, OnExisting, OnFull
+from ._types import Crossing, Gather, OnError, OnExisting, OnFull, PyTree
 from ._writer import Writer
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
 
 
 class Checkpointer:
@@ -133,7 +138,7 @@ class Checkpointer:
         path = options.directory
         self._options = options
         self._storage = _storage.at(path)  # where the steps live: chosen once
-        self._run_loops: dict[Any, Any] = {}  # run()'s jitted loops, reused on resume
+        self._run_loops: dict[Hashable, _run.Loop] = {}  # run()'s jitted loops, reused on resume
         probe_callback_arrays()  # once per process; decides copy-free hand-off
         try:
             self._storage.make()
@@ -226,12 +231,12 @@ class Checkpointer:
     def __copy__(self) -> Checkpointer:
         return self  # one writer and one lock per directory: a copy is the same object
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Checkpointer:
+    def __deepcopy__(self, memo: dict[int, object]) -> Checkpointer:
         # Config objects holding a Checkpointer (dataclasses.asdict, copy.deepcopy of a
         # frozen config) get the same Checkpointer, not a second writer of the directory.
         return self
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise ConfigError(
             f"a Checkpointer (on {self._options.directory!r}) cannot be pickled: it owns a writer "
             "thread and the directory's lock. Fix: pickle its directory and settings, and "
@@ -250,13 +255,13 @@ class Checkpointer:
 
     def maybe_save(
         self,
-        state: Any,
-        step: Any,
+        state: PyTree,
+        step: ArrayLike,
         *,
-        when: Any = None,
-        axis_name: Any = None,
+        when: ArrayLike | None = None,
+        axis_name: Hashable | None = None,
         gather: Gather = "stack",
-        shardings: Any = None,
+        shardings: PyTree = None,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
 
@@ -331,12 +336,12 @@ class Checkpointer:
 
     def save(
         self,
-        state: Any,
-        step: Any,
+        state: PyTree,
+        step: ArrayLike,
         *,
-        axis_name: Any = None,
+        axis_name: Hashable | None = None,
         gather: Gather = "stack",
-        shardings: Any = None,
+        shardings: PyTree = None,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
@@ -488,7 +493,12 @@ class Checkpointer:
             )
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is None:
             self._close()
             return
@@ -506,15 +516,15 @@ class Checkpointer:
 
     def run(
         self,
-        body: Any,
-        init: Any,
+        body: _run.Body,
+        init: PyTree,
         num_steps: int,
         *,
         batched: bool = False,
         sigint: bool = False,
         check_every: int | None = None,
         progress: bool = False,
-    ) -> Any:
+    ) -> PyTree:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
         Restores the latest checkpoint of this directory if there is one (checkpoint `k`
@@ -573,17 +583,17 @@ class Checkpointer:
 
     def scan(
         self,
-        f: Any,
-        init: Any,
-        xs: Any = None,
+        f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+        init: PyTree,
+        xs: PyTree = None,
         length: int | None = None,
         reverse: bool = False,
         unroll: int | bool = 1,
         *,
         every: int | None = None,
-        start: Any = 0,
-        shardings: Any = None,
-    ) -> tuple[Any, Any]:
+        start: ArrayLike = 0,
+        shardings: PyTree = None,
+    ) -> tuple[PyTree, PyTree]:
         """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, saving the carry every
         `every` iterations (default: the Checkpointer's `every`), with no conditional
         in the loop.
@@ -620,7 +630,7 @@ class Checkpointer:
             shardings=shardings,
         )
 
-    def should_stop(self, step: Any) -> jax.Array:
+    def should_stop(self, step: ArrayLike) -> jax.Array:
         """Traced: has a stop been requested (signal during `run`, or `request_stop()`)?
 
         Each evaluation is one host crossing; guard it, e.g.
@@ -664,12 +674,12 @@ class Checkpointer:
     @_steps.step_by_keyword
     def restore(
         self,
-        like: Any,
+        like: PyTree,
         *,
         step: int | None = None,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
-    ) -> Any:
+    ) -> PyTree:
         """Restore `step` (default: the latest) into the pytree types of `like`.
 
         Waits for pending saves first (see `wait()`), then blocks while reading. `like`
@@ -684,7 +694,9 @@ class Checkpointer:
         self._exchange.forget(self._storage.list_steps())
         return restored
 
-    def restore_or_init(self, init_fn: Any, *args: Any, like: Any = None) -> tuple[Any, int]:
+    def restore_or_init(
+        self, init_fn: Callable[..., PyTree], *args: object, like: PyTree = None
+    ) -> tuple[PyTree, int]:
         """The state to start a run from, and its step: the latest checkpoint and its
         step, or `init_fn(*args)` and 0 when there is none.
 

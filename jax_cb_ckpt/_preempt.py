@@ -17,11 +17,18 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+# What Python calls a signal handler with: the signal, and the frame it interrupted.
+_Handler = Callable[[int, FrameType | None], object]
 
 
 class Preempted(SystemExit):
@@ -98,7 +105,7 @@ class StopFlag:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        handlers: dict[int, Any] = {signal.SIGTERM: self._on_signal}
+        handlers: dict[int, _Handler] = {signal.SIGTERM: self._on_signal}
         previous_sigint = signal.getsignal(signal.SIGINT)
         if sigint:
             handlers[signal.SIGINT] = self._on_signal
@@ -118,14 +125,14 @@ class StopFlag:
     # Our signal handlers only record: Python runs them in the main thread at whatever
     # bytecode it is at, so what they raise could escape anywhere (also from the code
     # that waits for the loop's thread), and they must not block or print.
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)
 
-    def _on_ctrl_c(self, signum: int, frame: Any) -> None:
+    def _on_ctrl_c(self, signum: int, frame: FrameType | None) -> None:
         self.interrupt()
 
-    def _deferring(self, handler: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
-        def on_sigint(signum: int, frame: Any) -> None:
+    def _deferring(self, handler: _Handler) -> _Handler:
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
             try:
                 handler(signum, frame)
             except BaseException as e:  # raised once the loop has stopped and saved
@@ -133,7 +140,7 @@ class StopFlag:
 
         return on_sigint
 
-    def traced(self, step: Any) -> jax.Array:
+    def traced(self, step: ArrayLike) -> jax.Array:
         """A traced bool: has a stop been requested? One host crossing per evaluation.
 
         `step` must vary between evaluations (the loop counter): a callback without

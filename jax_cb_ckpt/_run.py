@@ -14,8 +14,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -23,24 +23,33 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
-from ._types import Saver
+from ._types import PyTree, Saver
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 logger = logging.getLogger("jax_cb_ckpt")
+
+# The user's step function, `body(state, step) -> state`.
+Body = Callable[[PyTree, jax.Array], PyTree]
+# The run's jitted loop, `loop(state, start) -> (state, steps done, stopped)`.
+Loop = Callable[[PyTree, jax.Array], tuple[PyTree, jax.Array, jax.Array]]
+_T = TypeVar("_T")
 
 
 def run(
     ckpt: Saver,
     stop_flag: StopFlag,
-    body: Callable[[Any, jax.Array], Any],
-    init: Any,
+    body: Body,
+    init: PyTree,
     num_steps: int,
     *,
     batched: bool,
     sigint: bool,
     check_every: int | None,
     progress: bool = False,
-    loops: dict[Any, Any] | None = None,
-) -> Any:
+    loops: dict[Hashable, Loop] | None = None,
+) -> PyTree:
     """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
     loops (`_jitted_loop`)."""
     loops = {} if loops is None else loops
@@ -139,7 +148,7 @@ def run(
     return state
 
 
-def _progress_bar_type() -> Any:
+def _progress_bar_type() -> type[tqdm]:
     try:
         from tqdm.auto import tqdm
     except ImportError:
@@ -162,7 +171,7 @@ class _Progress:
     took 5 s showed 176 steps/s and 1:47 left, where it ran 20,000 steps in 30 s).
     """
 
-    def __init__(self, bar_type: Any, ckpt: Saver, flag: StopFlag, start: int, total: int):
+    def __init__(self, bar_type: type[tqdm], ckpt: Saver, flag: StopFlag, start: int, total: int):
         self._ckpt = ckpt
         self._flag = flag
         self._shown = start
@@ -200,16 +209,16 @@ class _Progress:
 
 
 def _jitted_loop(
-    loops: dict[Any, Any],
+    loops: dict[Hashable, Loop],
     ckpt: Saver,
     stop_flag: StopFlag,
-    body: Callable[[Any, jax.Array], Any],
+    body: Body,
     batched: bool,
     num_steps: int,
     every: int,
     check: int,
-    shardings: Any,
-) -> Callable[[Any, Any], Any]:
+    shardings: PyTree,
+) -> Loop:
     """`jax.jit(make_loop(...))`, made once per Checkpointer and loop: `loops` is the
     Checkpointer's {what the loop is made of: the jitted loop}, so that a fresh run and
     a resumed one (after a stop request, say) call the same jitted function, and the
@@ -232,13 +241,13 @@ def _jitted_loop(
 
 def make_loop(
     ckpt: Saver,
-    step_fn: Callable[[Any, Any], Any],
+    step_fn: Body,
     num_steps: int,
     every: int,
     check: int,
-    read_stop: Callable[[Any], jax.Array],
-    shardings: Any,
-) -> Callable[[Any, Any], tuple[Any, jax.Array, jax.Array]]:
+    read_stop: Callable[[jax.Array], jax.Array],
+    shardings: PyTree,
+) -> Loop:
     """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit."""
     # Steps run in chunks of `chunk` steps (it divides both `every` and `check`), each a
     # scan with no conditional inside: the save and the stop read sit between chunks, so
@@ -247,7 +256,7 @@ def make_loop(
     # and after the last full chunk run one at a time, deciding after each step.
     chunk = math.gcd(every, check)
 
-    def loop(state: Any, start: Any) -> tuple[Any, jax.Array, jax.Array]:
+    def loop(state: PyTree, start: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
         def after(i, state):
             """What follows step `i`: read the stop flag every `check` steps, save at
             every `every` steps, at the end and when stopping."""
@@ -279,11 +288,11 @@ def make_loop(
     return loop
 
 
-def _process_shardings(state: Any) -> Any:
+def _process_shardings(state: PyTree) -> PyTree:
     """Each leaf's sharding, for the per-device save of a multi-process run: every
     process writes its own devices' blocks (a gathered save would reach process 0 only)."""
 
-    def sharding(path: Any, leaf: Any) -> Any:
+    def sharding(path: jax.tree_util.KeyPath, leaf: object) -> NamedSharding:
         if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
             return leaf.sharding
         raise ConfigError(
@@ -298,7 +307,9 @@ def _process_shardings(state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(sharding, state)
 
 
-def _agreed(read: Callable[[Any], jax.Array], shardings: Any) -> Callable[[Any], jax.Array]:
+def _agreed(
+    read: Callable[[jax.Array], jax.Array], shardings: PyTree
+) -> Callable[[jax.Array], jax.Array]:
     """The stop request as one decision for all processes: every device reads its own
     process's flag and a `pmax` over all devices combines them, so every process stops
     at the same step (the first check after any of them was signalled). It runs on the
@@ -313,11 +324,11 @@ def _agreed(read: Callable[[Any], jax.Array], shardings: Any) -> Callable[[Any],
         )
     axes = tuple(mesh.axis_names)
 
-    def per_device(i: Any) -> jax.Array:
+    def per_device(i: jax.Array) -> jax.Array:
         requested = read(i).astype(jnp.int32)  # this process's flag
         return jax.lax.pmax(requested, axes) > 0
 
-    def agreed(i: Any) -> jax.Array:
+    def agreed(i: jax.Array) -> jax.Array:
         return jax.shard_map(
             per_device,
             mesh=mesh,
@@ -329,7 +340,7 @@ def _agreed(read: Callable[[Any], jax.Array], shardings: Any) -> Callable[[Any],
     return agreed
 
 
-def _check_body(step_fn: Callable[[Any, Any], Any], state: Any, batched: bool) -> None:
+def _check_body(step_fn: Body, state: PyTree, batched: bool) -> None:
     """`body(state, step)` must return the next state, shaped like `state`: a mismatch
     would surface as JAX's carry-type error deep inside the while_loop."""
     given = jax.eval_shape(lambda: state)
@@ -358,9 +369,7 @@ def _check_body(step_fn: Callable[[Any, Any], Any], state: Any, batched: bool) -
         )
 
 
-def _in_thread(
-    fn: Callable[[], Any], stop: StopFlag, tick: Callable[[], None] | None = None
-) -> Any:
+def _in_thread(fn: Callable[[], _T], stop: StopFlag, tick: Callable[[], None] | None = None) -> _T:
     """Run `fn` in a helper thread while this thread waits in short, interruptible steps.
 
     A jitted program with callbacks is dispatched synchronously: the calling thread stays
@@ -370,7 +379,7 @@ def _in_thread(
     SIGINT handler of the user's own raises) is only recorded, by `StopFlag.signals`,
     and turned into a stop request; the loop leaves at its next check, and this waits.
     """
-    result: list[Any] = []
+    result: list[_T] = []
     error: list[BaseException] = []
 
     def target() -> None:

@@ -14,28 +14,32 @@ runs in the same order on the same values as in one `lax.scan`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from ._errors import ConfigError
-from ._types import Saver
+from ._types import PyTree, Saver
+
+if TYPE_CHECKING:
+    import numpy as np
+    from jax.typing import ArrayLike
 
 
 def scan(
     ckpt: Saver,
-    f: Callable[[Any, Any], tuple[Any, Any]],
-    init: Any,
-    xs: Any,
+    f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    init: PyTree,
+    xs: PyTree,
     length: int | None,
     reverse: bool,
     unroll: int | bool,
     *,
     every: int,
-    start: Any,
-    shardings: Any,
-) -> tuple[Any, Any]:
+    start: ArrayLike,
+    shardings: PyTree,
+) -> tuple[PyTree, PyTree]:
     if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
         raise ConfigError(
             f"scan: every must be a positive int (iterations between saves), got {every!r}. "
@@ -49,7 +53,9 @@ def scan(
     chunks = jax.tree.map(lambda x: _split(x, cut, reverse, full, every), xs)
     rest_xs = jax.tree.map(lambda x: x[:rest] if reverse else x[cut:], xs)
 
-    def chunk(carry_done: Any, chunk_xs: Any) -> tuple[Any, Any]:
+    def chunk(
+        carry_done: tuple[PyTree, jax.Array], chunk_xs: PyTree
+    ) -> tuple[tuple[PyTree, jax.Array], PyTree]:
         carry, done = carry_done
         carry, ys = jax.lax.scan(f, carry, chunk_xs, length=every, reverse=reverse, unroll=unroll)
         done = done + 1
@@ -67,7 +73,7 @@ def scan(
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
 
 
-def _length(xs: Any, length: int | None) -> int:
+def _length(xs: PyTree, length: int | None) -> int:
     """The number of iterations, as `lax.scan` takes it (its own checks follow)."""
     lengths = {int(jnp.shape(x)[0]) for x in jax.tree.leaves(xs) if jnp.ndim(x) > 0}
     if length is None:
@@ -86,7 +92,9 @@ def _length(xs: Any, length: int | None) -> int:
     return length
 
 
-def _split(x: Any, cut: int, reverse: bool, full: int, every: int) -> Any:
+def _split(
+    x: jax.Array | np.ndarray, cut: int, reverse: bool, full: int, every: int
+) -> jax.Array | np.ndarray:
     """The part of one xs leaf that the chunks take, as (full, every, ...)."""
     part = x[cut:] if reverse else x[:cut]
     return part.reshape(full, every, *part.shape[1:])

@@ -3,13 +3,24 @@ options take, the checked options (`Options`) that the façade builds once
 (`_options.checked`) and hands to the host side, the exchange and the writer, and what
 the loops `run` and `ckpt.scan` use of a Checkpointer (`Saver`).
 
-Nothing here runs or blocks; it imports nothing of the package.
+Nothing here runs or blocks; it imports nothing of the package at run time (the
+names under `TYPE_CHECKING` are for the type checker only).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+    from ._stats import Stats
+
+# A user's pytree (a state, a `like`, a prefix tree of shardings): any nesting of
+# containers JAX flattens, holding any leaves. Python's types cannot say more, so it is
+# `Any`, under a name that says a pytree is meant.
+PyTree: TypeAlias = Any
 
 OnFull = Literal["block", "skip", "newest"]  # a save that finds the queue full
 OnError = Literal["raise", "continue"]  # a write that failed
@@ -49,11 +60,16 @@ class Saver(Protocol):
     @property
     def every(self) -> int | None: ...
     def latest_step(self) -> int | None: ...
-    def restore(self, like: Any, *, step: int | None = None) -> Any: ...
-    def save(self, state: Any, step: Any, *, shardings: Any = None) -> None: ...
+    def restore(self, like: PyTree, *, step: int | None = None) -> PyTree: ...
+    def save(self, state: PyTree, step: ArrayLike, *, shardings: PyTree = None) -> None: ...
     def maybe_save(
-        self, state: Any, step: Any, *, when: Any = None, shardings: Any = None
+        self,
+        state: PyTree,
+        step: ArrayLike,
+        *,
+        when: ArrayLike | None = None,
+        shardings: PyTree = None,
     ) -> None: ...
     def wait(self) -> None: ...
     @property
-    def stats(self) -> Any: ...
+    def stats(self) -> Stats: ...
