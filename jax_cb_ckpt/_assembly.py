@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._exchange import Claim
+
+if TYPE_CHECKING:
+    from ._shards import BlockKey
 
 
 class Assembly:
@@ -35,8 +38,8 @@ class Assembly:
         self.expected = devices
         self.seen: set[tuple[int, ...]] = set()
         self.lock = threading.Lock()
-        self.blocks: list[dict[Any, np.ndarray]] = [{} for _ in range(leaves)]
-        self._reserved: list[set[Any]] = [set() for _ in range(leaves)]
+        self.blocks: list[dict[BlockKey, np.ndarray]] = [{} for _ in range(leaves)]
+        self._reserved: list[set[BlockKey]] = [set() for _ in range(leaves)]
         self.releases: list[Callable[[], None]] = []
         self.blocking_s = 0.0  # the longest any device waited in its own call
         self.claim: Claim | None = None  # the first device's decision: None saves nothing
@@ -55,14 +58,16 @@ class Assembly:
     def saving(self) -> bool:
         return self.claim is not None and not self.failed
 
-    def add(self, blocks: Sequence[tuple[int, Any, np.ndarray]], release: Callable[[], None]):
+    def add(
+        self, blocks: Sequence[tuple[int, BlockKey, np.ndarray]], release: Callable[[], None]
+    ) -> None:
         """One device's copies: (leaf, block key, copy) each, and how to give them back."""
         with self.lock:
             self.releases.append(release)
             for leaf, key, copy in blocks:
                 self.blocks[leaf][key] = copy
 
-    def reserve(self, leaf: int, key: Any) -> bool:
+    def reserve(self, leaf: int, key: BlockKey) -> bool:
         """Claim the copy of a block (several processes: each keeps one replica of a
         replicated block); False when another device of this process has claimed it.
         Devices report at once, so without this each would copy the block."""

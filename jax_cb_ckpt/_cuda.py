@@ -1,12 +1,15 @@
 """The buffer crossing on a CUDA GPU: device-to-host copies on XLA's own stream.
 
 `jax.experimental.buffer_callback` hands a GPU callback device buffers
-(`__cuda_array_interface__`) and XLA's stream (`ctx.stream`). Instead of reading them
-from Python, the host side queues one `cudaMemcpyAsync` per leaf on that stream, into
-page-locked (pinned) staging memory the library reuses, records a CUDA event after
-them, and returns at once: the device runs the copies in stream order, before anything
-that could overwrite the buffers, and the program continues without waiting for Python.
-The writer thread waits for the event (`ready()`) before it reads the staging memory.
+(`__cuda_array_interface__`) and XLA's stream (`ctx.stream`). (Those stay untyped here:
+jaxlib's `Buffer` and `ExecutionContext` have no stubs, and
+`jax.experimental.buffer_callback` exports them as values, not as types.) Instead of
+reading them from Python, the host side queues one `cudaMemcpyAsync` per leaf on that
+stream, into page-locked (pinned) staging memory the library reuses, records a CUDA
+event after them, and returns at once: the device runs the copies in stream order,
+before anything that could overwrite the buffers, and the program continues without
+waiting for Python. The writer thread waits for the event (`ready()`) before it reads
+the staging memory.
 
 This calls the CUDA runtime through ctypes (the `libcudart` that JAX's CUDA wheels
 install), so no compiled extension is needed. `crossing="auto"` selects it on CUDA
@@ -21,21 +24,24 @@ import glob
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 from ._errors import SaveError
 from ._staging import StagingPool
 
 _MEMCPY_DEVICE_TO_HOST = 2
 _EVENT_DISABLE_TIMING = 2
-_lib: Any = None
+_lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 
 
-def runtime() -> Any:
+def runtime() -> ctypes.CDLL:
     """The CUDA runtime library, loaded once."""
     global _lib
     with _lib_lock:
@@ -88,7 +94,7 @@ def pinned_pool(keep: int) -> StagingPool:
     return StagingPool(keep, layouts=64, allocate=_allocate_pinned)
 
 
-def _allocate_pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def _allocate_pinned(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     dtype = np.dtype(dtype)
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     pointer = ctypes.c_void_p()
@@ -100,7 +106,9 @@ def _allocate_pinned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.ctypeslib.as_array(raw)[:size].view(dtype).reshape(shape)
 
 
-def _queue_copies(lib: Any, buffers: Sequence[Any], hosts: Sequence[np.ndarray], stream: Any):
+def _queue_copies(
+    lib: ctypes.CDLL, buffers: Sequence[Any], hosts: Sequence[np.ndarray], stream: ctypes.c_void_p
+) -> None:
     """One device-to-host cudaMemcpyAsync per buffer into `hosts`, on `stream`."""
     for buffer, host in zip(buffers, hosts, strict=True):
         if host.nbytes:

@@ -12,9 +12,12 @@ is stored where TensorStore cannot store it as it is.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 # ml_dtypes types numpy reports as kind 'V'; JAX and Orbax handle them as numbers.
 ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "uint4")
@@ -24,7 +27,7 @@ ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "u
 PACKED_AS = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
 
 
-def packed(dtype: Any) -> bool:
+def packed(dtype: DTypeLike) -> bool:
     """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
     name = np.dtype(dtype).name
     return name in PACKED_AS or name.startswith("float4")
@@ -61,7 +64,7 @@ def storable(array: np.ndarray) -> np.ndarray:
     return array.astype(stored)
 
 
-def from_storage(array: Any, dtype: np.dtype) -> Any:
+def from_storage(array: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     """The stored data of a leaf of `dtype` as `dtype` (undoes `storable`), or None
     when its stored dtype is not one `dtype` is stored as."""
     if array.dtype == dtype:

@@ -23,15 +23,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import InvalidStateError
 
 AxisNames = tuple[str, ...]  # the mesh axes one array dimension is split over
+BlockKey = tuple[tuple[int, int], ...]  # a block's global index: (start, stop) per dimension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Layout:
 
     def index(
         self, leaf: int, coords: Sequence[int], block: tuple[int, ...], replicas: bool = False
-    ) -> Any:
+    ) -> tuple[slice, ...] | None:
         """The global index of the block a device holds, or None when another device
         holds the replica that is written (coordinates 0 along unused mesh axes), unless
         `replicas` (several processes: every process keeps its own devices' replicas,
@@ -95,8 +95,11 @@ class Layout:
 
 
 def layout_of(
-    shardings: Sequence[NamedSharding], payload: Sequence[Any], names: Sequence[str], where: str
-):
+    shardings: Sequence[NamedSharding],
+    payload: Sequence[jax.Array],
+    names: Sequence[str],
+    where: str,
+) -> tuple[Layout, Mesh | AbstractMesh]:
     """The Layout of the crossing leaves, from one NamedSharding per leaf; the mesh.
 
     Checks what the shard_map will need, naming the leaf: one mesh for all leaves, a
@@ -167,7 +170,7 @@ class ShardedArray:
     dtype: np.dtype
     layout: Layout
     leaf: int
-    blocks: dict[tuple[tuple[int, int], ...], np.ndarray]
+    blocks: dict[BlockKey, np.ndarray]
 
     @property
     def size(self) -> int:
@@ -181,7 +184,7 @@ class ShardedArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
-    def written_here(self) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
+    def written_here(self) -> dict[BlockKey, np.ndarray]:
         """The blocks this process writes: each block once, by the lowest-numbered
         process holding a replica of it (several processes each keep their own)."""
         if not self.layout.spans_processes:
@@ -192,7 +195,7 @@ class ShardedArray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[Any, int]:
+def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[BlockKey, int]:
     """{block key: the lowest process index among the devices holding that block}."""
     assert layout.device_ids is not None
     process = {d.id: int(d.process_index) for d in jax.devices()}
@@ -202,15 +205,16 @@ def _writers(layout: Layout, leaf: int, shape: tuple[int, ...]) -> dict[Any, int
         n // int(np.prod([sizes[a] for a in (dims[d] if d < len(dims) else ())]))
         for d, n in enumerate(shape)
     )
-    out: dict[Any, int] = {}
+    out: dict[BlockKey, int] = {}
     for k, device in enumerate(layout.device_ids):
         coords = np.unravel_index(k, layout.axis_sizes)
         index = layout.index(leaf, [int(c) for c in coords], block, replicas=True)
+        assert index is not None  # (replicas=True: every device's block)
         key = block_key(index, shape)
         out[key] = min(out.get(key, process[device]), process[device])
     return out
 
 
-def block_key(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+def block_key(index: Sequence[slice], shape: Sequence[int]) -> BlockKey:
     """A block's global index as hashable (start, stop) pairs, one per dimension."""
     return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))

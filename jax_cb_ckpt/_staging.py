@@ -10,14 +10,17 @@ import collections
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
 
 ALIGNMENT = 64  # staging starts on a cache line (also what XLA needs to alias host memory)
 
 
-def empty_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def empty_aligned(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """An uninitialised array whose data starts on an ALIGNMENT-byte boundary."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -42,7 +45,7 @@ class StagingPool:
         self,
         keep: int,
         layouts: int = 2,
-        allocate: Callable[[tuple[int, ...], Any], np.ndarray] = empty_aligned,
+        allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = empty_aligned,
     ) -> None:
         self._keep = keep
         self._layouts = layouts
@@ -61,7 +64,7 @@ class StagingPool:
             buffers = [self._allocate(shape, dtype) for shape, dtype in layout]
         return buffers, functools.partial(self._give_back, layout, buffers)
 
-    def copy_in(self, arrays: Sequence[Any]) -> tuple[list[np.ndarray], Callable[[], None]]:
+    def copy_in(self, arrays: Sequence[ArrayLike]) -> tuple[list[np.ndarray], Callable[[], None]]:
         """Copies of `arrays` in buffers of the pool, and the call that gives them back."""
         hosts = [np.asarray(a) for a in arrays]
         buffers, release = self.take(tuple((h.shape, h.dtype) for h in hosts))
