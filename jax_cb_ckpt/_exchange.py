@@ -60,7 +60,13 @@ class Closed(enum.Enum):
     COLLECTED = "was garbage collected without close()"
 
 
-_STOP = object()  # in the queue: the writer ends once it gets there
+class _Stop(enum.Enum):
+    """In the queue: the writer ends once it gets there."""
+
+    STOP = "stop"
+
+
+_STOP = _Stop.STOP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +163,8 @@ class SaveItem:
     # the save: a save that a newer one supersedes (on_full="newest") never costs the
     # device that ~0.1 ms.
     signature: Signature
+    # (numpy arrays or `ShardedArray`s; `list[Any]` until `_tree.nest`, which takes
+    # them, says `np.ndarray | ShardedArray` too)
     hosts: list[Any]
     members: np.ndarray
     saved_at: float  # time.time() of the hand-off
@@ -197,7 +205,9 @@ class Exchange:
         self._queue_size = queue_size
         self._slots = threading.BoundedSemaphore(queue_size)
         self._cond = threading.Condition()
-        self._queue: collections.deque[Any] = collections.deque()  # waiting for the writer
+        self._queue: collections.deque[SaveItem | _Stop] = (
+            collections.deque()
+        )  # waiting for the writer
         self._pending = 0
         self._handed = HandedSteps()  # step -> the crossing that handed it
         self._arrived: set[tuple[object, int]] = set()  # handed, the run not yet ended (`end_run`)
@@ -369,7 +379,7 @@ class Exchange:
     def take_slot(self, block: bool) -> bool:
         return self._slots.acquire(blocking=block)
 
-    def submit(self, item: Any) -> int:
+    def submit(self, item: SaveItem) -> int:
         """Queue a save (its slot taken); returns how many saves are now in flight."""
         with self._cond:
             self._pending += 1
@@ -377,7 +387,7 @@ class Exchange:
             self._cond.notify_all()
             return self._pending
 
-    def supersede(self) -> Any:
+    def supersede(self) -> SaveItem | None:
         """Take the oldest save still waiting for the writer out of the queue (the queue
         is full and on_full="newest"): the caller releases it and its slot becomes the
         caller's. None when every save in flight is being written or handed over."""
@@ -415,7 +425,7 @@ class Exchange:
 
     # -- writer thread --------------------------------------------------------------
 
-    def next_item(self) -> Any:
+    def next_item(self) -> SaveItem | None:
         """The next save to write, or None: stop (every save queued before is done)."""
         with self._cond:
             while not self._queue:

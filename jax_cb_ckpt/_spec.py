@@ -13,9 +13,12 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._shards import ShardedArray
 
 # The key data of JAX's built-in PRNG implementations (jax.random.key_data's trailing
 # shape), known without importing JAX; a user-registered implementation asks JAX.
@@ -140,12 +143,14 @@ class Signature:
     data_ndims: tuple[int, ...]  # ndim of each leaf's data (key data has extra axes)
     constants: tuple[tuple[int, np.ndarray], ...] = ()  # (leaf index, host copy)
 
-    def assemble(self, crossed: Sequence[np.ndarray], batch_shape: tuple[int, ...]):
+    def assemble(
+        self, crossed: Sequence[np.ndarray | ShardedArray], batch_shape: tuple[int, ...]
+    ) -> list[np.ndarray | ShardedArray]:
         """Every leaf's host array, in order: the arrays that crossed, and the constants
         broadcast to the batch shape (vmap and device gathers prepend axes)."""
         constant = dict(self.constants)
         it = iter(crossed)
-        out = []
+        out: list[np.ndarray | ShardedArray] = []
         for index in range(len(self.specs)):
             value = constant.get(index)
             if value is None:
@@ -156,7 +161,7 @@ class Signature:
                 out.append(value)
         return out
 
-    def stored(self, hosts: Sequence[np.ndarray]) -> tuple[LeafSpec, ...]:
+    def stored(self, hosts: Sequence[np.ndarray | ShardedArray]) -> tuple[LeafSpec, ...]:
         """The specs of the arrays as they arrive: vmap and device gathers add or widen
         leading axes, so the stored shape is read off the array (minus key-data axes)."""
         specs = []
