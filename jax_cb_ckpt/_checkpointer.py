@@ -371,6 +371,7 @@ class Checkpointer:
             self._options.crossing == "auto" and _traced.buffer_by_default()
         )
         if route.layout is not None:
+            assert route.mesh is not None  # (a route's layout and mesh are set together)
             _traced.cross_sharded(
                 self._host,
                 route.signature,

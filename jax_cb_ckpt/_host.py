@@ -18,6 +18,9 @@ Three entry points, one per crossing (see _traced.py and docs/handoff.md):
   XLA's memory, so they are kept without a second copy (else copied into staging).
   Reading them waits for that copy, which may still be running: JAX's copy into fresh
   memory (~2 GB/s here) is what made this path slow.
+
+What `buffer_callback` hands over (`ctx`, `out`, the buffers, the step and the mask) are
+XLA's own objects, left untyped: jaxlib has no types to name them by (see _cuda.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -42,6 +45,9 @@ from ._exchange import Claim, Closed, Exchange, SaveItem
 from ._spec import Signature
 from ._staging import StagingPool
 from ._types import Options
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 _OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
 
@@ -60,7 +66,7 @@ def probe_callback_arrays() -> bool:
     if _OWNED is None:
         seen: list[int] = []
 
-        def probe(x):
+        def probe(x: jax.Array) -> None:
             seen.append(x.unsafe_buffer_pointer())
 
         with jax.ensure_compile_time_eval():
@@ -91,7 +97,9 @@ class HostSide:
     def directory(self) -> str:
         return self._exchange.directory
 
-    def __call__(self, signature: Signature, step: Any, wanted: Any, *arrays: Any) -> None:
+    def __call__(
+        self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
+    ) -> None:
         """The `debug.callback` crossing's target (the fallback path; see _traced.py):
         `arrays` are the leaves that crossed through JAX, as JAX's own copies."""
 
@@ -107,7 +115,7 @@ class HostSide:
     def deposit(
         self,
         signature: Signature,
-        widened: dict[int, Any],
+        widened: dict[int, np.dtype],
         ctx: Any,
         out: Any,
         step: Any,
@@ -132,7 +140,7 @@ class HostSide:
     def _deposit_from_gpu(
         self,
         signature: Signature,
-        widened: dict[int, Any],
+        widened: dict[int, np.dtype],
         ctx: Any,
         step: Any,
         wanted: Any,
@@ -157,7 +165,7 @@ class HostSide:
         self,
         signature: Signature,
         layout: _shards.Layout,
-        widened: dict[int, Any],
+        widened: dict[int, np.dtype],
         ctx: Any,
         out: Any,
         step: Any,
@@ -188,12 +196,12 @@ class HostSide:
         self,
         signature: Signature,
         layout: _shards.Layout,
-        widened: dict[int, Any],
+        widened: dict[int, np.dtype],
         start: float,
-        step: Any,
-        wanted: Any,
-        coords: Any,
-        blocks: Sequence[Any],
+        step: ArrayLike,
+        wanted: ArrayLike,
+        coords: ArrayLike,
+        blocks: Sequence[ArrayLike],
     ) -> None:
         members = np.asarray(wanted).astype(bool)  # a per-device mask under pmap "stack"
         if not members.any():
@@ -310,7 +318,12 @@ class HostSide:
         for assembly in self._assemblies.take_failed():
             self._settle(assembly)
 
-    def end_run(self, signature: Signature, shapes: Any, packed: Any) -> None:
+    def end_run(
+        self,
+        signature: Signature,
+        shapes: tuple[tuple[int, ...], tuple[int, ...]],
+        packed: jax.Array,
+    ) -> None:
         """Runs once per program run and save, after `deposit` (it reads its token): a
         step whose data was dropped because this crossing handed it over in an earlier
         run is reported here, once, however many devices deposited it. `packed` is the
@@ -333,8 +346,8 @@ class HostSide:
     def _in_callback(
         self,
         signature: Signature,
-        step: Any,
-        wanted: Any,
+        step: ArrayLike,
+        wanted: ArrayLike,
         copy_out: Callable[[], HostCopy],
         owner: object,
     ) -> None:
@@ -348,7 +361,7 @@ class HostSide:
             raise
         self._hand_over(signature, step, members, start, copy_out, in_callback=True, owner=owner)
 
-    def eager(self, signature: Signature, step: int, hosts: list[Any]) -> None:
+    def eager(self, signature: Signature, step: int, hosts: list[np.ndarray | jax.Array]) -> None:
         """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
         or jax arrays, read here). Numpy arrays are copied into staging buffers before
         returning, so a caller that mutates them afterwards does not change the save; a
@@ -365,7 +378,7 @@ class HostSide:
             owner=None,
         )
 
-    def _staged(self, arrays: Sequence[Any]) -> Callable[[], HostCopy]:
+    def _staged(self, arrays: Sequence[np.ndarray | jax.Array]) -> Callable[[], HostCopy]:
         """A `copy_out` that copies `arrays` into staging buffers, but for those it may keep
         as they are (`_immutable_view`)."""
 
@@ -462,7 +475,7 @@ class HostSide:
         self._stats.in_flight(self._exchange.submit(item))
 
 
-def _immutable_view(array: Any) -> np.ndarray | None:
+def _immutable_view(array: np.ndarray | jax.Array) -> np.ndarray | None:
     """A jax.Array on one CPU device as numpy without a copy (its own buffer), or None
     for anything else. A save may keep such a view instead of a copy: nothing writes a
     buffer an array holds, and while a view of it lives JAX neither frees it (`delete()`
@@ -483,12 +496,12 @@ class HostCopy(NamedTuple):
     library may keep, how to give that memory back once written, and (copies from a
     GPU still in flight) how to wait until they hold the data."""
 
-    arrays: list[Any]
+    arrays: Sequence[np.ndarray | _shards.ShardedArray]
     release: Callable[[], None]
     ready: Callable[[], None] | None = None
 
 
-def _as_saved_dtypes(arrays: list[Any], widened: dict[int, Any]) -> list[Any]:
+def _as_saved_dtypes(arrays: list[np.ndarray], widened: dict[int, np.dtype]) -> list[np.ndarray]:
     """`arrays` with the leaves that crossed widened (packed sub-byte types, see
     _traced._widen) cast back to their dtype {index: dtype} (exact)."""
     for index, dtype in widened.items():

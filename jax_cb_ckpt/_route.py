@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import jax
 from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
 from . import _shards, _traced, _tree
 from ._errors import ConfigError, InvalidStateError
 from ._spec import Signature
-from ._types import Gather
+from ._types import Gather, PyTree
+
+if TYPE_CHECKING:
+    import numpy as np
+    from jax.typing import ArrayLike
 
 _GATHER = typing.get_args(Gather)
 
@@ -37,29 +43,29 @@ class Request:
     """One save as the façade received it, built once per call and never changed."""
 
     where: str  # the public call, named in every error ("save", "maybe_save")
-    state: Any
-    step: Any  # as given: a Python int, or a traced integer scalar
+    state: PyTree
+    step: ArrayLike  # as given: a Python int, or a traced integer scalar
     step_value: int | None  # the step as a Python int, where it is known while tracing
-    condition: Any = None  # None: unconditional; else a bool scalar, traced or not
-    axis_name: Any = None
+    condition: jax.Array | None = None  # None: unconditional; else a bool scalar
+    axis_name: Hashable | None = None
     gather: Gather = "stack"
-    shardings: Any = None
+    shardings: PyTree = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Eager:
     signature: Signature
     step: int
-    hosts: list[Any]  # every leaf's value, on the host
+    hosts: list[np.ndarray | jax.Array]  # every leaf's value, on the host
 
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
     signature: Signature
     step: jax.Array  # the step, traced
-    payload: list[Any]  # the leaves that cross
-    layout: Any = None  # per device: the blocks' layout and mesh (None: gathered)
-    mesh: Any = None
+    payload: list[jax.Array]  # the leaves that cross
+    layout: _shards.Layout | None = None  # per device: the blocks' layout and mesh
+    mesh: Mesh | AbstractMesh | None = None  # (None: gathered)
 
 
 def plan(request: Request, *, processes: int) -> Eager | Traced | None:
@@ -139,7 +145,9 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
     return Traced(signature, traced_step, payload)
 
 
-def _check_arguments(where: str, axis_name: Any, gather: Any, shardings: Any) -> None:
+def _check_arguments(
+    where: str, axis_name: Hashable | None, gather: Gather, shardings: PyTree
+) -> None:
     if gather not in _GATHER:
         raise ConfigError(
             f"{where}(gather={gather!r}): gather must be one of {_GATHER}: 'stack' the "
@@ -160,13 +168,15 @@ def _check_arguments(where: str, axis_name: Any, gather: Any, shardings: Any) ->
         )
 
 
-def _per_leaf_shardings(shardings: Any, state: Any, n: int, where: str) -> list[Any] | None:
+def _per_leaf_shardings(
+    shardings: PyTree, state: PyTree, n: int, where: str
+) -> list[Sharding] | None:
     """`shardings=` (a pytree prefix of the state) as one sharding per leaf, or None."""
     if shardings is None:
         return None
 
-    def is_sharding(x: Any) -> bool:
-        return isinstance(x, jax.sharding.Sharding)
+    def is_sharding(x: object) -> bool:
+        return isinstance(x, Sharding)
 
     try:
         full = jax.tree.broadcast(shardings, state, is_leaf=is_sharding)
@@ -185,12 +195,13 @@ def _per_leaf_shardings(shardings: Any, state: Any, n: int, where: str) -> list[
     return flat
 
 
-def _explicit_shardings(leaves: list[Any]) -> list[Any] | None:
+def _explicit_shardings(leaves: Sequence[object]) -> list[NamedSharding] | None:
     """The leaves' shardings when the trace knows them (a mesh with explicit axes, as
     `jax.make_mesh` makes by default) and at least one leaf is split; else None."""
     if jax.sharding.get_abstract_mesh().manual_axes:
         return None  # inside shard_map: the gather path (axis_name=)
-    found, split = [], False
+    found: list[NamedSharding | None] = []
+    split = False
     for leaf in leaves:
         sharding = None
         if isinstance(leaf, (Tracer, jax.Array)):
@@ -198,7 +209,7 @@ def _explicit_shardings(leaves: list[Any]) -> list[Any] | None:
                 sharding = jax.typeof(leaf).sharding
             except (AttributeError, TypeError):
                 sharding = None
-        if not isinstance(sharding, jax.sharding.NamedSharding):
+        if not isinstance(sharding, NamedSharding):
             found.append(None)
             continue
         explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
@@ -212,4 +223,4 @@ def _explicit_shardings(leaves: list[Any]) -> list[Any] | None:
     meshes = {(s.mesh.axis_names, s.mesh.axis_sizes) for s in found if s is not None}
     if len(meshes) != 1 or any(s is None for s in found):
         return None  # mixed: save gathered
-    return found
+    return cast(list[NamedSharding], found)  # (no None in it: checked above)

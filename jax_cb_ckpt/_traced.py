@@ -36,8 +36,8 @@ and docs/handoff.md have the evidence):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,16 @@ from ._dtypes import PACKED_AS, packed
 from ._errors import InvalidStateError, shown
 from ._format import MAX_STEP
 from ._shards import Layout
-from ._types import Gather
+from ._types import Gather, PyTree
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
+    from jax.typing import ArrayLike
+
+    from ._spec import Signature
+
+# One save's crossing, `save(step, wanted, payload)` (`_batched_save`).
+_Save = Callable[[jax.Array, jax.Array, list[jax.Array]], object]
 
 
 def buffer_by_default() -> bool:
@@ -65,7 +74,7 @@ def buffer_by_default() -> bool:
     return "rocm" not in str(version).lower()
 
 
-def _value_text(x: Any) -> str:
+def _value_text(x: object) -> str:
     dtype = getattr(x, "dtype", None)
     shape = getattr(x, "shape", None)
     if dtype is not None and shape is not None:
@@ -74,7 +83,8 @@ def _value_text(x: Any) -> str:
 
 
 def check_step(step: Any, where: str) -> int | None:
-    """Check `step`; returns its value when Python knows it (None for a tracer).
+    """Check `step` (whatever the user passed: hence `Any`); returns its value when
+    Python knows it (None for a tracer).
 
     A known step is checked here, in the caller's thread: it must be >= 0, and one that
     will cross through JAX must fit JAX's integer type (int32 unless jax_enable_x64),
@@ -109,7 +119,7 @@ def check_step(step: Any, where: str) -> int | None:
     return value
 
 
-def traced_step(step: Any, value: int | None, where: str) -> jax.Array:
+def traced_step(step: ArrayLike, value: int | None, where: str) -> jax.Array:
     """`step` as the integer array that crosses through JAX (checked to fit)."""
     if value is not None:
         dtype = jax.dtypes.canonicalize_dtype(getattr(step, "dtype", np.int64))
@@ -124,7 +134,7 @@ def traced_step(step: Any, value: int | None, where: str) -> jax.Array:
     return jnp.asarray(step)
 
 
-def is_tracing(*values: Any) -> bool:
+def is_tracing(*values: PyTree) -> bool:
     """Are we inside a trace (jit, scan, vmap, grad, ...) rather than running eagerly?
 
     Either an argument is a tracer, or a fresh array is one: inside `jit` even a function
@@ -148,7 +158,8 @@ except ImportError:  # pragma: no cover - a JAX that moved it
 
 
 def check_when(when: Any, where: str) -> jax.Array:
-    """`when` as a boolean scalar array, or an error that says how to fix it."""
+    """`when` (whatever the user passed: hence `Any`) as a boolean scalar array, or an
+    error that says how to fix it."""
     ok = isinstance(when, bool) or (
         hasattr(when, "dtype") and jnp.issubdtype(when.dtype, jnp.bool_)
     )
@@ -163,7 +174,7 @@ def check_when(when: Any, where: str) -> jax.Array:
     return jnp.asarray(when)
 
 
-def check_axis_name(axis_name: Any, where: str) -> None:
+def check_axis_name(axis_name: Hashable | None, where: str) -> None:
     """Inside `pmap`/`shard_map` every device would save its own part as the same step:
     require `axis_name`, and that it names a mapped axis."""
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
@@ -182,7 +193,7 @@ def check_axis_name(axis_name: Any, where: str) -> None:
         )
 
 
-def axis_size(axis_name: Any) -> int:
+def axis_size(axis_name: Hashable) -> int:
     """How many devices the mapped axis (or axes) `axis_name` spans, while tracing."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     return int(np.prod([jax.lax.axis_size(name) for name in names]))
@@ -190,14 +201,19 @@ def axis_size(axis_name: Any) -> int:
 
 class Host(Protocol):
     """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
-    callbacks: each call takes the data it is given before it returns."""
+    callbacks: each call takes the data it is given before it returns. What
+    `buffer_callback` hands over (`ctx`, `out`, the buffers) are XLA's own objects,
+    which have no types to name (see _cuda.py); `debug.callback` hands over
+    `jax.Array`s."""
 
-    def __call__(self, signature: Any, step: Any, wanted: Any, *arrays: Any) -> None: ...
+    def __call__(
+        self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
+    ) -> None: ...
 
     def deposit(
         self,
-        signature: Any,
-        widened: dict[int, Any],
+        signature: Signature,
+        widened: dict[int, np.dtype],
         ctx: Any,
         out: Any,
         step: Any,
@@ -207,9 +223,9 @@ class Host(Protocol):
 
     def deposit_shard(
         self,
-        signature: Any,
-        layout: Any,
-        widened: dict[int, Any],
+        signature: Signature,
+        layout: Layout,
+        widened: dict[int, np.dtype],
         ctx: Any,
         out: Any,
         step: Any,
@@ -218,17 +234,22 @@ class Host(Protocol):
         *blocks: Any,
     ) -> None: ...
 
-    def end_run(self, signature: Any, shapes: Any, packed: Any) -> None: ...
+    def end_run(
+        self,
+        signature: Signature,
+        shapes: tuple[tuple[int, ...], tuple[int, ...]],
+        packed: jax.Array,
+    ) -> None: ...
 
 
 def cross(
     host: Host,
-    signature: Any,
+    signature: Signature,
     step: jax.Array,
-    payload: list[Any],
-    wanted: Any,
+    payload: list[jax.Array],
+    wanted: jax.Array | None,
     *,
-    axis_name: Any = None,
+    axis_name: Hashable | None = None,
     gather: Gather = "stack",
     by_buffer: bool = True,
 ) -> None:
@@ -258,7 +279,14 @@ def cross(
     _gather_and_save(save, step, wanted, payload, axis_name, gather)
 
 
-def _gather_and_save(save: Any, step: Any, wanted: Any, payload: list[Any], axis_name, gather):
+def _gather_and_save(
+    save: _Save,
+    step: jax.Array,
+    wanted: jax.Array,
+    payload: list[jax.Array],
+    axis_name: Hashable,
+    gather: Gather,
+) -> None:
     """Gather the state along `axis_name` and let the first device save it."""
     # Every device must take the same branch around the collective below.
     anyone = jax.lax.pmax(wanted.astype(jnp.int32), axis_name) > 0
@@ -328,12 +356,12 @@ def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by
 
 def cross_sharded(
     host: Host,
-    signature: Any,
-    layout: Any,
-    mesh: Any,
+    signature: Signature,
+    layout: Layout,
+    mesh: Mesh | AbstractMesh,
     step: jax.Array,
-    payload: list[Any],
-    wanted: Any,
+    payload: list[jax.Array],
+    wanted: jax.Array | None,
     *,
     by_buffer: bool,
 ) -> None:
@@ -402,7 +430,7 @@ def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> N
         jax.debug.callback(deposit, step, mask, coords, *blocks)
 
 
-def _keep_alive(token: Any) -> None:
+def _keep_alive(token: jax.Array) -> None:
     """The effect that keeps a per-device crossing (and its token) in the program."""
     del token
 
@@ -430,13 +458,17 @@ def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
     return jnp.concatenate([x.astype(dtype) for x in flat])
 
 
-def _broadcast(x: Any, batched: bool, size: int) -> jax.Array:
+def _broadcast(x: jax.Array, batched: bool, size: int) -> jax.Array:
     x = jnp.asarray(x)
     return x if batched else jnp.broadcast_to(x, (size, *x.shape))
 
 
 def _whole_batch(
-    axis_size: int, in_batched: Any, step: Any, wanted: Any, payload: list[Any]
+    axis_size: int,
+    in_batched: tuple[bool, bool, list[bool]],
+    step: jax.Array,
+    wanted: jax.Array,
+    payload: list[jax.Array],
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """A `custom_vmap` rule's operands with the batch axis on each: the unbatched ones
     broadcast, so the host gets the whole batch and a per-member mask."""
@@ -455,7 +487,9 @@ def _per_device_by_buffer(by_buffer: bool) -> bool:
     return by_buffer or jax.default_backend() == "cpu"
 
 
-def _batched_save(host: Host, signature: Any, by_buffer: bool, *, always: bool = False):
+def _batched_save(
+    host: Host, signature: Signature, by_buffer: bool, *, always: bool = False
+) -> _Save:
     """`save(step, wanted, payload)`: one crossing when any member's `wanted` holds
     (`always`: the save is unconditional, and crosses with no `cond` around it).
 
