@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
 import jax
 
@@ -72,18 +72,32 @@ class VerdictUnknown(SaveError):
     """This process wrote its part of a step, and heard no verdict from process 0."""
 
 
-def _bounded(fn: Callable[..., Any], *args: Any, bound_s: float) -> Any:
+class Client(Protocol):
+    """What a Group uses of JAX's coordination-service client (jaxlib's
+    `DistributedRuntimeClient`, which has no stubs)."""
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
+    def key_value_try_get(self, key: str) -> str: ...
+    def key_value_delete(self, key: str) -> None: ...
+
+
+_T = TypeVar("_T")
+
+
+def _bounded(fn: Callable[..., _T], *args: object, bound_s: float) -> _T:
     """`fn(*args)`, given up after `bound_s` with TimeoutError (the module doc: a call
     to a stopped process 0 returns only when it runs again). The call runs in a daemon
     thread of its own, which is left to end whenever the call does; a few per step."""
-    result: list[tuple[bool, Any]] = []
+    result: list[_T] = []
+    error: list[BaseException] = []
     done = threading.Event()
 
     def call() -> None:
         try:
-            result.append((True, fn(*args)))
+            result.append(fn(*args))
         except BaseException as e:
-            result.append((False, e))
+            error.append(e)
         finally:
             done.set()
 
@@ -93,13 +107,12 @@ def _bounded(fn: Callable[..., Any], *args: Any, bound_s: float) -> Any:
             f"no answer from the coordination service in {bound_s:g} s (process 0, "
             "which runs it, is stopped or cannot be reached)"
         )
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value
+    if error:
+        raise error[0]
+    return result[0]
 
 
-def _client() -> Any:
+def _client() -> Client:
     """JAX's coordination-service client (started by `jax.distributed.initialize`)."""
     from jax._src import distributed  # private: JAX has no public handle on it
 
@@ -120,9 +133,9 @@ class Group:
         self,
         directory: str,
         timeout_s: float,
-        list_steps: Any,
+        list_steps: Callable[[], list[int]],
         *,
-        client: Any = None,
+        client: Client | None = None,
         index: int | None = None,
         count: int | None = None,
     ) -> None:
@@ -218,7 +231,7 @@ class Group:
         if verdict[0] != OK:
             raise ConfigError(verdict[1])
 
-    def _call(self, name: str, *args: Any, bound_s: float | None = None) -> Any:
+    def _call(self, name: str, *args: object, bound_s: float | None = None) -> object:
         """The client's method `name`, bounded by `bound_s` (default: peer_timeout, at
         least `_SLACK_S`). The bound only stops a call to a stopped process 0 from
         blocking for good: it is generous, since a loaded machine answers slowly and
@@ -564,7 +577,7 @@ def _not_shared(directory: str, name: str, blind: list[str]) -> str:
     )
 
 
-def current(directory: str, timeout_s: float, list_steps: Any) -> Group | None:
+def current(directory: str, timeout_s: float, list_steps: Callable[[], list[int]]) -> Group | None:
     """The run's Group when JAX runs several processes, else None."""
     if jax.process_count() == 1:
         return None
