@@ -28,7 +28,6 @@ import stat
 import threading
 import time
 import uuid
-from typing import Any
 
 from . import _remote
 from ._errors import ConfigError, DirectoryLockedError
@@ -273,7 +272,7 @@ class ObjectLock(DirectoryLock):
             "environment (docs/storage.md)."
         )
 
-    def _wait_for(self, holder: dict[str, Any], seen: bytes | None, generation: bytes) -> bytes:
+    def _wait_for(self, holder: dict[str, object], seen: bytes | None, generation: bytes) -> bytes:
         """The generation to take the lock over from, once its holder is judged dead; a
         `DirectoryLockedError` when it shows a heartbeat."""
         if holder.get("pid_space") == _pid_space() and not _alive(holder.get("pid")):
@@ -349,7 +348,7 @@ def _released() -> bytes:
     return json.dumps({"released": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
 
 
-def _holder(data: bytes | None) -> dict[str, Any] | None:
+def _holder(data: bytes | None) -> dict[str, object] | None:
     """The record of a held lock object; None when absent or released (emptied, as
     earlier versions left it, or a `_released` record)."""
     if not data:
@@ -378,11 +377,11 @@ def _pid_space() -> str:
         return f"unknown-{uuid.uuid4().hex}"  # never equal to another process's
 
 
-def _holder_text(holder: dict[str, Any]) -> str:
+def _holder_text(holder: dict[str, object]) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')}"
 
 
-def _alive(pid: Any) -> bool:
+def _alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return True  # unknown: watch its heartbeat
     try:

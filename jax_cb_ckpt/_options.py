@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import typing
-from typing import Any
 
 import jax
 
@@ -25,19 +24,21 @@ _CROSSING = typing.get_args(Crossing)
 
 
 def checked(
-    directory: Any,
+    directory: str | os.PathLike[str],
     *,
-    every: Any,
-    max_to_keep: Any,
-    queue_size: Any,
-    on_full: Any,
-    compression: Any,
-    on_error: Any,
-    on_existing: Any,
-    crossing: Any,
-    peer_timeout: Any,
+    every: int | None,
+    max_to_keep: int | None,
+    queue_size: int,
+    on_full: OnFull,
+    compression: bool,
+    on_error: OnError,
+    on_existing: OnExisting,
+    crossing: Crossing,
+    peer_timeout: float,
 ) -> Options:
-    """The options, or a `ConfigError` for the first invalid one."""
+    """The options, or a `ConfigError` for the first invalid one. (Typed as the
+    Checkpointer declares them; checked all the same, for callers that are not
+    type-checked.)"""
     path = _format.resolve(directory, "Checkpointer(directory=...)")
     if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(
@@ -107,7 +108,7 @@ def checked(
     )
 
 
-def _positive_int(value: Any, name: str, meaning: str, *, optional: bool) -> int | None:
+def _positive_int(value: object, name: str, meaning: str, *, optional: bool) -> int | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

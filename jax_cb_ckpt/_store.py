@@ -38,7 +38,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
@@ -52,6 +52,9 @@ from ._format import (
     param_name,
     region_key,
 )
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 # Larger leaves are split into chunks of at most CHUNK_BYTES (the on-disk format's:
 # `_format`), so chunks are copied in parallel.
@@ -69,7 +72,9 @@ _OCDBT_CONFIG = {
 class Blocks:
     """A leaf written block by block: its global shape and dtype and {region: block}."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, blocks: Mapping[Region, Any]):
+    def __init__(
+        self, shape: tuple[int, ...], dtype: DTypeLike, blocks: Mapping[Region, np.ndarray]
+    ) -> None:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.blocks = dict(blocks)
@@ -189,7 +194,12 @@ class StoreWriter:
         return ocdbt_spec(self._kvstore_spec(path))
 
     def write(
-        self, state_dir: str, flat: Mapping[tuple[str, ...], Any], *, index: int, zarrays: bool
+        self,
+        state_dir: str,
+        flat: Mapping[tuple[str, ...], np.ndarray | Blocks],
+        *,
+        index: int,
+        zarrays: bool,
     ) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
         """Start writing this process's arrays (`flat`: tree path -> numpy array or
         `Blocks`) as one transaction: process 0 into the root database of `state_dir`,
@@ -206,8 +216,8 @@ class StoreWriter:
         kv = ts.KvStore.open(self._ocdbt(part), context=self._context).result()
         txn = ts.Transaction(atomic=False)
         kvt = kv.with_transaction(txn)
-        pending: list[Any] = []  # writes through the zarr driver
-        staged: list[Any] = []  # key-value writes
+        pending: list[ts.WriteFutures] = []  # writes through the zarr driver
+        staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]] = []  # key-value writes
         sums: dict[str, dict[str, int]] = {}
         large, small = [], []
         for path, leaf in flat.items():
@@ -287,7 +297,9 @@ def _checksums(leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]], sums: 
     return time.perf_counter() - start
 
 
-def _pieces(leaf: Any) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, Any]:
+def _pieces(
+    leaf: np.ndarray | Blocks,
+) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, tuple[int, ...]]:
     """(region, block) pieces of a leaf, its shape, dtype and chunk shape."""
     if isinstance(leaf, Blocks):
         pieces = sorted(leaf.blocks.items())
