@@ -205,9 +205,8 @@ class Exchange:
         self._queue_size = queue_size
         self._slots = threading.BoundedSemaphore(queue_size)
         self._cond = threading.Condition()
-        self._queue: collections.deque[SaveItem | _Stop] = (
-            collections.deque()
-        )  # waiting for the writer
+        # Waiting for the writer:
+        self._queue: collections.deque[SaveItem | _Stop] = collections.deque()
         self._pending = 0
         self._handed = HandedSteps()  # step -> the crossing that handed it
         self._arrived: set[tuple[object, int]] = set()  # handed, the run not yet ended (`end_run`)

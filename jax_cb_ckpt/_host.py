@@ -156,7 +156,7 @@ class HostSide:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
             if not widened:
                 return HostCopy(list(hosts), release, ready)
-            ready()  # packed dtypes are narrowed here, so wait for their copies now
+            ready()  # packed dtypes are cast back here, so wait for their copies now
             return HostCopy(_as_saved_dtypes(list(hosts), widened), release)
 
         self._in_callback(signature, step, wanted, copy_out, owner=signature)
