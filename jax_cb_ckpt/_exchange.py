@@ -33,7 +33,7 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from ._errors import (
     StepOrderWarning,
 )
 from ._spec import Signature
+
+if TYPE_CHECKING:
+    from ._shards import ShardedArray
 from ._stats import StatsRecorder
 from ._types import OnError, OnExisting, OnFull
 
@@ -163,9 +166,7 @@ class SaveItem:
     # the save: a save that a newer one supersedes (on_full="newest") never costs the
     # device that ~0.1 ms.
     signature: Signature
-    # (numpy arrays or `ShardedArray`s; `list[Any]` until `_tree.nest`, which takes
-    # them, says `np.ndarray | ShardedArray` too)
-    hosts: list[Any]
+    hosts: list[np.ndarray | ShardedArray]
     members: np.ndarray
     saved_at: float  # time.time() of the hand-off
     nbytes: int

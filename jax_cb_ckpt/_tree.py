@@ -12,7 +12,7 @@ import collections
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,10 @@ from . import _dtypes
 from ._dtypes import ML_DTYPES
 from ._errors import InvalidStateError, StructureMismatchError
 from ._spec import ARRAY, KEY, SCALAR, LeafSpec, key_data_shape
+from ._types import PyTree
+
+if TYPE_CHECKING:
+    from ._shards import ShardedArray
 
 _PY_SCALARS = (bool, int, float, complex)
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
@@ -158,7 +162,7 @@ def _abstract_impl(leaf: Any) -> str | None:
 
 
 def describe_state(
-    tree: Any, where: str, *, prefix: str = "state", abstract_ok: bool = False
+    tree: PyTree, where: str, *, prefix: str = "state", abstract_ok: bool = False
 ) -> tuple[Any, tuple[LeafSpec, ...], list[Any]]:
     """Flatten `tree` into (treedef, specs, leaves), checking every leaf.
 
@@ -239,7 +243,7 @@ def _leaf_key(leaf: Any) -> Any:
 
 
 def _describe(
-    tree: Any, flat: list[tuple[Any, Any]], where: str, prefix: str, abstract_ok: bool
+    tree: PyTree, flat: list[tuple[Any, Any]], where: str, prefix: str, abstract_ok: bool
 ) -> tuple[LeafSpec, ...]:
     """The checked specs of `tree`, flattened as `flat` (key path, leaf)."""
     if not flat:
@@ -331,8 +335,8 @@ EMPTY_NAME = "_jax_cb_ckpt_empty"  # Orbax refuses an empty item: a placeholder 
 
 
 def stored_leaves(
-    specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray]
-) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray | ShardedArray]
+) -> list[tuple[tuple[str, ...], np.ndarray | ShardedArray]]:
     """(name, array) of each leaf Orbax stores, in the order of the nested dict
     {name[0]: {name[1]: ...}} that it writes (a group's leaves together, the groups in
     the order they first appear): the order of the state's `_METADATA` and data files.
@@ -464,7 +468,7 @@ def _weakly_typed(value: jax.Array) -> jax.Array:
     return weak  # pyright: ignore[reportReturnType]
 
 
-def _place(value: jax.Array, sharding: Any) -> jax.Array:
+def _place(value: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
     """Put a restored array where the `like` leaf lives (its sharding), when it says.
     A sharding over several processes' devices gets this process's blocks only (every
     process holds the whole value here; `device_put` refuses devices of others)."""
@@ -476,7 +480,7 @@ def _place(value: jax.Array, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def same_bits(a: Any, b: Any) -> bool:
+def same_bits(a: PyTree, b: PyTree) -> bool:
     """Whether two states are equal bit for bit: the same leaves (by pytree path), of
     the same dtype, shape and bytes (typed PRNG keys: the same implementation and key
     data; NaNs equal themselves). What a resumed run promises to match.

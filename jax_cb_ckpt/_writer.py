@@ -230,23 +230,23 @@ class Writer:
             # The description files while the arrays commit, where the storage lists a
             # step only at its commit (local: the rename); the meta needs every
             # process's checksums, so with several processes it waits for them.
-            early = self._storage.describes_early
+            described_during_commit = self._storage.describes_early
             alone = round_.count == 1
 
-            def meanwhile(sums: _format.Sums) -> None:
+            def during_commit(sums: _format.Sums) -> None:
                 self._write_descriptions(temp, step)
                 if alone:
                     self._storage.write_meta(temp, dict(step.meta, checksums=sums))
 
             sums, checksum_s = self._write_part(
-                item, step, round_, temp, sync, meanwhile if early else None
+                item, step, round_, temp, sync, during_commit if described_during_commit else None
             )
             sums = round_.collect(sums)
             self._fence(final)  # (object storage: still ours, before its files)
             self._store.merge(os.path.join(temp, _format.STATE_ITEM), round_.count)
-            if not early:
+            if not described_during_commit:
                 self._write_descriptions(temp, step)
-            if not (early and alone):
+            if not (described_during_commit and alone):
                 self._storage.write_meta(temp, dict(step.meta, checksums=sums))
             self._commit(temp, final, item.nbytes, sync)
             round_.committed(self._storage)
@@ -277,10 +277,10 @@ class Writer:
         round_: Round,
         temp: str,
         sync: _storage.Sync,
-        meanwhile: Callable[[_format.Sums], None] | None,
+        during_commit: Callable[[_format.Sums], None] | None,
     ) -> tuple[_format.Sums, float]:
         """This process's arrays of the step, reported to the others (or why they could
-        not be written); `meanwhile(sums)` runs while they commit. Their checksums and
+        not be written); `during_commit(sums)` runs while they commit. Their checksums and
         the seconds spent on them."""
         try:
             if item.ready is not None:  # copies from a GPU still in flight
@@ -288,7 +288,7 @@ class Writer:
             if not round_.primary:
                 self._enter_attempt(temp, round_)
             finish = self._write_arrays(temp, step, round_)
-            sums, checksum_s = finish(meanwhile)
+            sums, checksum_s = finish(during_commit)
             if not round_.primary:  # (the primary's files are synced with the step's)
                 sync.tree(os.path.join(temp, _format.STATE_ITEM, _part(round_)), item.nbytes)
         except BaseException as e:
@@ -323,7 +323,7 @@ class Writer:
         self, temp: str, step: _Described, round_: Round
     ) -> Callable[..., tuple[_format.Sums, float]]:
         """Start writing this process's arrays of the step; returns once they are
-        committing. The returned `finish(meanwhile)` (`StoreWriter.write`) waits for
+        committing. The returned `finish(during_commit)` (`StoreWriter.write`) waits for
         the commit and gives their checksums and the time spent computing them."""
         flat = {}
         for path, leaf in step.leaves:
@@ -391,7 +391,9 @@ class _Described:
         self._item = item
 
     @functools.cached_property
-    def _built(self) -> tuple[list[tuple[tuple[str, ...], Any]], dict[str, Any]]:
+    def _built(
+        self,
+    ) -> tuple[list[tuple[tuple[str, ...], np.ndarray | ShardedArray]], dict[str, Any]]:
         item = self._item
         specs = item.signature.stored(item.hosts)
         meta = _format.meta_record(
@@ -406,7 +408,7 @@ class _Described:
         return _tree.stored_leaves(specs, item.hosts), meta
 
     @property
-    def leaves(self) -> list[tuple[tuple[str, ...], Any]]:
+    def leaves(self) -> list[tuple[tuple[str, ...], np.ndarray | ShardedArray]]:
         return self._built[0]
 
     @property
@@ -435,7 +437,7 @@ def _versions() -> dict[str, str]:
 
 
 def _described_shardings(
-    specs: tuple[_tree.LeafSpec, ...], hosts: list[Any]
+    specs: tuple[_tree.LeafSpec, ...], hosts: list[np.ndarray | ShardedArray]
 ) -> dict[str, dict[str, Any]]:
     """How each leaf saved per device was split: the mesh's axes and, per dimension,
     the mesh axes it is split over (`jax-cb-ckpt show` prints them)."""
