@@ -74,7 +74,10 @@ _STOP = _Stop.STOP
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """A claimed save holding a slot: its step, and the other run's steps it replaces."""
+    """A save admitted by the exchange (`admit`), holding a slot: its step, and the other
+    run's steps it replaces. It travels with the save (`SaveItem.claim`) to the writer,
+    which gives it back (`finished`); a save dropped before it is submitted gives it back
+    by `unclaim_slot`."""
 
     step: int
     replace: tuple[int, ...]
@@ -159,7 +162,7 @@ class HandedSteps:
 class SaveItem:
     """One state handed off by the callback, waiting to be written."""
 
-    step: int
+    claim: Claim  # its step and slot, admitted by the exchange
     # What the step is made of, as the host side took it: the leaves' specs as traced,
     # every leaf in host memory (numpy arrays, or per-device blocks), the vmap batch's
     # mask. The writer describes the step from them (its tree and meta) when it takes
@@ -173,8 +176,16 @@ class SaveItem:
     blocking_s: float
     handoff_s: float
     release: Callable[[], None]  # give the host buffers back (staging pool)
-    replace: tuple[int, ...] = ()  # another run's steps to delete first (on_existing)
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
+
+    @property
+    def step(self) -> int:
+        return self.claim.step
+
+    @property
+    def replace(self) -> tuple[int, ...]:
+        """Another run's steps to delete first (on_existing="replace")."""
+        return self.claim.replace
 
 
 def is_failed_write(error: CheckpointError) -> bool:
@@ -438,12 +449,13 @@ class Exchange:
             self._queue.append(_STOP)
             self._cond.notify_all()
 
-    def finished(self, step: int, replace: tuple[int, ...], error: SaveError | None) -> None:
-        """The writer is done with a submitted save (written, or failed with `error`)."""
+    def finished(self, claim: Claim, error: SaveError | None) -> None:
+        """The writer is done with a submitted save (written, or failed with `error`): its
+        claim is given back (the slot freed; a failed step may come again)."""
         self._slots.release()
         with self._cond:
             if error is not None:
-                self._unclaim(step, replace)
+                self._unclaim(claim.step, claim.replace)
                 self._keep_first(error)
             self._pending -= 1
             self._cond.notify_all()

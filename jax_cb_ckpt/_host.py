@@ -295,7 +295,7 @@ class HostSide:
             ]
             return HostCopy(crossed, assembly.release)
 
-        self._submit(signature, step, members, copy_out, claim, blocking_s=assembly.blocking_s)
+        self._submit(signature, members, copy_out, claim, blocking_s=assembly.blocking_s)
 
     def _settle(self, assembly: _assembly.Assembly) -> None:
         """A per-device save that will not be written: its staging and its slot (and the
@@ -431,12 +431,11 @@ class HostSide:
     ) -> None:
         claim = self._exchange.admit(step, owner, in_callback=in_callback)
         if claim is not None:
-            self._submit(signature, step, members, copy_out, claim, start=start)
+            self._submit(signature, members, copy_out, claim, start=start)
 
     def _submit(
         self,
         signature: Signature,
-        step: int,
         members: np.ndarray,
         copy_out: Callable[[], HostCopy],
         claim: Claim,
@@ -444,8 +443,8 @@ class HostSide:
         start: float | None = None,
         blocking_s: float = 0.0,
     ) -> None:
-        """Queue a claimed save (its slot taken). The device waited `blocking_s`, or
-        from `start` until now."""
+        """Queue a claimed save (its slot taken): the claim travels with it to the
+        writer. The device waited `blocking_s`, or from `start` until now."""
         copying = time.perf_counter()
         try:
             crossed, release, ready = copy_out()
@@ -460,7 +459,7 @@ class HostSide:
             blocking_s = end - start
         self._stats.handed_off(blocking_s)
         item = SaveItem(
-            step,
+            claim,
             signature,
             hosts,
             members,
@@ -469,7 +468,6 @@ class HostSide:
             blocking_s,
             end - copying,
             release,
-            claim.replace,
             ready,
         )
         self._stats.in_flight(self._exchange.submit(item))

@@ -136,7 +136,7 @@ class Writer:
                     error = self._write(item)
                 finally:
                     item.release()
-                    self._exchange.finished(item.step, item.replace, error)
+                    self._exchange.finished(item.claim, error)
                 self._sweep()
         finally:
             self._sweep()

@@ -24,7 +24,10 @@ def exchange(old=(), on_existing="raise", queue_size=2):
 
 
 class Item:
+    """A queued save as the exchange sees it: its claim (step, replaced steps)."""
+
     def __init__(self, step, replace=()):
+        self.claim = Claim(step, replace)
         self.step, self.replace = step, replace
 
 
@@ -115,7 +118,7 @@ def test_slots_bound_the_saves_in_flight_and_finished_frees_them():
     assert ex.claim(3) == ()
     assert not ex.take_slot(block=False)  # full
     assert ex.next_item().step == 1
-    ex.finished(1, (), None)
+    ex.finished(Claim(1, ()), None)
     assert ex.take_slot(block=False)
     assert ex.pending == 1
 
@@ -127,8 +130,8 @@ def test_a_failed_write_keeps_the_first_error_and_the_step_may_come_again():
         ex.take_slot(block=False)
         ex.submit(Item(step))
     first, second = SaveError("one"), SaveError("two")
-    ex.finished(ex.next_item().step, (), first)
-    ex.finished(ex.next_item().step, (), second)
+    ex.finished(ex.next_item().claim, first)
+    ex.finished(ex.next_item().claim, second)
     assert ex.take_error() is first and ex.take_error() is None
     assert ex.claim(1) == ()  # never written: may be saved again
     assert is_failed_write(first) and not is_failed_write(StepExistsError("x"))
@@ -157,7 +160,7 @@ def test_drain_waits_for_the_writer_and_stop_ends_it_after_the_queue():
     def writer():
         while (item := ex.next_item()) is not None:
             time.sleep(0.05)
-            ex.finished(item.step, (), None)
+            ex.finished(item.claim, None)
         done.append(True)
 
     thread = threading.Thread(target=writer)
@@ -242,7 +245,7 @@ class Waiting:
     """A save in the queue, as `supersede` hands it back: its release is counted."""
 
     def __init__(self, step):
-        self.step, self.replace, self.released = step, (), 0
+        self.claim, self.step, self.replace, self.released = Claim(step, ()), step, (), 0
 
     def release(self):
         self.released += 1
@@ -265,7 +268,7 @@ def test_admit_skip_drops_a_save_that_finds_the_queue_full_and_says_so():
     [(category, message)] = ex.take_notes()
     assert category is SkippedSaveWarning and "step 2" in message and "on_full='skip'" in message
     ex.next_item()
-    ex.finished(1, (), None)
+    ex.finished(Claim(1, ()), None)
     assert ex.admit(2, None, in_callback=True) == Claim(2, ())  # never written: may come again
 
 
@@ -285,7 +288,7 @@ def test_admit_block_waits_for_the_writer_to_free_a_slot():
     time.sleep(0.2)
     assert got == [] and waiter.is_alive()  # the device waits: nothing is lost
     ex.next_item()
-    ex.finished(1, (), None)
+    ex.finished(Claim(1, ()), None)
     waiter.join(timeout=10)
     assert got == [Claim(2, ())] and ex.stats.snapshot().queue_waits == 1
 
@@ -314,7 +317,7 @@ def test_the_on_error_rule_is_applied_in_one_place(on_error):
     ex.submit(Item(1))
     failure = SaveError("disk full")
     ex.stats.failed()
-    ex.finished(ex.next_item().step, (), failure)
+    ex.finished(ex.next_item().claim, failure)
     if on_error == "raise":
         with pytest.raises(SaveError, match="disk full"):
             ex.refuse_if_failed()

@@ -13,7 +13,7 @@ from helpers import checked_options
 
 import jax_cb_ckpt
 from jax_cb_ckpt import SaveError, _format, _storage
-from jax_cb_ckpt._exchange import Exchange, SaveItem
+from jax_cb_ckpt._exchange import Claim, Exchange, SaveItem
 from jax_cb_ckpt._spec import ARRAY, LeafSpec, Signature
 from jax_cb_ckpt._writer import Writer
 
@@ -27,7 +27,7 @@ def _item(step, tree, released):
     signature = Signature(specs, tuple(v.ndim for v in hosts))
     nbytes = sum(v.nbytes for v in hosts)
     return SaveItem(
-        step,
+        Claim(step, ()),
         signature,
         hosts,
         np.asarray(True),
