@@ -158,7 +158,7 @@ class HandedSteps:
         return None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SaveItem:
     """One state handed off by the callback, waiting to be written."""
 
