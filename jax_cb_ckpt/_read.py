@@ -167,6 +167,10 @@ class StepArrays:
                 {
                     "cache_pool": {"total_bytes_limit": 0},
                     "cache_pool#nodes": {"total_bytes_limit": _NODE_CACHE_BYTES},
+                    # A bucket's manifest is held in memory (`Bucket.database`): in a
+                    # store of this read's own, not the shared parent's, which another
+                    # thread's read of another step would overwrite.
+                    "memory_key_value_store": {},
                 }
             ),
             _threads(),

@@ -225,16 +225,32 @@ def open_step(
     try:
         return storage.open_step(step)
     except Exception as e:
-        raise _open_failure(e, storage, step, where, what) from e
+        if what is None or not storage.open_checks_step or isinstance(e, _remote.StorageError):
+            raise _open_failure(e, storage, step, where) from e
+    # A named step that nothing listed before it was opened, and that could not be
+    # opened: the directory's listing says what is wrong with it (`_listed_step`
+    # raises: missing, damaged, someone else's), unless the step is complete by now (its
+    # writer committed it meanwhile): then it is opened again, once.
+    _listed_step(storage, step, what)
+    try:
+        return storage.open_step(step)
+    except Exception as e:
+        raise _open_failure(e, storage, step, where) from e
 
 
-def _open_failure(
-    e: Exception, storage: Storage, step: int, where: str, what: str | None
-) -> CheckpointError:
-    """The error for `storage.open_step(step)` raising `e` (`open_step`)."""
-    if not storage.is_checkpoint(step):
-        if what is not None and storage.open_checks_step:
-            _listed_step(storage, step, what)  # raises: what is, and is not, there
+def _open_failure(e: Exception, storage: Storage, step: int, where: str) -> CheckpointError:
+    """The error for `storage.open_step(step)` raising `e` (`open_step`): the storage out
+    of reach, the step removed meanwhile, or damaged."""
+    failed = e if isinstance(e, _remote.StorageError) else None
+    complete = False
+    if failed is None:
+        try:
+            complete = storage.is_checkpoint(step)
+        except _remote.StorageError as later:
+            failed = later
+    if failed is not None:
+        return ConfigError(f"{where}: cannot read the checkpoint directory: {failed}")
+    if not complete:
         return removed(storage, step, where)
     if isinstance(e, _format.DamagedStep):
         return RestoreError(

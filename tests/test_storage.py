@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -304,6 +305,64 @@ def _unfinished(url):
 
 def _first(seed):
     return np.random.default_rng(seed).standard_normal(8 << 20, dtype=np.float32)[0]
+
+
+def test_a_named_step_committed_while_it_is_opened_is_read(remote, monkeypatch):
+    """A named step whose writer commits it just after the read listed the step's objects
+    (seen incomplete) is opened again and read, not reported as removed or unreadable;
+    one still uncommitted is reported as the directory's listing reports it."""
+    url = remote.url
+    states = {step: {"x": jnp.arange(3.0) * step} for step in (1, 2)}
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        for step, state in states.items():
+            ckpt.save(state, step)
+    marker = f"{url}/2/commit_success.txt"
+    committed = _remote.read(marker)[0]
+    _remote.delete(marker)  # step 2: every object written, not yet committed
+    original = _remote.list_and_read
+    commits = [True]
+
+    def list_and_read(where, names):
+        found = original(where, names)
+        if where == f"{url}/2" and commits:  # the writer commits step 2 right now
+            commits.clear()
+            _remote.write(marker, committed)
+        return found
+
+    monkeypatch.setattr(_remote, "list_and_read", list_and_read)
+    assert_same_state(jax_cb_ckpt.restore(url, states[2], step=2), states[2])
+    _remote.delete(marker)
+    with pytest.raises(jax_cb_ckpt.NoCheckpointError, match=r"no checkpoint for step 2 .*\[2\]"):
+        jax_cb_ckpt.restore(url, states[2], step=2)
+
+
+def test_named_steps_restore_concurrently_from_threads(remote):
+    """Reads of different named steps at once in threads each get their own step: a
+    read's in-memory manifest was kept in a store shared by every read of the process,
+    so concurrent reads of other steps replaced it (most failed with TensorStore's
+    "Configuration mismatch on uuid"; its check kept the numbers right)."""
+    url = remote.url
+    states = {step: {"x": jnp.arange(64.0) + step, "s": jnp.int32(step)} for step in range(1, 5)}
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        for step, state in states.items():
+            ckpt.save(state, step)
+    failures = []
+
+    def reader(offset):
+        for i in range(8):
+            step = 1 + (offset + i) % 4
+            try:
+                assert_same_state(jax_cb_ckpt.restore(url, states[step], step=step), states[step])
+            except Exception as e:  # noqa: BLE001 (collected, asserted below)
+                failures.append(f"step {step}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
 
 
 @THREE_SERVERS
@@ -729,6 +788,15 @@ def test_a_bucket_that_does_not_exist_is_a_config_error(remote):
     if remote.scheme == "s3":  # GCS lists a missing bucket as empty (docs/storage.md)
         with pytest.raises(jax_cb_ckpt.ConfigError, match="does not exist"):
             jax_cb_ckpt.all_steps(url)
+        # A named step is opened without listing the directory first: the error is the
+        # same kind (it was a bare StorageError, an OSError, after a second listing).
+        for read in (
+            lambda: jax_cb_ckpt.restore(url, {"x": np.zeros(2)}, step=1),
+            lambda: jax_cb_ckpt.metadata(url, step=1),
+            lambda: jax_cb_ckpt.verify(url, step=1),
+        ):
+            with pytest.raises(jax_cb_ckpt.ConfigError, match="does not exist"):
+                read()
     else:
         assert jax_cb_ckpt.all_steps(url) == []
 
