@@ -489,17 +489,19 @@ def _read_file(path: str, limit: int) -> bytes:
         return _format.within(path, f.read(limit + 1), limit)
 
 
-# {meta file: (its and the step file's lstat identities when read, what was found)}; a
-# step set aside leaves it, so a writer's retention keeps it at the kept steps (a long
-# run's memory does not grow with its saves); steps removed by hand leave it at the
-# next clearing.
+# {meta file: (its, the step file's and Orbax's state/_METADATA's lstat identities when
+# read, what was found)}: a step whose files are unchanged since is what it was (the
+# items' folders go with the files in them). A step set aside leaves it, so a writer's
+# retention keeps it at the kept steps (a long run's memory does not grow with its
+# saves); steps removed by hand leave it at the next clearing.
 _TAGS: dict[str, tuple[tuple[Any, ...], Examined]] = {}
 
 
 def _examine_dir(path: str, step: int, fd: int) -> Examined:
     meta = f"{META_ITEM}/{META_FILE}"
     st_meta, st_step = _lstat_in(fd, meta), _lstat_in(fd, ORBAX_STEP_FILE)
-    seen = tuple(_stat_key(st) for st in (st_meta, st_step))
+    st_state = _lstat_in(fd, f"{STATE_ITEM}/{STATE_METADATA}")
+    seen = tuple(_stat_key(st) for st in (st_meta, st_step, st_state))
     key = os.path.join(path, META_ITEM, META_FILE)
     known = _TAGS.get(key)
     if known is not None and known[0] == seen:

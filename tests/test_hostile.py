@@ -56,6 +56,19 @@ def test_a_damaged_newest_step_is_reported_not_silently_skipped(tmp_path):
     assert meta.read_bytes() == text[: len(text) // 2]  # untouched
 
 
+def test_a_step_damaged_after_a_listing_is_reported_by_the_next_one(tmp_path):
+    """A listing remembers what it found of a step while its files are unchanged: Orbax's
+    state/_METADATA deleted after a listing makes the step damaged at the next listing
+    of the same process, as in a new one (it stayed listed, and plain Orbax cannot
+    read the step without it)."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    assert jax_cb_ckpt.all_steps(d) == [4, 8]
+    (d / "8" / "state" / "_METADATA").unlink()
+    with pytest.warns(DamagedStepWarning, match=r"step 8: 'state/_METADATA' is missing"):
+        assert jax_cb_ckpt.all_steps(d) == [4]
+
+
 def test_a_renamed_step_is_not_restored_as_another_step(tmp_path):
     """(b) Folder 4 renamed to 12: not listed, and restore(step=12) refuses naming the
     step it holds, where it returned step 4's state."""
