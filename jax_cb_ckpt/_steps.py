@@ -168,7 +168,7 @@ def read_failure(
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
     # A server's answer may echo credentials: scrubbed before it goes into an error.
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
-    if isinstance(e, _read.ChunkError) or any(mark in text for mark in _DAMAGE):
+    if isinstance(e, (_read.ChunkError, FileNotFoundError)) or any(m in text for m in _DAMAGE):
         return RestoreError(
             f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
@@ -178,9 +178,16 @@ def read_failure(
     return RestoreError(f"{where}: cannot read {what}: {text}")
 
 
-# What TensorStore says of a file that is not what was written (not of the storage
-# being out of reach, or of permissions).
-_DAMAGE = ("DATA_LOSS", "Error decoding", "OUT_OF_RANGE", "checksum", "Data corruption")
+# What TensorStore says of a file that is not what was written, or is missing from a
+# step that is still there (not of the storage being out of reach, or of permissions).
+_DAMAGE = (
+    "DATA_LOSS",
+    "Error decoding",
+    "OUT_OF_RANGE",
+    "checksum",
+    "Data corruption",
+    "NOT_FOUND",
+)
 
 
 def _outcome(where: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_child, state_at
+from helpers import assert_same_state, run_child, state_at
 
 import jax_cb_ckpt
 from jax_cb_ckpt import DamagedStepWarning, RestoreError
@@ -67,6 +67,22 @@ def test_a_step_damaged_after_a_listing_is_reported_by_the_next_one(tmp_path):
     (d / "8" / "state" / "_METADATA").unlink()
     with pytest.warns(DamagedStepWarning, match=r"step 8: 'state/_METADATA' is missing"):
         assert jax_cb_ckpt.all_steps(d) == [4]
+
+
+def test_a_step_missing_its_data_file_is_reported_with_a_fix(tmp_path):
+    """A data file of the step's database deleted: restore and verify say the step was
+    damaged and what to do (it was TensorStore's NOT_FOUND alone)."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    for data in (d / "8" / "state" / "d").iterdir():
+        data.unlink()
+    for call in (
+        lambda: jax_cb_ckpt.restore(d, state_at(0), step=8),
+        lambda: jax_cb_ckpt.verify(d, step=8),
+    ):
+        with pytest.raises(RestoreError, match=r"step=8.*removed after it was written.*Fix:"):
+            call()
+    assert_same_state(jax_cb_ckpt.restore(d, state_at(0), step=4), state_at(4))
 
 
 def test_a_renamed_step_is_not_restored_as_another_step(tmp_path):

@@ -336,6 +336,23 @@ def test_a_named_step_committed_while_it_is_opened_is_read(remote, monkeypatch):
         jax_cb_ckpt.restore(url, states[2], step=2)
 
 
+def test_a_step_missing_its_manifest_or_data_is_reported_with_a_fix(remote):
+    """The database's manifest or data object deleted from a committed step: restore
+    says the step was damaged and what to do (it was "... does not exist" alone)."""
+    url = remote.url
+    states = {step: {"x": jnp.arange(4.0) + step} for step in (1, 2, 3)}
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        for step, state in states.items():
+            ckpt.save(state, step)
+    _remote.delete(f"{url}/2/state/manifest.ocdbt")
+    for key in keys(f"{url}/3/state/d"):
+        _remote.delete(f"{url}/3/state/d/{key}")
+    for step in (2, 3):
+        with pytest.raises(jax_cb_ckpt.RestoreError, match=r"after it was written.*Fix:"):
+            jax_cb_ckpt.restore(url, states[1], step=step)
+    assert_same_state(jax_cb_ckpt.restore(url, states[1], step=1), states[1])
+
+
 def test_named_steps_restore_concurrently_from_threads(remote):
     """Reads of different named steps at once in threads each get their own step: a
     read's in-memory manifest was kept in a store shared by every read of the process,
