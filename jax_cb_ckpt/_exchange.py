@@ -48,11 +48,11 @@ from ._errors import (
     StepOrderWarning,
 )
 from ._spec import Signature
+from ._stats import StatsRecorder
+from ._types import OnError, OnExisting, OnFull
 
 if TYPE_CHECKING:
     from ._shards import ShardedArray
-from ._stats import StatsRecorder
-from ._types import OnError, OnExisting, OnFull
 
 
 class Closed(enum.Enum):
@@ -165,7 +165,7 @@ class SaveItem:
     claim: Claim  # its step and slot, admitted by the exchange
     # What the step is made of, as the host side took it: the leaves' specs as traced,
     # every leaf in host memory (numpy arrays, or per-device blocks), the vmap batch's
-    # mask. The writer describes the step from them (its tree and meta) when it takes
+    # mask. The writer describes the step from them (its leaves and meta) when it takes
     # the save: a save that a newer one supersedes (on_full="newest") never costs the
     # device that ~0.1 ms.
     signature: Signature

@@ -336,20 +336,24 @@ def read(url: str) -> tuple[bytes | None, bytes]:
 
 def read_many(urls: list[str]) -> list[tuple[bytes | None, bytes]]:
     """`read` of each of `urls`, all at once (concurrent requests: one round trip)."""
+    return [_read_result(url, future) for url, future in _sent_reads(urls)]
+
+
+def _sent_reads(
+    urls: list[str],
+) -> list[tuple[str, tensorstore.Future[tensorstore.KvStore.ReadResult]]]:
+    """(url, its read in flight) for each of `urls`, all sent before any is awaited."""
     pending = []
     for url in urls:
         store, key = _bucket_store(url)
         pending.append((url, store.read(key)))
-    return [_read_result(url, future) for url, future in pending]
+    return pending
 
 
 def list_and_read(url: str, names: list[str]) -> tuple[list[str], list[tuple[bytes | None, bytes]]]:
     """(`list_keys(url)`, `read_many` of `url/name` for each of `names`), the reads and
     the listing sent at once: one round trip where they would be two."""
-    pending = []
-    for name in names:
-        store, key = _bucket_store(f"{url}/{name}")
-        pending.append((f"{url}/{name}", store.read(key)))
+    pending = _sent_reads([f"{url}/{name}" for name in names])
     keys = list_keys(url)  # sent while the reads are in flight
     return keys, [_read_result(one, future) for one, future in pending]
 

@@ -245,18 +245,19 @@ def open_step(
         raise _open_failure(e, storage, step, where) from e
 
 
+def _out_of_reach(where: str, e: Exception) -> ConfigError:
+    return ConfigError(f"{where}: cannot read the checkpoint directory: {e}")
+
+
 def _open_failure(e: Exception, storage: Storage, step: int, where: str) -> CheckpointError:
     """The error for `storage.open_step(step)` raising `e` (`open_step`): the storage out
     of reach, the step removed meanwhile, or damaged."""
-    failed = e if isinstance(e, _remote.StorageError) else None
-    complete = False
-    if failed is None:
-        try:
-            complete = storage.is_checkpoint(step)
-        except _remote.StorageError as later:
-            failed = later
-    if failed is not None:
-        return ConfigError(f"{where}: cannot read the checkpoint directory: {failed}")
+    if isinstance(e, _remote.StorageError):
+        return _out_of_reach(where, e)
+    try:
+        complete = storage.is_checkpoint(step)
+    except _remote.StorageError as later:
+        return _out_of_reach(where, later)
     if not complete:
         return removed(storage, step, where)
     if isinstance(e, _format.DamagedStep):

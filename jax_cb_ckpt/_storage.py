@@ -38,9 +38,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import tensorstore
-
 from . import _format, _remote
 from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
@@ -62,6 +59,9 @@ from ._format import (
     Examined,
 )
 from ._lock import DirectoryLock, ObjectLock
+
+if TYPE_CHECKING:
+    import tensorstore
 
 # The OCDBT database's root, read once per step from a bucket (`Bucket.database`).
 _MANIFEST = "manifest.ocdbt"
