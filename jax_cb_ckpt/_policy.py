@@ -1,0 +1,342 @@
+"""Retention: which checkpoint steps the writer thread keeps after each commit.
+
+Rules combine as a union: a step stays while any rule keeps it, and the newest step
+always stays (a run must be able to resume from it). With no rule set everything is
+kept, and the writer builds no `Keeper` at all.
+
+- "latest" (`max_to_keep`): the newest N steps held;
+- "every" (`keep_every`): the steps divisible by it, forever;
+- "seconds" (`keep_every_seconds`): walking the held steps upwards, the first one with
+  a save time, then each saved at least that long after the previous one kept so;
+- "best" (`keep_best`, `best`, `mode`): for each member of a vmapped run (a plain save
+  is one member), the N steps with the best value of the metric `best`. NaN and a
+  missing metric never count; on a tie the older step keeps its place.
+
+What a Keeper keeps is always what a pass from scratch over the steps it holds would
+keep: a step it lets go was outside every best set and the seconds chain, so its absence
+changes neither. So a Keeper built from a directory's listing carries on exactly as one
+that saw every commit, and rules changed between runs apply from the first settle.
+
+Cost: `add` and `settle` of a step above the others take O(members * log N) amortized,
+however many steps are held: settle examines only the steps whose answer can have
+changed since the last settle. A step removed by someone else, an add below the newest
+and the construction cost O(N log N) once. (Measured by a benchmark, not by the tests.)
+
+Example::
+
+    keeper = Keeper(Rules(max_to_keep=3, keep_best=1, best="return"), listed_entries)
+    keeper.add(Entry(step, time.time(), np.asarray(episode_return)))
+    for gone in keeper.settle():
+        delete(gone)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+import reprlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import numpy as np
+
+Mode = Literal["max", "min"]  # "max": a higher metric is better; "min": a lower one
+Reason = Literal["newest", "latest", "every", "seconds", "best"]  # names in `kept_by`
+_COUNTS = ("max_to_keep", "keep_every", "keep_best")
+_FIELDS = ("max_to_keep", "keep_every", "keep_every_seconds", "keep_best", "best")
+_NAME_MAX = 200  # characters of a metric's name
+
+
+def _problem(rules: Rules) -> str | None:
+    """What is wrong with `rules` (naming the field, the value and the fix), or None."""
+
+    def shown(name: str) -> str:
+        value = getattr(rules, name)
+        return f"{name}={reprlib.repr(value)} ({type(value).__name__})"
+
+    for name in _COUNTS:
+        value = getattr(rules, name)
+        if value is not None and (type(value) is not int or value <= 0):
+            return (
+                f"{shown(name)} is not a positive int. Fix: a positive int, or None to turn it off"
+            )
+    seconds = rules.keep_every_seconds
+    if seconds is not None and (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 < seconds < math.inf  # also NaN
+    ):
+        return f"{shown('keep_every_seconds')} is not a positive finite number of seconds"
+    best = rules.best
+    if best is not None and (type(best) is not str or not 0 < len(best) <= _NAME_MAX):
+        return (
+            f"best={reprlib.repr(best)} is not a metric's name (a str of 1 to "
+            f"{_NAME_MAX} characters). Fix: the name of the metric to rank steps by"
+        )
+    if rules.mode not in ("max", "min"):
+        return f"mode={reprlib.repr(rules.mode)} is not 'max' (higher is better) or 'min'"
+    if best is None and rules.keep_best is not None:
+        return f"keep_best={rules.keep_best} is set without best. Fix: name the metric"
+    if best is not None and rules.keep_best is None:
+        return f"best={best!r} is set without keep_best. Fix: set keep_best=N, or drop best"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which steps to keep (see the module's docstring); each rule is off when None."""
+
+    max_to_keep: int | None = None
+    keep_every: int | None = None
+    keep_every_seconds: float | None = None
+    keep_best: int | None = None
+    best: str | None = None
+    mode: Mode = "max"
+
+    def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem is not None:
+            raise ValueError(f"Rules: {problem}.")
+
+    @property
+    def any(self) -> bool:
+        """Some rule is set (otherwise every step is kept, with no Keeper)."""
+        return any(getattr(self, name) is not None for name in _FIELDS[:4])
+
+    def to_json(self) -> dict[str, Any]:
+        """The set fields (and `mode` when `best` is set), for a JSON file."""
+        data = {name: getattr(self, name) for name in _FIELDS if getattr(self, name) is not None}
+        return {**data, "mode": self.mode} if self.best is not None else data
+
+    @classmethod
+    def from_json(cls, data: object) -> Rules:
+        """Rules from a record `to_json` wrote, read from a file nobody vouches for: a
+        `ValueError` naming the field and value for anything `to_json` does not write
+        (a null, a bool for an int, NaN seconds, ...). A missing key is its default and
+        an unknown key is ignored (a newer version's rule)."""
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ValueError(
+                f"retention record: {reprlib.repr(data)} is a {kind}, not a JSON object."
+            )
+        given = {name: data[name] for name in (*_FIELDS, "mode") if name in data}
+        for name, value in given.items():
+            if value is None:
+                raise ValueError(f"retention record: {name} is null; to_json leaves it out.")
+        try:
+            return cls(**given)
+        except ValueError as error:
+            raise ValueError(f"retention record: {str(error).removeprefix('Rules: ')}") from None
+
+    def describe(self) -> str:
+        """One line for messages and logs, e.g. "max_to_keep=3, keep_best=2 by 'return'
+        (max)"; "keep all" when no rule is set."""
+        parts = [f"{name}={getattr(self, name)}" for name in _FIELDS[:3] if getattr(self, name)]
+        if self.keep_best is not None:
+            parts.append(f"keep_best={self.keep_best} by {self.best!r} ({self.mode})")
+        return ", ".join(parts) or "keep all"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A step as retention sees it: when it was saved (seconds since the epoch, None:
+    unknown) and its `best` metric: shape () for a plain save, the batch shape under
+    vmap (one value per member), None when the step has no such metric."""
+
+    step: int
+    seconds: float | None
+    values: np.ndarray | None
+
+
+def _flat(values: np.ndarray | None) -> list[Any]:
+    """The members' values as Python numbers (exact comparisons, also for int64)."""
+    return [] if values is None else np.asarray(values).ravel().tolist()
+
+
+class Keeper:
+    """The retention state of one directory, used by the writer thread only (no lock).
+
+    Data structures, chosen so that a commit never scans every held step:
+    `_entries` is a dict in ascending step order (new steps arrive at its end; a
+    deletion is O(1)); "latest" is a deque of the newest `max_to_keep` steps; "seconds"
+    a set (its last member's time is all an add needs); "best" one min-heap per member
+    of its best set, worst on top, as (goodness, -step), so a newer step ties below an
+    older one; `_unchecked` holds the only steps whose answer may have changed since the
+    last settle (a new newest, a step pushed out of "latest" or a best set, everything
+    after a rebuild), and settle examines only those.
+    """
+
+    def __init__(self, rules: Rules, entries: Iterable[Entry] = ()) -> None:
+        if not rules.any:
+            raise ValueError(
+                "Keeper(rules): no rule is set, so every step is kept and no Keeper is "
+                "needed. Fix: build one only when rules.any."
+            )
+        self._rules = rules
+        self._entries: dict[int, Entry] = {entry.step: entry for entry in entries}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Everything anew from the held steps, all of them unchecked: O(N log N)."""
+        rules = self._rules
+        self._entries = dict(sorted(self._entries.items()))
+        steps = list(self._entries)
+        self._unchecked = set(steps)
+        keep = rules.max_to_keep
+        self._latest = collections.deque(steps[-keep:] if keep is not None else ())
+        self._chain: set[int] = set()
+        self._chain_last: float | None = None
+        self._heaps: list[list[tuple[Any, int]]] = []
+        self._in_best: collections.Counter[int] = collections.Counter()
+        for step, entry in self._entries.items():  # upwards, as if each were just added
+            self._offer_seconds(step, entry.seconds)
+            if rules.keep_best is not None:
+                self._offer_best(step, entry.values)
+
+    def _items(self, step: int, values: np.ndarray | None) -> Iterator[tuple[int, Any]]:
+        """(member, (goodness, -step)) for each member whose value counts (not NaN)."""
+        sign = 1 if self._rules.mode == "max" else -1
+        for member, value in enumerate(_flat(values)):
+            if value == value:  # NaN never counts as best
+                yield member, (sign * value, -step)
+
+    def _offer_seconds(self, step: int, seconds: float | None) -> None:
+        """The seconds chain, for a step above every step in it."""
+        every = self._rules.keep_every_seconds
+        if every is None or seconds is None:
+            return
+        if self._chain_last is None or seconds >= self._chain_last + every:
+            self._chain.add(step)
+            self._chain_last = seconds
+
+    def _offer_best(self, step: int, values: np.ndarray | None) -> None:
+        """Each member's best set, for a step above every held step: O(members log N)."""
+        keep = self._rules.keep_best
+        assert keep is not None
+        for member, item in self._items(step, values):
+            self._heaps.extend([] for _ in range(member + 1 - len(self._heaps)))
+            heap = self._heaps[member]
+            if len(heap) < keep:
+                heapq.heappush(heap, item)
+            elif item > heap[0]:  # strictly better than the worst: a tie stays out
+                _, negated = heapq.heapreplace(heap, item)
+                self._in_best[-negated] -= 1
+                if not self._in_best[-negated]:
+                    del self._in_best[-negated]
+                    self._unchecked.add(-negated)
+            else:
+                continue
+            self._in_best[step] += 1
+
+    def _newest(self) -> int | None:
+        return next(reversed(self._entries), None)
+
+    def add(self, entry: Entry) -> None:
+        """A step just committed. One above every held step costs O(members log N); one
+        below the newest, or one already held (its entry is replaced), rebuilds: O(N)."""
+        newest = self._newest()
+        step = entry.step
+        if step in self._entries or (newest is not None and step < newest):
+            self._entries[step] = entry
+            self._rebuild()
+            return
+        self._entries[step] = entry
+        if newest is not None:
+            self._unchecked.add(newest)  # no longer the newest
+        if self._rules.max_to_keep is not None:
+            self._latest.append(step)
+            if len(self._latest) > self._rules.max_to_keep:
+                self._unchecked.add(self._latest.popleft())
+        self._offer_seconds(step, entry.seconds)
+        if self._rules.keep_best is not None:
+            self._offer_best(step, entry.values)
+
+    def remove(self, step: int) -> None:
+        """A step deleted by someone else (an unknown step: nothing). One that shapes a
+        rule (a latest, seconds or best step) rebuilds: O(N log N)."""
+        if step not in self._entries:
+            return
+        shapes = self.kept_by(step)
+        del self._entries[step]
+        self._unchecked.discard(step)
+        if {"latest", "seconds", "best"} & set(shapes):  # the newest is the dict's last
+            self._rebuild()
+
+    def settle(self) -> list[int]:
+        """The steps no rule keeps any more, ascending; forgotten here, for the caller to
+        delete. Only the unchecked steps are examined (see the class docstring)."""
+        held = (step for step in self._unchecked if step in self._entries)
+        gone = sorted(step for step in held if not self.kept_by(step))
+        self._unchecked.clear()
+        for step in gone:  # in no rule's structure: a plain deletion
+            del self._entries[step]
+        return gone
+
+    def kept_by(self, step: int) -> tuple[Reason, ...]:
+        """The rules that keep `step`, in a fixed order; () if none (it goes at the next
+        settle) or if the step is not held."""
+        if step not in self._entries:
+            return ()
+        every = self._rules.keep_every
+        reasons: list[Reason] = []
+        if step == self._newest():
+            reasons.append("newest")
+        if self._latest and step >= self._latest[0]:
+            reasons.append("latest")
+        if every is not None and step % every == 0:
+            reasons.append("every")
+        if step in self._chain:
+            reasons.append("seconds")
+        if step in self._in_best:
+            reasons.append("best")
+        return tuple(reasons)
+
+    def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
+        """Member `member`'s best step (a flat index, or a tuple index into the batch
+        shape: that of the newest step holding the metric); with None, the step holding
+        the best value of any member. None when no step has a value that counts."""
+        with_values = (e.values for e in reversed(self._entries.values()) if e.values is not None)
+        values = next(with_values, None)
+        if values is None:
+            return None
+        index = None if member is None else _member_index(member, np.shape(values))
+        if self._rules.keep_best is not None:  # each member's best is in its best set
+            heaps = self._heaps if index is None else self._heaps[index : index + 1]
+            items: Iterable[tuple[Any, int]] = (item for heap in heaps for item in heap)
+        else:
+            items = (
+                item
+                for step, entry in self._entries.items()
+                for at, item in self._items(step, entry.values)
+                if index is None or at == index
+            )
+        top = max(items, default=None)
+        return None if top is None else -top[1]
+
+    @property
+    def steps(self) -> list[int]:
+        """The held steps, ascending."""
+        return list(self._entries)
+
+
+def _member_index(member: object, shape: tuple[int, ...]) -> int:
+    """The flat index of `member` in a batch of `shape`, or a ValueError that says
+    the shape and the indices it has."""
+    if shape == ():
+        raise ValueError(
+            f"best_step(member={reprlib.repr(member)}): the steps hold a plain save's "
+            "metric (shape ()), which has no members. Fix: call best_step() without member."
+        )
+    size = math.prod(shape)
+    indices = member if isinstance(member, tuple) else (member,)
+    bounds = shape if isinstance(member, tuple) else (size,)
+    ints = [int(i) for i in indices if isinstance(i, (int, np.integer)) and not isinstance(i, bool)]
+    if len(ints) == len(indices) == len(bounds) and all(map(lambda i, n: 0 <= i < n, ints, bounds)):
+        return int(np.ravel_multi_index(ints, bounds))
+    raise ValueError(
+        f"best_step(member={reprlib.repr(member)}): no such member in the batch shape "
+        f"{shape}. Fix: a flat index in range({size}), or a tuple of {len(shape)} "
+        f"indices, each below {shape}."
+    )
