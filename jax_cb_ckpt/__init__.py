@@ -36,8 +36,10 @@ if _TYPE_CHECKING:
     from ._stats import SaveRecord as SaveRecord
     from ._stats import Stats as Stats
     from ._steps import all_steps as all_steps
+    from ._steps import best_step as best_step
     from ._steps import latest_step as latest_step
     from ._steps import metadata as metadata
+    from ._steps import metrics as metrics
     from ._steps import verify as verify
     from ._tree import same_bits as same_bits
 
@@ -46,8 +48,10 @@ _LAZY = {
     "Checkpointer": "_checkpointer",
     "Preempted": "_preempt",
     "all_steps": "_steps",
+    "best_step": "_steps",
     "latest_step": "_steps",
     "metadata": "_steps",
+    "metrics": "_steps",
     "restore": "_restore",
     "verify": "_steps",
     "SaveRecord": "_stats",

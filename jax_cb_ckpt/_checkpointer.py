@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import jax
+import jax.numpy as jnp
 
 from . import (
     _format,
@@ -26,6 +27,7 @@ from . import (
     _traced,
     _tree,
 )
+from ._clock import SaveClock
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -37,7 +39,7 @@ from ._exchange import Closed, Exchange
 from ._host import HostSide, probe_callback_arrays
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._types import Crossing, Gather, OnError, OnExisting, OnFull, PyTree
+from ._types import BestMode, Crossing, Gather, OnError, OnExisting, OnFull, PyTree
 from ._writer import Writer
 
 if TYPE_CHECKING:
@@ -107,6 +109,36 @@ class Checkpointer:
             ([multiprocess.md](multiprocess.md)).
             Every process creates a Checkpointer on the same directory; each writes
             its own devices' blocks and process 0 commits.
+        every_seconds: also save when this many seconds have passed since the last
+            save (or since the opening), for runs whose step time varies. Nothing
+            crosses to the host for it on the steps in between: a `maybe_save` without
+            `when=` asks the host every `check_every` steps (one scalar read under a
+            `lax.cond`); `run()` and `ckpt.scan` ask at their chunk boundaries.
+        check_every: how often (in steps) a `maybe_save` asks whether `every_seconds`
+            have passed (default 100).
+        initial_save: save the starting state of a fresh run too: `run()` and
+            `restore_or_init` save step 0 when the directory has no checkpoint, and
+            `ckpt.scan` saves its `init` at `start`.
+        keep_every: retention: keep every step that is a multiple of this, forever
+            (a learning curve's checkpoints). Orbax: `EveryNSteps`.
+        keep_every_seconds: retention: keep one step per this many seconds (the
+            first step saved at least this long after the previous one so kept).
+            Orbax: `EveryNSeconds`.
+        keep_best: retention: keep the `keep_best` best steps by the metric `best`
+            (a name given in `metrics=`), the highest with `mode="max"`, the lowest
+            with `mode="min"`; under vmap, a step is kept while it is among any
+            member's best. A step without that metric, or whose value is NaN, never
+            counts as best. Orbax: `BestN` (`best_fn`, `best_mode`).
+        best: the metric `keep_best` ranks by.
+        mode: `"max"` (default) or `"min"`.
+
+    Retention: with no rule (`max_to_keep`, `keep_every`, `keep_every_seconds`,
+    `keep_best`) every step is kept. With rules, a step is kept if any rule keeps it
+    (Orbax's `AnyPreservationPolicy`), and the newest step always is; the writer
+    applies them after each commit, in the background, to the library's own complete
+    steps only. Rules changed between runs on one directory apply from the next commit;
+    a step the previous rules kept and the new ones delete is named in a warning log.
+    See [usage.md](usage.md#what-is-kept).
     """
 
     def __init__(
@@ -122,6 +154,14 @@ class Checkpointer:
         on_existing: OnExisting = "raise",
         crossing: Crossing = "auto",
         peer_timeout: float = 60.0,
+        every_seconds: float | None = None,
+        check_every: int | None = None,
+        initial_save: bool = False,
+        keep_every: int | None = None,
+        keep_every_seconds: float | None = None,
+        keep_best: int | None = None,
+        best: str | None = None,
+        mode: BestMode = "max",
     ) -> None:
         options = _options.checked(
             directory,
@@ -134,6 +174,14 @@ class Checkpointer:
             on_existing=on_existing,
             crossing=crossing,
             peer_timeout=peer_timeout,
+            every_seconds=every_seconds,
+            check_every=check_every,
+            initial_save=initial_save,
+            keep_every=keep_every,
+            keep_every_seconds=keep_every_seconds,
+            keep_best=keep_best,
+            best=best,
+            mode=mode,
         )
         path = options.directory
         self._options = options
@@ -151,6 +199,8 @@ class Checkpointer:
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
+        seconds = options.every_seconds
+        self._clock = None if seconds is None else SaveClock(seconds, self._stats)
         # refuses a second live writer of this directory (one per process of a run)
         lock = self._storage.lock(_lock_name())
         self._group = None
@@ -209,6 +259,24 @@ class Checkpointer:
         return self._options.max_to_keep
 
     @property
+    def every_seconds(self) -> float | None:
+        return self._options.every_seconds
+
+    @property
+    def check_every(self) -> int:
+        return self._options.check_every
+
+    @property
+    def initial_save(self) -> bool:
+        return self._options.initial_save
+
+    @property
+    def rules(self) -> str:
+        """The retention rules in force, said (e.g. "max_to_keep=3, keep_every=100")."""
+        rules = self._options.rules
+        return "keep all" if rules is None else rules.describe()
+
+    @property
     def queue_size(self) -> int:
         return self._options.queue_size
 
@@ -262,8 +330,10 @@ class Checkpointer:
         axis_name: Hashable | None = None,
         gather: Gather = "stack",
         shardings: PyTree = None,
+        metrics: PyTree = None,
     ) -> None:
-        """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`).
+        """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`,
+        or `every_seconds` passed since the last save, asked every `check_every` steps).
 
         Convention: checkpoint `k` holds the state after `k` updates. Call it at the end
         of an update with the number of updates done (`i + 1` for a scan index `i`, or
@@ -287,7 +357,8 @@ class Checkpointer:
                 and Python numbers.
             step: integer scalar >= 0, the checkpoint's step number. A step at or below
                 a step another run left in the directory is refused (`on_existing`).
-            when: optional boolean scalar (traced or Python) overriding `every`.
+            when: optional boolean scalar (traced or Python) overriding `every` and
+                `every_seconds`.
             axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
                 over: every leaf is gathered along it and the state is saved once, by
                 the first device.
@@ -308,31 +379,61 @@ class Checkpointer:
                 On a CPU this always uses the "buffer" crossing. Required in a
                 multi-process run: a mesh over every process's devices, each process
                 writing its own devices' blocks ([multiprocess.md](multiprocess.md)).
+            metrics: optional small pytree of real scalars (traced or not), e.g.
+                `{"return": ret, "loss": loss}`, recorded with the step: they cross in
+                the same hand-off as the state (no other transfer), are stored in the
+                step's `meta` item as JSON (NaN and inf as they are), and are read by
+                `metrics(step)`, shown by `jax-cb-ckpt ls` and ranked by `keep_best`.
+                Named by their keys (`{"eval": {"return": r}}` is `"eval/return"`);
+                under vmap each has one value per member.
         """
         where = "maybe_save"
         self._check_usable(where)
         step_value = _traced.check_step(step, where)
         if when is None:
-            if self._options.every is None:
-                raise ConfigError(
-                    "maybe_save: no predicate. Fix: pass when=<bool scalar>, or create "
-                    "the Checkpointer with every=N to save when step % N == 0."
-                )
-            if step_value is not None:  # decided in Python: no cond in the program
-                wanted, condition = step_value % self._options.every == 0, None
-            else:
-                traced = _traced.traced_step(step, None, where)
-                wanted, condition = True, traced % self._options.every == 0
+            wanted, condition = self._default_predicate(step, step_value, where)
         elif isinstance(when, bool):  # decided in Python too
             wanted, condition = when, None
         else:
             wanted, condition = True, _traced.check_when(when, where)
         if not wanted:
             _tree.describe_state(state, where)  # still check the state
+            if metrics is not None:
+                _tree.describe_metrics(metrics, where)
             return
         self._cross(
-            _route.Request(where, state, step, step_value, condition, axis_name, gather, shardings)
+            _route.Request(
+                where, state, step, step_value, condition, axis_name, gather, shardings, metrics
+            )
         )
+
+    def _default_predicate(
+        self, step: ArrayLike, step_value: int | None, where: str
+    ) -> tuple[bool, jax.Array | None]:
+        """`maybe_save` without `when=`: `step % every == 0`, or (`every_seconds`) the
+        clock says a save is due, asked every `check_every` steps. (wanted, condition):
+        decided in Python where it can be (no cond in the program)."""
+        every, clock = self._options.every, self._clock
+        if every is None and clock is None:
+            raise ConfigError(
+                f"{where}: no predicate. Fix: pass when=<bool scalar>, or create the "
+                "Checkpointer with every=N to save when step % N == 0 (or "
+                "every_seconds=T to save when T seconds have passed since the last save)."
+            )
+        check = self._options.check_every
+        if step_value is not None:
+            if every is not None and step_value % every == 0:
+                return True, None
+            if clock is None or step_value % check != 0:
+                return False, None
+            return True, clock.traced(jnp.asarray(step_value))  # asked when it runs
+        traced = _traced.traced_step(step, None, where)
+        conditions = []
+        if every is not None:
+            conditions.append(traced % every == 0)
+        if clock is not None:
+            conditions.append(clock.guarded(traced, check))
+        return True, functools.reduce(jnp.logical_or, conditions)
 
     def save(
         self,
@@ -342,16 +443,20 @@ class Checkpointer:
         axis_name: Hashable | None = None,
         gather: Gather = "stack",
         shardings: PyTree = None,
+        metrics: PyTree = None,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
-        Same hand-off, blocking behaviour and arguments as `maybe_save`.
+        Same hand-off, blocking behaviour and arguments (`metrics=` included) as
+        `maybe_save`.
         """
         where = "save"
         self._check_usable(where)
         step_value = _traced.check_step(step, where)
         self._cross(
-            _route.Request(where, state, step, step_value, None, axis_name, gather, shardings)
+            _route.Request(
+                where, state, step, step_value, None, axis_name, gather, shardings, metrics
+            )
         )
 
     def _cross(self, request: _route.Request) -> None:
@@ -525,6 +630,7 @@ class Checkpointer:
         sigint: bool = False,
         check_every: int | None = None,
         progress: bool = False,
+        metrics: Callable[[PyTree], PyTree] | None = None,
     ) -> PyTree:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
@@ -561,6 +667,14 @@ class Checkpointer:
                 with steps/s and the last saved step. It moves every `check_every`
                 steps, from the stop-flag read the loop makes anyway: nothing more
                 crosses to the host.
+            metrics: `metrics(state) -> {name: scalar}`, recorded with each save (see
+                `maybe_save`); computed on the device only at the steps that save.
+                With `batched=True`, written for one member (it is vmapped).
+
+        With `every_seconds`, the loop also saves when that long has passed since the
+        last save, asked at the stop-flag reads (every `check_every` steps, default
+        `every`, or the Checkpointer's `check_every` without `every`). With
+        `initial_save`, a fresh run saves `init` as step 0 first.
 
         Example:
             ```python
@@ -580,6 +694,7 @@ class Checkpointer:
             check_every=check_every,
             progress=progress,
             loops=self._run_loops,
+            metrics=metrics,
         )
 
     def scan(
@@ -594,6 +709,7 @@ class Checkpointer:
         every: int | None = None,
         start: ArrayLike = 0,
         shardings: PyTree = None,
+        metrics: Callable[[PyTree], PyTree] | None = None,
     ) -> tuple[PyTree, PyTree]:
         """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, saving the carry every
         `every` iterations (default: the Checkpointer's `every`), with no conditional
@@ -608,15 +724,23 @@ class Checkpointer:
         evaluated per step (on a GPU, each one is a device-to-host copy the host waits
         for). What blocks and what runs in the background: as `maybe_save`.
 
+        `metrics(carry) -> {name: scalar}` is recorded with each save (computed at the
+        saves only). With the Checkpointer's `every_seconds` and no `every` here or
+        on the Checkpointer, the chunks are `check_every` iterations long and a save
+        is made between two of them when that long has passed since the last save (one
+        host query per chunk); with both, at every `every`-th iteration as well. With
+        `initial_save`, `init` is saved at `start` first.
+
         Example:
             ```python
             state, losses = ckpt.scan(train_step, state, batches, every=100)
             ```
         """
         every = self._options.every if every is None else every
-        if every is None:
+        if every is None and self._clock is None:
             raise ConfigError(
-                "scan: no every. Fix: pass every=N, or create the Checkpointer with every=N."
+                "scan: no every. Fix: pass every=N, or create the Checkpointer with "
+                "every=N (or every_seconds=T)."
             )
         return _scan.scan(
             self,
@@ -629,6 +753,7 @@ class Checkpointer:
             every=every,
             start=start,
             shardings=shardings,
+            metrics=metrics,
         )
 
     def should_stop(self, step: ArrayLike) -> jax.Array:
@@ -639,6 +764,20 @@ class Checkpointer:
         must be the loop counter (an input that varies), so the read is not hoisted.
         """
         return self._stop.traced(step)
+
+    def save_due(self, step: ArrayLike) -> jax.Array:
+        """Traced: have `every_seconds` passed since the last save (or the opening)?
+
+        One host crossing per evaluation, as `should_stop`; guard it, e.g.
+        `lax.cond(step % 100 == 0, ckpt.save_due, lambda s: False, step)`, and pass
+        the loop counter as `step`, so the read is not hoisted. A `maybe_save` without
+        `when=` asks it by itself every `check_every` steps."""
+        if self._clock is None:
+            raise ConfigError(
+                "save_due: this Checkpointer has no every_seconds. Fix: "
+                "Checkpointer(directory, every_seconds=T)."
+            )
+        return self._clock.traced(step)
 
     def request_stop(self) -> None:
         """Ask running loops to save and stop, as SIGTERM would (thread-safe)."""
@@ -671,6 +810,29 @@ class Checkpointer:
         (which batch members' predicate held). Does not wait for pending saves.
         """
         return _steps.metadata(self.directory, step=step)
+
+    def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
+        """The step with the best value of the metric `best` (the Checkpointer's, with
+        its `mode`) among the complete steps on disk, or None when none has a valid
+        one (missing or NaN values never count). Under vmap, `member=k` gives member
+        k's best step; without it, the step holding the best value of any member.
+        Reads each step's meta (one small file per step); does not wait for pending
+        saves. Example: `ckpt.restore(like, step=ckpt.best_step())`."""
+        rules = self._options.rules
+        if rules is None or rules.best is None:
+            raise ConfigError(
+                "best_step: this Checkpointer ranks no metric. Fix: create it with "
+                "keep_best=N, best='<metric name>' (and mode='max' or 'min'), or use "
+                "jax_cb_ckpt.best_step(directory, best=..., mode=...)."
+            )
+        return _steps.best_step(self.directory, best=rules.best, mode=rules.mode, member=member)
+
+    def metrics(self, step: int | None = None) -> dict[str, Any]:
+        """The metrics saved with `step` (default: the latest): {name: value}, a Python
+        number for a plain save, a numpy array of the batch's shape (one value per
+        member) for a save under vmap; {} when it was saved without `metrics=`. Does not
+        wait for pending saves."""
+        return _steps.metrics(self.directory, step=step)
 
     @_steps.step_by_keyword
     def restore(
@@ -710,8 +872,9 @@ class Checkpointer:
         (XLA compiles init-plus-updates differently from updates alone: the last bits of
         the trained values differ), so its runs can never be resumed exactly.
         `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`: nothing
-        computed) is what the checkpoint is restored into. Waits for pending saves
-        first; blocks while it restores or initialises.
+        computed) is what the checkpoint is restored into. With `initial_save`, a
+        fresh start saves the initial state as step 0 (handed over before returning).
+        Waits for pending saves first; blocks while it restores or initialises.
 
         Example:
             ```python
@@ -731,7 +894,10 @@ class Checkpointer:
         self.wait()
         latest = self.latest_step()
         if latest is None:
-            return init_fn(*args), 0
+            init = init_fn(*args)
+            if self._options.initial_save:
+                self.save(init, 0)
+            return init, 0
         if like is None:  # (args closed over: Python numbers among them stay numbers)
             like = jax.eval_shape(lambda: init_fn(*args))
         return self.restore(like, step=latest), latest

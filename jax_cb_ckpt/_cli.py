@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -22,6 +23,7 @@ from typing import Any, TextIO
 
 from . import _format, _spec, _storage
 from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
+from ._policy import Entry, Keeper, Rules
 from ._storage import Storage
 
 _FAILED = 1
@@ -100,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _ls(storage: Storage, args: argparse.Namespace) -> int:
     directory = storage.path
-    rows = [_listed(storage, step) for step in storage.list_steps()]
+    metas: dict[int, _format.StepMeta] = {}
+    rows = [_listed(storage, step, metas) for step in storage.list_steps()]
+    rules = _kept_by(rows, metas)
     rows += [
         {
             "step": step,
@@ -121,13 +125,22 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
     )
     if args.json:
-        _print_json({"directory": directory, "steps": rows})
+        retention = None if rules is None else rules.to_json()
+        _print_json({"directory": directory, "retention": retention, "steps": rows})
         return 0
     if not rows:
         _say(f"no checkpoints in {directory}")
         return 0
-    _say(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  state")
-    for r in rows:
+    names = sorted({name for meta in metas.values() for name in meta.metrics})
+    columns = [(name, [_metric_text(metas, r["step"], name) for r in rows]) for name in names]
+    if rules is not None:
+        kept = [", ".join(r.get("kept_by", ())) or ("-" if r["complete"] else "") for r in rows]
+        columns.append(("kept by", kept))
+        _say(f"retention: {rules.describe()} (the rules the newest step was saved with)")
+    widths = [max(len(title), *(len(cell) for cell in cells)) for title, cells in columns]
+    head = "".join(f"{title:>{w}}  " for (title, _), w in zip(columns, widths, strict=True))
+    _say(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  {head}state")
+    for index, r in enumerate(rows):
         if "damaged" in r:
             state = f"damaged: {r['damaged']} (not listed, not restored)"
         elif "foreign" in r:
@@ -137,8 +150,56 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         else:
             state = "incomplete (being written, or left by a crash)"
         saved = (r["saved_at"] or "-").replace("T", " ").split("+")[0]
-        _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {state}")
+        cells = "".join(
+            f"{cells[index]:>{w}}  " for (_, cells), w in zip(columns, widths, strict=True)
+        )
+        _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {cells}{state}")
     return 0
+
+
+def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> Rules | None:
+    """The retention rules the newest step was saved with (None: none recorded), and in
+    each complete step's row, which of them keep it (`kept_by`)."""
+    newest = metas[max(metas)] if metas else None
+    if newest is None or newest.retention is None:
+        return None
+    try:
+        rules = Rules.from_json(newest.retention)
+    except ValueError:
+        return None
+    entries = [
+        Entry(step, meta.saved_seconds, meta.best_values(rules.best))
+        for step, meta in metas.items()
+    ]
+    keeper = Keeper(rules, entries)
+    for r in rows:
+        if r is not None and r["step"] in metas:
+            r["kept_by"] = list(keeper.kept_by(r["step"]))
+    return rules
+
+
+def _metric_text(metas: dict[int, _format.StepMeta], step: int, name: str) -> str:
+    """One cell of a metric's column: the value, or under vmap the members' range."""
+    meta = metas.get(step)
+    value = None if meta is None else meta.metrics.get(name)
+    if value is None:
+        return "-"
+    if value.ndim == 0:
+        return f"{value.item():.6g}" if value.dtype.kind == "f" else str(value.item())
+    if value.size == 0:
+        return "[]"
+    low, high = value.min(), value.max()
+    return f"{low:.4g}..{high:.4g} (x{value.size})"
+
+
+def _json_number(value: Any) -> Any:
+    """A metric for `--json`: NaN and inf as the strings "nan", "inf", "-inf" (JSON has
+    no such numbers; Python's json would write tokens other parsers refuse)."""
+    if isinstance(value, list):
+        return [_json_number(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def _meta(storage: Storage, step: int | None) -> tuple[dict[str, Any], _format.StepMeta]:
@@ -163,15 +224,23 @@ def _step_meta(storage: Storage, step: int) -> tuple[dict[str, Any], _format.Ste
         raise RestoreError(f"step {step} of {storage.path} is damaged: {e}") from e
 
 
-def _listed(storage: Storage, step: int) -> dict[str, Any] | None:
+def _listed(
+    storage: Storage, step: int, metas: dict[int, _format.StepMeta]
+) -> dict[str, Any] | None:
+    """The row of a complete step; its parsed meta goes into `metas`."""
+    metrics = {}
     try:
-        saved_at = _step_meta(storage, step)[1].saved_at or storage.entry_time(str(step))
+        meta = _step_meta(storage, step)[1]
+        metas[step] = meta
+        saved_at = meta.saved_at or storage.entry_time(str(step))
+        metrics = {name: _json_number(value.tolist()) for name, value in meta.metrics.items()}
     except (CheckpointError, OSError):
         if not storage.exists(str(step)):  # removed by retention meanwhile
             return None
         saved_at = storage.entry_time(str(step))
     bytes_ = storage.entry_bytes(str(step))
-    return {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": True}
+    row = {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": True}
+    return row | {"metrics": metrics} if metrics else row
 
 
 # -- show --------------------------------------------------------------------------------
@@ -202,6 +271,16 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
         _say(f"  vmap batch    {_batch(meta)}")
     checked = "yes" if meta.checksums else "no (written before checksums were kept)"
     _say(f"  checksums     {checked}")
+    if meta.metrics:
+        shown = ", ".join(
+            f"{name}={_metric_text({meta.step: meta}, meta.step, name)}" for name in meta.metrics
+        )
+        _say(f"  metrics       {shown}")
+    if meta.retention is not None:
+        try:
+            _say(f"  retention     {Rules.from_json(meta.retention).describe()}")
+        except ValueError as e:
+            _say(f"  retention     unreadable record ({e})")
     _say(f"  {len(meta.leaves)} leaves:")
     rows = [
         (

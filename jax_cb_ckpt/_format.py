@@ -282,6 +282,8 @@ def meta_record(
     batch_shape: tuple[int, ...],
     members: list[Any],
     saved_at: float | None = None,
+    metrics: dict[str, Any] | None = None,
+    retention: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `meta` item of a step (written by the host side, completed with `checksums`
     by the writer; read back as a `StepMeta` by restore, `verify` and the CLI, and
@@ -296,6 +298,10 @@ def meta_record(
       "spec": [[mesh axes] per dimension]}};
     - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
       members asked for the save;
+    - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
+      numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
+    - `retention` (only with retention rules): the rules in force when it was saved
+      (`_policy.Rules.to_json`): a later run with other rules says what they change;
     - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_read.py`).
     """
     meta: dict[str, Any] = dict(
@@ -312,6 +318,10 @@ def meta_record(
     if batch_shape:
         meta["batch_shape"] = list(batch_shape)
         meta["members"] = members
+    if metrics:
+        meta["metrics"] = metrics
+    if retention:
+        meta["retention"] = retention
     return meta
 
 
@@ -330,6 +340,9 @@ class StepMeta:
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    # {name: value} of `metrics=` (float64, int64 or bool arrays; 0-d for a plain save)
+    metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    retention: dict[str, Any] | None = None  # the rules' record, unchecked (`_retention`)
 
     @classmethod
     def parse(cls, meta: dict[str, Any]) -> StepMeta:
@@ -357,6 +370,7 @@ class StepMeta:
         for name, sums in (meta.get("checksums") or {}).items():
             _check_sums(name, sums, stored.get(name))
         versions = {k: str(v) for k, v in meta.items() if k.endswith("_version")}
+        metrics = parse_metrics(meta.get("metrics", {}))
         return cls(
             step=step,
             leaves=specs,
@@ -366,7 +380,59 @@ class StepMeta:
             shardings=meta.get("shardings") or {},
             saved_at=meta.get("saved_at"),
             versions=versions,
+            metrics=metrics,
+            retention=meta["retention"] if isinstance(meta.get("retention"), dict) else None,
         )
+
+    def best_values(self, name: str | None) -> np.ndarray | None:
+        """The metric `name` as float64 (one value per member under vmap), for ranking;
+        None when the step has no such metric."""
+        value = None if name is None else self.metrics.get(name)
+        return None if value is None else np.asarray(value, dtype=np.float64)
+
+    @property
+    def saved_seconds(self) -> float | None:
+        """`saved_at` in seconds since the epoch (None: not recorded, or unreadable)."""
+        if not isinstance(self.saved_at, str):
+            return None
+        try:
+            when = datetime.datetime.fromisoformat(self.saved_at)
+        except ValueError:
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        return when.timestamp()
+
+
+# "A small pytree of scalars": each metric is a column of `jax-cb-ckpt ls` and a few
+# bytes of the step's meta. A reader accepts no more than this (the writer refuses it).
+MAX_METRICS = 64
+MAX_METRIC_NAME = 200
+_MAX_METRIC_VALUES = 1 << 20  # one per member: a batch of a million members at most
+
+
+def parse_metrics(record: object) -> dict[str, np.ndarray]:
+    """The `metrics` of a meta item, checked: {name: float64/int64/bool array};
+    `ValueError`/`TypeError` naming what is wrong (an edited or foreign file)."""
+    if not isinstance(record, dict):
+        raise TypeError(f"'metrics' is a {type(record).__name__}, not an object")
+    if len(record) > MAX_METRICS:
+        raise ValueError(f"'metrics' has {len(record)} entries, more than {MAX_METRICS}")
+    out = {}
+    for name, value in record.items():
+        if not isinstance(name, str) or not name or len(name) > MAX_METRIC_NAME:
+            raise ValueError(f"the metric name {str(name)[:40]!r} is not a name")
+        try:
+            array = np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise ValueError(f"the metric {name!r} is not a number or an array: {e}") from None
+        if array.dtype.kind not in "biuf" or array.ndim > 32 or array.size > _MAX_METRIC_VALUES:
+            raise ValueError(
+                f"the metric {name!r} is not a number or an array of numbers "
+                f"(dtype {array.dtype}, shape {array.shape})"
+            )
+        out[name] = array.astype(np.int64 if array.dtype.kind in "iu" else array.dtype)
+    return out
 
 
 def _check_sums(name: str, sums: object, shape: tuple[int, ...] | None) -> None:

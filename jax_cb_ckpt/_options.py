@@ -8,6 +8,7 @@ changes it afterwards.
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 
@@ -15,12 +16,14 @@ import jax
 
 from . import _format, _remote
 from ._errors import ConfigError, shown
-from ._types import Crossing, OnError, OnExisting, OnFull, Options
+from ._policy import Rules
+from ._types import BestMode, Crossing, OnError, OnExisting, OnFull, Options
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
 _ON_EXISTING = typing.get_args(OnExisting)
 _CROSSING = typing.get_args(Crossing)
+_MODES = typing.get_args(BestMode)
 
 
 def checked(
@@ -35,6 +38,14 @@ def checked(
     on_existing: OnExisting,
     crossing: Crossing,
     peer_timeout: float,
+    every_seconds: float | None = None,
+    check_every: int | None = None,
+    initial_save: bool = False,
+    keep_every: int | None = None,
+    keep_every_seconds: float | None = None,
+    keep_best: int | None = None,
+    best: str | None = None,
+    mode: BestMode = "max",
 ) -> Options:
     """The options, or a `ConfigError` for the first invalid one. (Typed as the
     Checkpointer declares them; checked all the same, for callers that are not
@@ -94,6 +105,16 @@ def checked(
             "steps and no checkpoint would be complete. Fix: use on_full='block' "
             "(the default) and a larger queue_size."
         )
+    every_seconds = _positive_seconds(every_seconds, "every_seconds", "save when this long passed")
+    check = _positive_int(
+        check_every, "check_every", "ask the clock every this many steps", optional=True
+    )
+    if not isinstance(initial_save, bool):
+        raise ConfigError(
+            f"Checkpointer(initial_save={shown(initial_save)}): initial_save must be True "
+            "or False (save the starting state of a fresh run: run(), ckpt.scan, "
+            "restore_or_init)."
+        )
     return Options(
         path,
         every,
@@ -105,7 +126,81 @@ def checked(
         on_existing,
         crossing,
         float(peer_timeout),
+        every_seconds=every_seconds,
+        check_every=_DEFAULT_CHECK_EVERY if check is None else check,
+        initial_save=initial_save,
+        rules=_rules(max_to_keep, keep_every, keep_every_seconds, keep_best, best, mode),
     )
+
+
+# How often a bare maybe_save asks the host whether `every_seconds` have passed: one
+# scalar crossing per 100 steps (benchmarks.policies measures its cost).
+_DEFAULT_CHECK_EVERY = 100
+
+
+def _rules(
+    max_to_keep: int | None,
+    keep_every: object,
+    keep_every_seconds: object,
+    keep_best: object,
+    best: object,
+    mode: object,
+) -> Rules | None:
+    """The retention rules (None: keep every step), each checked."""
+    keep_every = _positive_int(
+        keep_every, "keep_every", "keep every step that is a multiple of it", optional=True
+    )
+    keep_every_seconds = _positive_seconds(
+        keep_every_seconds, "keep_every_seconds", "keep one step per this many seconds"
+    )
+    keep_best = _positive_int(
+        keep_best, "keep_best", "keep the best this many steps by a metric", optional=True
+    )
+    if mode not in _MODES:
+        raise ConfigError(
+            f"Checkpointer(mode={shown(mode)}): mode must be one of {_MODES}: 'max' keeps "
+            "the steps with the highest `best` metric (a return), 'min' the lowest (a loss)."
+        )
+    if (keep_best is None) != (best is None):
+        raise ConfigError(
+            f"Checkpointer(keep_best={shown(keep_best)}, best={shown(best)}): keep_best and "
+            "best go together: keep_best=N keeps the N best steps by the metric named "
+            "best. Fix: pass both, e.g. keep_best=3, best='return', mode='max'."
+        )
+    if best is not None and (
+        not isinstance(best, str) or not best or len(best) > _format.MAX_METRIC_NAME
+    ):
+        raise ConfigError(
+            f"Checkpointer(best={shown(best)}): best must name a metric passed as "
+            "metrics= (its key; nested keys joined with '/', e.g. 'eval/return')."
+        )
+    if max_to_keep is None and keep_every is None and keep_every_seconds is None:
+        if keep_best is None:
+            return None
+    return Rules(
+        max_to_keep=max_to_keep,
+        keep_every=keep_every,
+        keep_every_seconds=keep_every_seconds,
+        keep_best=keep_best,
+        best=best if isinstance(best, str) else None,
+        mode="min" if mode == "min" else "max",
+    )
+
+
+def _positive_seconds(value: object, name: str, meaning: str) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(
+            f"Checkpointer({name}=...): {name} must be a positive number of seconds or "
+            f"None ({meaning}), got {shown(value)}."
+        )
+    return float(value)
 
 
 def _positive_int(value: object, name: str, meaning: str, *, optional: bool) -> int | None:

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, cast
 
 import jax
 from jax.core import Tracer
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import _shards, _traced, _tree
 from ._errors import ConfigError, InvalidStateError
-from ._spec import Signature
+from ._spec import LeafSpec, Signature
 from ._types import Gather, PyTree
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class Request:
     axis_name: Hashable | None = None
     gather: Gather = "stack"
     shardings: PyTree = None
+    metrics: PyTree = None  # scalars recorded with the step (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,11 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
     _check_arguments(where, axis_name, gather, shardings)
     _, specs, leaves = _tree.describe_state(state, where)
     per_leaf = _per_leaf_shardings(shardings, state, len(leaves), where)
+    names: tuple[str, ...] = ()
+    n_state = len(specs)
+    if request.metrics is not None:
+        names, metric_specs, metric_leaves = _check_metrics(request, processes)
+        specs, leaves = specs + metric_specs, leaves + metric_leaves
     if axis_name is None and step_value is not None and not _traced.is_tracing(leaves, condition):
         if condition is not None and not bool(condition):
             return None
@@ -96,7 +102,7 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
             )
         hosts = [_tree.eager_value(spec, leaf) for spec, leaf in zip(specs, leaves, strict=True)]
         ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
-        return Eager(Signature(specs, ndims), step_value, hosts)
+        return Eager(Signature(specs, ndims, metrics=names), step_value, hosts)
     # Traced: leaves Python knows are constants of the program are copied now and never
     # cross through JAX (which would narrow 64-bit dtypes). Concatenated over devices
     # they must cross, to be concatenated like the rest.
@@ -118,17 +124,28 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
     ndims = tuple(
         constant[i].ndim if i in constant else next(crossing).ndim for i in range(len(specs))
     )
-    signature = Signature(specs, ndims, tuple(constants))
+    signature = Signature(specs, ndims, tuple(constants), metrics=names)
     traced_step = _traced.traced_step(request.step, step_value, where)
     chosen = None
     if axis_name is None and payload:
+        # The state's leaves choose the layout; the metrics (scalars, last) go along,
+        # replicated on the same mesh.
+        of_state = [i for i in crossing_leaves if i < n_state]
         if per_leaf is not None:
-            chosen = [per_leaf[i] for i in crossing_leaves]
+            chosen = [per_leaf[i] for i in of_state]
         else:
-            chosen = _explicit_shardings([leaves[i] for i in crossing_leaves])
+            chosen = _explicit_shardings([leaves[i] for i in of_state])
+        if chosen and len(of_state) < len(crossing_leaves):
+            mesh = getattr(chosen[0], "mesh", None)
+            extra = len(crossing_leaves) - len(of_state)
+            chosen = (
+                None if mesh is None else [*chosen, *[NamedSharding(mesh, PartitionSpec())] * extra]
+            )
+        elif not chosen:
+            chosen = None
     if chosen is not None:
-        names = [specs[i].path for i in crossing_leaves]
-        layout, mesh = _shards.layout_of(chosen, payload, names, where)
+        paths = [specs[i].path for i in crossing_leaves]
+        layout, mesh = _shards.layout_of(chosen, payload, paths, where)
         # (Across processes only a mesh over every process's devices; refused below.)
         if layout.devices > 1 and (processes == 1 or layout.spans_processes):
             return Traced(signature, traced_step, payload, layout, mesh)
@@ -143,6 +160,27 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
             "supported there (docs/multiprocess.md)."
         )
     return Traced(signature, traced_step, payload)
+
+
+def _check_metrics(
+    request: Request, processes: int
+) -> tuple[tuple[str, ...], tuple[LeafSpec, ...], list[object]]:
+    """`metrics=` described (`_tree.describe_metrics`), where it can be recorded."""
+    where = request.where
+    if request.gather == "concat":
+        raise ConfigError(
+            f"{where}(metrics=...): with gather='concat' every leaf is joined along its "
+            "first axis, which a scalar metric does not have. Fix: reduce the metric "
+            "over the devices first (lax.pmean) and save with gather='replicated', or "
+            "pass gather='stack' (one value per device)."
+        )
+    if processes > 1:
+        raise ConfigError(
+            f"{where}(metrics=...): metrics are not recorded in a multi-process run yet "
+            "(each process holds its own devices' part of a step; the step's description "
+            "is process 0's). Fix: save without metrics= and log them yourself."
+        )
+    return _tree.describe_metrics(request.metrics, where)
 
 
 def _check_arguments(

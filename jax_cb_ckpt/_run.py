@@ -49,19 +49,30 @@ def run(
     check_every: int | None,
     progress: bool = False,
     loops: dict[Hashable, Loop] | None = None,
+    metrics: Callable[[PyTree], PyTree] | None = None,
 ) -> PyTree:
     """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
     loops (`_jitted_loop`)."""
     loops = {} if loops is None else loops
-    every = ckpt.every
-    if every is None:
+    every, by_clock = ckpt.every, ckpt.every_seconds is not None
+    if every is None and not by_clock:
         raise ConfigError(
             "run: the Checkpointer needs every=N (run saves after every N steps, at the "
-            "end and when stopped). Fix: Checkpointer(directory, every=N)."
+            "end and when stopped) or every_seconds=T. Fix: Checkpointer(directory, "
+            "every=N)."
         )
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ConfigError(f"run: num_steps must be a non-negative int, got {num_steps!r}.")
-    check = every if check_every is None else check_every
+    if metrics is not None and not callable(metrics):
+        raise ConfigError(
+            f"run(metrics={metrics!r}): metrics must be a function of the state that "
+            "returns the metrics to record with each save (a dict of scalars; for one "
+            "member with batched=True), e.g. metrics=lambda s: {'loss': s.loss}."
+        )
+    if check_every is not None:
+        check = check_every
+    else:
+        check = every if every is not None else ckpt.check_every
     if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
         raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
     if not isinstance(progress, bool):
@@ -71,6 +82,8 @@ def run(
     latest = ckpt.latest_step()
     start = latest or 0
     state = init
+    if latest is None and ckpt.initial_save:
+        _save_initial(ckpt, init, metrics, batched)
     if latest is not None:
         if start > num_steps:
             raise ConfigError(
@@ -95,7 +108,9 @@ def run(
     shardings = None
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
-    loop = _jitted_loop(loops, ckpt, stop_flag, body, batched, num_steps, every, check, shardings)
+    loop = _jitted_loop(
+        loops, ckpt, stop_flag, body, batched, num_steps, every, check, shardings, metrics
+    )
     # Committed to their devices, as a restored state's arrays are: a fresh state's
     # uncommitted arrays would make the resumed call another entry of jit's cache, and
     # compile the same program again.
@@ -215,24 +230,42 @@ def _jitted_loop(
     body: Body,
     batched: bool,
     num_steps: int,
-    every: int,
+    every: int | None,
     check: int,
     shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None = None,
 ) -> Loop:
     """`jax.jit(make_loop(...))`, made once per Checkpointer and loop: `loops` is the
     Checkpointer's {what the loop is made of: the jitted loop}, so that a fresh run and
     a resumed one (after a stop request, say) call the same jitted function, and the
     resumed one runs the executable compiled for the fresh one without compiling again."""
     leaves, treedef = jax.tree_util.tree_flatten(shardings)
-    key = (body, batched, num_steps, every, check, tuple(leaves), treedef)
+    key = (body, batched, num_steps, every, check, tuple(leaves), treedef, metrics)
     try:
         hash(key)
     except TypeError:  # a body that cannot be a dict key: a loop of its own every time
         key = None
     if key is None or key not in loops:
         step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
-        read_stop = stop_flag.traced if shardings is None else _agreed(stop_flag.traced, shardings)
-        loop = jax.jit(make_loop(ckpt, step_fn, num_steps, every, check, read_stop, shardings))
+        reads = [stop_flag.traced]
+        if ckpt.every_seconds is not None:
+            reads.append(ckpt.save_due)
+        if shardings is not None:
+            reads = [_agreed(read, shardings) for read in reads]
+        metrics_fn = None if metrics is None or not batched else jax.vmap(metrics)
+        loop = jax.jit(
+            make_loop(
+                ckpt,
+                step_fn,
+                num_steps,
+                every,
+                check,
+                reads[0],
+                shardings,
+                read_due=reads[1] if len(reads) > 1 else None,
+                metrics=metrics_fn or metrics,
+            )
+        )
         if key is None:
             return loop
         loops[key] = loop
@@ -243,26 +276,45 @@ def make_loop(
     ckpt: Saver,
     step_fn: Body,
     num_steps: int,
-    every: int,
+    every: int | None,
     check: int,
     read_stop: Callable[[jax.Array], jax.Array],
     shardings: PyTree,
+    *,
+    read_due: Callable[[jax.Array], jax.Array] | None = None,
+    metrics: Callable[[PyTree], PyTree] | None = None,
 ) -> Loop:
-    """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit."""
+    """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit.
+    `read_due` (every_seconds): has the time for a save come, asked with the stop flag;
+    `metrics(state)`: recorded with each save, computed only at the steps that save."""
     # Steps run in chunks of `chunk` steps (it divides both `every` and `check`), each a
     # scan with no conditional inside: the save and the stop read sit between chunks, so
     # a step costs no predicate (on a GPU, each is a copy the host waits for). Steps
     # before the first chunk boundary (a resume from a step saved with other settings)
     # and after the last full chunk run one at a time, deciding after each step.
-    chunk = math.gcd(every, check)
+    chunk = check if every is None else math.gcd(every, check)
+
+    def no(i: jax.Array) -> jax.Array:
+        return jnp.asarray(False)
 
     def loop(state: PyTree, start: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
         def after(i, state):
-            """What follows step `i`: read the stop flag every `check` steps, save at
-            every `every` steps, at the end and when stopping."""
-            at_save = (i % every == 0) | (i == num_steps)
-            stop = jax.lax.cond(i % check == 0, read_stop, lambda i: jnp.asarray(False), i)
-            ckpt.maybe_save(state, i, when=at_save | stop, shardings=shardings)
+            """What follows step `i`: read the stop flag (and with every_seconds, the
+            clock) every `check` steps, save at every `every` steps, at the end, when
+            the time has come and when stopping."""
+            at_save = i == num_steps
+            if every is not None:
+                at_save = at_save | (i % every == 0)
+            stop = jax.lax.cond(i % check == 0, read_stop, no, i)
+            save = at_save | stop
+            if read_due is not None:
+                save = save | jax.lax.cond(i % check == 0, read_due, no, i)
+            recorded = None
+            if metrics is not None:  # computed only where a save is made
+                shapes = jax.eval_shape(metrics, state)
+                zeros = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
+                recorded = jax.lax.cond(save, metrics, zeros, state)
+            ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
             return stop
 
         def one_step(carry):
@@ -286,6 +338,21 @@ def make_loop(
         return state, i, stop
 
     return loop
+
+
+def _save_initial(
+    ckpt: Saver, init: PyTree, metrics: Callable[[PyTree], PyTree] | None, batched: bool
+) -> None:
+    """`initial_save`: a fresh run saves its starting state as step 0 first."""
+    if metrics is None:
+        recorded = None
+    else:
+        recorded = (jax.vmap(metrics) if batched else metrics)(init)
+    if jax.process_count() > 1:  # a state across processes is saved inside jit
+        shardings = _process_shardings(init)
+        jax.jit(lambda s: ckpt.save(s, 0, shardings=shardings))(init)
+    else:
+        ckpt.save(init, 0, metrics=recorded)
 
 
 def _process_shardings(state: PyTree) -> PyTree:

@@ -1,5 +1,6 @@
 """`Checkpointer.scan`: `lax.scan` that saves every `every` iterations, with no
-per-step conditional.
+per-step conditional (with `every_seconds`: one host query and one conditional per
+chunk, none per step).
 
 A `maybe_save` in a scan body is a `lax.cond` evaluated every step; on a GPU, XLA's
 conditional copies the predicate to the host and waits for it each time, so the host can
@@ -13,6 +14,7 @@ runs in the same order on the same values as in one `lax.scan`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,41 +38,84 @@ def scan(
     reverse: bool,
     unroll: int | bool,
     *,
-    every: int,
+    every: int | None,
     start: ArrayLike,
     shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, PyTree]:
-    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
         raise ConfigError(
             f"scan: every must be a positive int (iterations between saves), got {every!r}. "
             "Fix: pass every=N, or create the Checkpointer with every=N."
         )
+    if metrics is not None and not callable(metrics):
+        raise ConfigError(
+            f"scan(metrics={metrics!r}): metrics must be a function of the carry that "
+            "returns the metrics to record with each save, e.g. "
+            "metrics=lambda carry: {'loss': carry.loss}."
+        )
+    by_clock = ckpt.every_seconds is not None
+    # Without the clock, a chunk is `every` iterations and each boundary saves; with
+    # it, the boundaries come every `check_every` iterations too, and ask it.
+    if every is None:
+        size = ckpt.check_every
+    else:
+        size = math.gcd(every, ckpt.check_every) if by_clock else every
+    if ckpt.initial_save and isinstance(start, int) and start == 0 and ckpt.latest_step() is None:
+        # A fresh run (decided while tracing): its starting state is step 0.
+        ckpt.save(init, start, shardings=shardings, metrics=_at_save(metrics, init, None))
     n = _length(xs, length)
-    full, rest = divmod(n, every)
+    full, rest = divmod(n, size)
     if full == 0:  # not one save: the plain scan
         return jax.lax.scan(f, init, xs, length=n, reverse=reverse, unroll=unroll)
-    cut = rest if reverse else full * every  # the chunks' iterations, and the rest's
-    chunks = jax.tree.map(lambda x: _split(x, cut, reverse, full, every), xs)
+    cut = rest if reverse else full * size  # the chunks' iterations, and the rest's
+    chunks = jax.tree.map(lambda x: _split(x, cut, reverse, full, size), xs)
     rest_xs = jax.tree.map(lambda x: x[:rest] if reverse else x[cut:], xs)
 
     def chunk(
         carry_done: tuple[PyTree, jax.Array], chunk_xs: PyTree
     ) -> tuple[tuple[PyTree, jax.Array], PyTree]:
         carry, done = carry_done
-        carry, ys = jax.lax.scan(f, carry, chunk_xs, length=every, reverse=reverse, unroll=unroll)
+        carry, ys = jax.lax.scan(f, carry, chunk_xs, length=size, reverse=reverse, unroll=unroll)
         done = done + 1
-        ckpt.save(carry, start + done * every, shardings=shardings)
+        step = start + done * size
+        if not by_clock:  # every boundary saves: no conditional
+            ckpt.save(carry, step, shardings=shardings, metrics=_at_save(metrics, carry, None))
+            return (carry, done), ys
+        when = ckpt.save_due(step)  # one host query per chunk
+        if every is not None:
+            when = when | (done * size % every == 0)
+        recorded = _at_save(metrics, carry, when)
+        ckpt.maybe_save(carry, step, when=when, shardings=shardings, metrics=recorded)
         return (carry, done), ys
 
     (carry, _), chunk_ys = jax.lax.scan(
         chunk, (init, jnp.int32(0)), chunks, length=full, reverse=reverse
     )
-    flat_ys = jax.tree.map(lambda y: y.reshape(full * every, *y.shape[2:]), chunk_ys)
+    flat_ys = jax.tree.map(lambda y: y.reshape(full * size, *y.shape[2:]), chunk_ys)
     if not rest:
         return carry, flat_ys
     carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
     parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+
+
+def _at_save(
+    metrics: Callable[[PyTree], PyTree] | None, carry: PyTree, when: jax.Array | None
+) -> PyTree:
+    """The metrics to record with a save of `carry`: computed only where `when` holds
+    (None: a save that always happens)."""
+    if metrics is None:
+        return None
+    if when is None:
+        return metrics(carry)
+    shapes = jax.eval_shape(metrics, carry)
+    return jax.lax.cond(
+        when,
+        metrics,
+        lambda _: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+        carry,
+    )
 
 
 def _length(xs: PyTree, length: int | None) -> int:

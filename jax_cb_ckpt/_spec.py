@@ -137,11 +137,22 @@ class Signature:
     Python scalars): they are the same at every call of the compiled program, so they
     are copied once, here, and never cross through JAX (which would canonicalize their
     dtypes: an int64 leaf would arrive as int32 with x64 off).
+
+    Metrics cross as leaves of their own after the state's: no second transfer or
+    callback, and under vmap each has the batch's shape, like the state.
     """
 
     specs: tuple[LeafSpec, ...]
     data_ndims: tuple[int, ...]  # ndim of each leaf's data (key data has extra axes)
     constants: tuple[tuple[int, np.ndarray], ...] = ()  # (leaf index, host copy)
+    # The names of `metrics=` (`_tree.describe_metrics`): its leaves follow the state's
+    # in `specs` and cross with them; the writer records them in the step's meta.
+    metrics: tuple[str, ...] = ()
+
+    @property
+    def state_leaves(self) -> int:
+        """How many of the leaves are the state's (the rest are the metrics)."""
+        return len(self.specs) - len(self.metrics)
 
     def assemble(
         self, crossed: Sequence[np.ndarray | ShardedArray], batch_shape: tuple[int, ...]

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import statistics
 import threading
+import time
 
 _RECENT = 1024  # per-save records kept for medians; totals cover every save
 
@@ -20,6 +21,7 @@ class SaveRecord:
     handoff_s: float  # the part of blocking_s spent taking the data (queue wait excluded)
     write_s: float  # time the writer thread spent writing this save (fsync, commit)
     checksum_s: float = 0.0  # the part of write_s spent computing checksums
+    retention_s: float = 0.0  # the part of write_s spent deciding and unlisting old steps
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -139,6 +141,9 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._counts = _Counts()
         self._recent: collections.deque[SaveRecord] = collections.deque(maxlen=_RECENT)
+        # time.monotonic() of the last hand-off (a save's start), or of the opening:
+        # `every_seconds` counts from it (`_clock.SaveClock`).
+        self.last_handoff = time.monotonic()
 
     def crossed(self) -> None:
         with self._lock:
@@ -169,6 +174,7 @@ class StatsRecorder:
             self._counts.queue_high_water = max(self._counts.queue_high_water, n)
 
     def handed_off(self, blocking_s: float) -> None:
+        self.last_handoff = time.monotonic()  # (one float: read without the lock)
         with self._lock:
             self._counts.blocking_total_s += blocking_s
             self._counts.blocking_max_s = max(self._counts.blocking_max_s, blocking_s)

@@ -17,6 +17,7 @@ the read gave.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 import math
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _format, _read, _remote, _storage, _warn
+from . import _format, _policy, _read, _remote, _storage, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -38,6 +39,7 @@ from ._errors import (
 from ._format import META_ITEM, STATE_ITEM
 from ._spec import LeafSpec
 from ._storage import StepIdentity, Storage
+from ._types import BestMode
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -274,12 +276,73 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
     return _metadata(directory, step)[0]
 
 
-def _metadata(directory: str | os.PathLike[str], step: int | None) -> tuple[dict[str, Any], str]:
-    storage = _storage.at(_format.resolve(directory, "metadata"))
-    named = check_step_arg(step, "metadata")
-    step = pick_step(storage, named, "metadata")
-    where = f"metadata(step={step}) from {storage.path!r}"
-    return open_step(storage, step, where, None if named is None else "metadata")[1], where
+def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
+    """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
+    {name: value}, a Python number for a plain save and a numpy array of the batch's
+    shape for a save under vmap; {} for a step saved without `metrics=`."""
+    meta, where = _metadata(directory, step, "metrics")
+    return {
+        name: value.item() if value.ndim == 0 else value
+        for name, value in parsed(meta, where).metrics.items()
+    }
+
+
+def best_step(
+    directory: str | os.PathLike[str],
+    *,
+    best: str,
+    mode: BestMode = "max",
+    member: int | tuple[int, ...] | None = None,
+) -> int | None:
+    """The complete step of `directory` with the best value of the metric `best`
+    (`mode="max"`: the highest; `"min"`: the lowest), or None when no step has a valid
+    one (a step without it, or with NaN, never counts). For saves under vmap:
+    `member=k` (an int, or an index into the batch shape) ranks member k's values;
+    without it, the step holding the best value of any member. Reads each step's
+    meta; does not wait for pending saves."""
+    where = "best_step"
+    storage = _storage.at(_format.resolve(directory, where))
+    if not isinstance(best, str) or not best:
+        raise ConfigError(f"{where}(best={best!r}): best must name a metric (a str).")
+    if mode not in ("max", "min"):
+        raise ConfigError(f"{where}(mode={mode!r}): mode must be 'max' or 'min'.")
+    metas = step_metas(storage, _listed(storage, where))
+    rules = _policy.Rules(keep_best=1, best=best, mode=mode)
+    entries = [_policy.Entry(s, m.saved_seconds, m.best_values(best)) for s, m in metas.items()]
+    keeper = _policy.Keeper(rules, entries)
+    try:
+        return keeper.best_step(member)
+    except ValueError as e:
+        raise ConfigError(f"{where}(member={member!r}) in {storage.path!r}: {e}") from None
+
+
+def step_metas(storage: Storage, steps: list[int]) -> dict[int, _format.StepMeta]:
+    """The checked meta of each of `steps`; a step removed meanwhile or whose meta is
+    damaged is left out (a listing reports damaged steps). From a bucket, 16 steps are
+    read at a time (each is one round trip)."""
+
+    def one(step: int) -> _format.StepMeta | None:
+        try:
+            return _format.StepMeta.parse(storage.open_step(step)[1])
+        except Exception:  # removed by retention meanwhile, or damaged since listed
+            return None
+
+    if storage.open_checks_step and len(steps) > 1:  # a bucket
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            found = list(pool.map(one, steps))
+    else:
+        found = [one(step) for step in steps]
+    return {step: meta for step, meta in zip(steps, found, strict=True) if meta is not None}
+
+
+def _metadata(
+    directory: str | os.PathLike[str], step: int | None, what: str = "metadata"
+) -> tuple[dict[str, Any], str]:
+    storage = _storage.at(_format.resolve(directory, what))
+    named = check_step_arg(step, what)
+    step = pick_step(storage, named, what)
+    where = f"{what}(step={step}) from {storage.path!r}"
+    return open_step(storage, step, where, None if named is None else what)[1], where
 
 
 def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:

@@ -16,7 +16,7 @@ the lock and the multi-process check call them without a branch of their own:
   `check_directory`, `commit`, `clean_failed`;
 - small files of the directory (the multi-process check's nonce): `names`,
   `create_file`, `read_file`, `remove_file`;
-- how steps go away: `set_aside`, `set_aside_beyond`, `remove_aside`, `remove_step`,
+- how steps go away: `set_aside`, `remove_aside`, `remove_step`,
   `remove_temp`, `clean_leftovers`, `remove_run_temps`.
 
 What counts as a step (names, the files of a whole step and their bytes, the checks of
@@ -140,13 +140,6 @@ class _Steps:
         (`_format.meta_files`), into the step being written at `temp`."""
         for name, data in _format.meta_files(meta).items():
             self.write_file(os.path.join(temp, name), data)
-
-    def set_aside_beyond(self, keep: int) -> list[str]:
-        """Retention: unlist every complete step but the newest `keep` (each set aside,
-        for `remove_aside` to delete later); what was set aside."""
-        steps = self.list_steps()
-        asides = (self.set_aside(old) for old in steps[: max(0, len(steps) - keep)])
-        return [aside for aside in asides if aside is not None]
 
 
 # -- a local directory ------------------------------------------------------------------
@@ -817,15 +810,6 @@ class Bucket(_Steps):
         failure is reported, unless the storage is out of reach (the next opening removes
         them then): the name to remove, or None."""
         return None if _remote.out_of_reach(error) else name
-
-    def set_aside_beyond(self, keep: int) -> list[str]:
-        """Retention; put off to the next save (a warning) when the storage does not
-        answer: the step just committed is complete, and listing it is what matters."""
-        try:
-            return super().set_aside_beyond(keep)
-        except (_remote.StorageError, ConfigError) as e:
-            logger.warning("retention in %s put off to the next save: %s", self.path, e)
-            return []
 
     # -- small objects of the prefix ----------------------------------------------------
 

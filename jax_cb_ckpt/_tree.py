@@ -20,7 +20,7 @@ import numpy as np
 from jax._src.lax import lax as _jax_lax  # private: see _weakly_typed
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _dtypes
+from . import _dtypes, _format
 from ._dtypes import ML_DTYPES
 from ._errors import InvalidStateError, StructureMismatchError
 from ._spec import ARRAY, KEY, SCALAR, LeafSpec, key_data_shape
@@ -203,6 +203,45 @@ def describe_state(
             while len(_DESCRIBED) > _DESCRIBED_MAX:
                 _DESCRIBED.popitem(last=False)
     return treedef, specs, leaves
+
+
+_MAX_MEMBERS = 1 << 16  # a metric given as one value per member of a batch
+
+
+def describe_metrics(
+    metrics: PyTree, where: str
+) -> tuple[tuple[str, ...], tuple[LeafSpec, ...], list[Any]]:
+    """(names, specs, leaves) of `metrics=`: a small pytree of real scalars (traced or
+    not; or 1-D, one per member of a batch the state holds without vmap), named by
+    their key paths joined with "/" (`{"eval": {"return": r}}` is "eval/return").
+    Raises `InvalidStateError` naming the metric that is not one."""
+    _, specs, leaves = describe_state(metrics, f"{where}(metrics=...)", prefix="metrics")
+    if len(specs) > _format.MAX_METRICS:
+        raise InvalidStateError(
+            f"{where}(metrics=...): {len(specs)} metrics, more than the {_format.MAX_METRICS} a "
+            "step records. Fix: pass a few scalars (a loss, a return), not arrays of them; "
+            "keep larger results in the state."
+        )
+    names = []
+    for spec in specs:
+        name = "/".join(spec.name)
+        real = np.dtype(spec.dtype).kind in "biuf" or spec.dtype.startswith(("bfloat", "float8"))
+        per_member = len(spec.shape) == 1 and spec.shape[0] <= _MAX_MEMBERS
+        if spec.kind == KEY or not (spec.shape == () or per_member) or not real:
+            raise InvalidStateError(
+                f"{where}(metrics=...): {spec.path} is {spec.describe()}; a metric is one "
+                "real number per step (a bool, integer or floating scalar; under vmap "
+                "one per member; a 1-D array of at most "
+                f"{_MAX_MEMBERS} for a batch held without vmap). Fix: reduce it first "
+                "(e.g. jnp.mean), or keep arrays in the state."
+            )
+        if len(name) > _format.MAX_METRIC_NAME:
+            raise InvalidStateError(
+                f"{where}(metrics=...): the metric name {name[:40]!r}... has {len(name)} "
+                f"characters, more than {_format.MAX_METRIC_NAME}. Fix: use a shorter key."
+            )
+        names.append(name)
+    return tuple(names), specs, leaves
 
 
 # States described before: (treedef, prefix, abstract_ok, key paths, leaf keys) ->

@@ -13,8 +13,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 if TYPE_CHECKING:
+    import jax
     from jax.typing import ArrayLike
 
+    from ._policy import Rules
     from ._stats import Stats
 
 # A user's pytree (a state, a `like`, a prefix tree of shardings): any nesting of
@@ -27,6 +29,7 @@ OnError = Literal["raise", "continue"]  # a write that failed
 OnExisting = Literal["raise", "replace"]  # another run's steps at or above a save's
 Crossing = Literal["auto", "buffer", "callback"]  # how traced arrays reach the host
 Gather = Literal["stack", "concat", "replicated"]  # a state gathered over an axis
+BestMode = Literal["max", "min"]  # keep_best: is a higher metric better, or a lower one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,10 @@ class Options:
     on_existing: OnExisting
     crossing: Crossing
     peer_timeout: float
+    every_seconds: float | None = None  # also save when this long has passed
+    check_every: int = 100  # a bare maybe_save asks the clock every this many steps
+    initial_save: bool = False  # run / scan / restore_or_init save the starting state
+    rules: Rules | None = None  # what retention keeps (None: every step)
 
     @property
     def slots(self) -> int:
@@ -59,9 +66,18 @@ class Saver(Protocol):
     def directory(self) -> str: ...
     @property
     def every(self) -> int | None: ...
+    @property
+    def every_seconds(self) -> float | None: ...
+    @property
+    def check_every(self) -> int: ...
+    @property
+    def initial_save(self) -> bool: ...
+    def save_due(self, step: ArrayLike) -> jax.Array: ...
     def latest_step(self) -> int | None: ...
     def restore(self, like: PyTree, *, step: int | None = None) -> PyTree: ...
-    def save(self, state: PyTree, step: ArrayLike, *, shardings: PyTree = None) -> None: ...
+    def save(
+        self, state: PyTree, step: ArrayLike, *, shardings: PyTree = None, metrics: PyTree = None
+    ) -> None: ...
     def maybe_save(
         self,
         state: PyTree,
@@ -69,6 +85,7 @@ class Saver(Protocol):
         *,
         when: ArrayLike | None = None,
         shardings: PyTree = None,
+        metrics: PyTree = None,
     ) -> None: ...
     def wait(self) -> None: ...
     @property

@@ -42,7 +42,9 @@ from ._errors import (
 )
 from ._exchange import Exchange, SaveItem
 from ._lock import DirectoryLock
+from ._policy import Rules
 from ._processes import Group, Processes, Round, Solo, VerdictUnknown
+from ._retention import Retention
 from ._shards import ShardedArray
 from ._stats import SaveRecord
 from ._types import Options
@@ -73,12 +75,15 @@ class Writer:
         self._on_exit = on_exit  # marks the Checkpointer closed
         self._exchange = exchange
         self._lock = lock
-        self._max_to_keep = options.max_to_keep
+        rules = self._rules = options.rules
         self._stats = exchange.stats  # (the Checkpointer's, shared with the host side)
         self._storage = _storage.at(directory)  # where the steps live: chosen once
         self._identity = self._storage.identity()
         self._group: Processes = group or Solo()
-        self._aside: list[str] = []  # steps retention unlisted, to delete (_sweep)
+        # What is kept (None: every step); the steps it unlisted, to delete (_sweep).
+        self._retention = None if rules is None else Retention(rules, self._storage)
+        self._aside: list[str] = []
+        self._retention_s = 0.0  # of the step just written (SaveRecord.retention_s)
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
             untouched = self._storage.clean_leftovers(lock.taken_over_from)
@@ -160,6 +165,8 @@ class Writer:
         self._check_directory()
         for old in item.replace:  # on_existing='replace': the other run's steps
             self._storage.remove_step(old)
+            if self._retention is not None:
+                self._retention.removed(old)
         if self._storage.exists(os.path.basename(final)):
             raise FileExistsError(self._in_the_way(final))
 
@@ -199,7 +206,7 @@ class Writer:
         temp = self._storage.temp_path(item.step, round_.temp_name)
         start = time.perf_counter()
         try:
-            step = _Described(item)  # (built on first use, within the round)
+            step = _Described(item, self._rules)  # (built on first use, within the round)
             with self._storage.step_sync() as sync:  # before the step's files
                 if round_.primary:
                     checksum_s = self._write_as_primary(item, step, round_, temp, sync)
@@ -250,7 +257,7 @@ class Writer:
                 self._storage.write_meta(temp, dict(step.meta, checksums=sums))
             self._commit(temp, final, item.nbytes, sync)
             round_.committed(self._storage)
-            self._retain()  # before the decision: every process then lists the same
+            self._retain(item, step)  # before the decision: every process lists the same
         except BaseException as e:  # its files removed now, or once the failure is reported
             later = self._storage.clean_failed(os.path.basename(temp), self._lock.token, e)
             if later is not None:
@@ -299,8 +306,11 @@ class Writer:
 
     def _written(self, item: SaveItem, write_s: float, checksum_s: float) -> None:
         step = item.step
+        retention_s, self._retention_s = self._retention_s, 0.0
         self._stats.written(
-            SaveRecord(step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s)
+            SaveRecord(
+                step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s, retention_s
+            )
         )
         logger.info(
             "saved step %d to %s: %d bytes, written in %.1f ms (device waited %.2f ms)",
@@ -351,11 +361,14 @@ class Writer:
         object storage: our lock object is still ours); else nothing more is written."""
         self._storage.check_directory(self._identity, self._lock)
 
-    def _retain(self) -> None:
-        """Unlist the steps beyond `max_to_keep`; their files are deleted by `_sweep`
-        once the save is reported (a few ms per step the waiter need not wait for)."""
-        if self._max_to_keep is not None:
-            self._aside += self._storage.set_aside_beyond(self._max_to_keep)
+    def _retain(self, item: SaveItem, step: _Described) -> None:
+        """Unlist the steps the rules no longer keep (`_retention`); their files are
+        deleted by `_sweep` once the save is reported (a few ms per step the waiter
+        need not wait for)."""
+        if self._retention is not None:
+            start = time.perf_counter()
+            self._aside += self._retention.committed(item.step, item.saved_at, step.meta)
+            self._retention_s = time.perf_counter() - start
 
     def _enter_attempt(self, temp: str, round_: Round) -> None:
         """This process's part's folder in the attempt's temporary directory, which
@@ -387,25 +400,32 @@ class _Described:
     writer thread: off the device's path), on first use: within the round, so a failure
     to build them is reported to the other processes like any failure of the step."""
 
-    def __init__(self, item: SaveItem):
+    def __init__(self, item: SaveItem, rules: Rules | None):
         self._item = item
+        self._rules = rules
 
     @functools.cached_property
     def _built(
         self,
     ) -> tuple[list[tuple[tuple[str, ...], np.ndarray | ShardedArray]], dict[str, Any]]:
         item = self._item
-        specs = item.signature.stored(item.hosts)
+        n = item.signature.state_leaves  # the state's leaves; the metrics follow
+        specs, hosts = item.signature.stored(item.hosts)[:n], item.hosts[:n]
         meta = _format.meta_record(
             item.step,
             [s.to_json() for s in specs],
             _versions(),
-            shardings=_described_shardings(specs, item.hosts),
+            shardings=_described_shardings(specs, hosts),
             batch_shape=item.members.shape,
             members=item.members.tolist(),
             saved_at=item.saved_at,
+            metrics={
+                name: _metric_value(host)
+                for name, host in zip(item.signature.metrics, item.hosts[n:], strict=True)
+            },
+            retention=None if self._rules is None else self._rules.to_json(),
         )
-        return _tree.stored_leaves(specs, item.hosts), meta
+        return _tree.stored_leaves(specs, hosts), meta
 
     @property
     def leaves(self) -> list[tuple[tuple[str, ...], np.ndarray | ShardedArray]]:
@@ -450,6 +470,17 @@ def _described_shardings(
                 "spec": [list(axes) for axes in layout.dims[host.leaf]],
             }
     return out
+
+
+def _metric_value(host: np.ndarray | ShardedArray) -> bool | int | float | list[Any]:
+    """A metric as JSON: a number (NaN and inf as Python's json writes them, which
+    Orbax's JsonRestore and `json.loads` read back), or nested lists of them under vmap."""
+    if isinstance(host, ShardedArray):
+        host = _assemble(host.shape, host.dtype, host.written_here())
+    value = np.asarray(host)
+    kind = value.dtype.kind
+    as_type = bool if kind == "b" else int if kind in "iu" else float
+    return np.asarray(value, dtype=np.float64 if as_type is float else value.dtype).tolist()
 
 
 def _assemble(

@@ -5,6 +5,7 @@ restore; and each verb's refusal, the rules a new kind of storage must keep too.
 bucket runs against the local S3 and GCS servers of conftest.py."""
 
 import os
+import time
 import uuid
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 
 import jax_cb_ckpt
 from jax_cb_ckpt import _format, _storage, _store
+from jax_cb_ckpt._policy import Rules
+from jax_cb_ckpt._retention import Retention
 from jax_cb_ckpt._spec import ARRAY, LeafSpec
 from jax_cb_ckpt._steps import all_steps, verify
 
@@ -91,7 +94,8 @@ def test_retention_keeps_the_newest_and_sets_the_rest_aside(where):
     small = {"b": B}
     for step in (1, 2, 3, 4):
         _write_step(storage, step, token, tree=small)
-    aside = storage.set_aside_beyond(2)
+    retention = Retention(Rules(max_to_keep=2), storage)
+    aside = retention.committed(4, time.time(), {})  # the first commit: every step examined
     assert storage.list_steps() == [3, 4]
     for name in aside:
         storage.remove_aside(name)

@@ -1,0 +1,55 @@
+"""`every_seconds`: whether a save is due by the wall clock, asked from the device.
+
+The device cannot read a clock, and asking the host at every step would be a host
+crossing per step (on a GPU, a copy the host waits for). So the question is asked only
+where the loop stops anyway: `maybe_save` asks every `check_every` steps (one
+`pure_callback` of a scalar under a `lax.cond`), and `run()` and `ckpt.scan` ask at the
+chunk boundaries they already have. The time counts from the last save handed over
+(any save, whatever decided it), or from the Checkpointer's opening.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from ._stats import StatsRecorder
+
+
+class SaveClock:
+    """Is a save due: have `every_seconds` passed since the last hand-off?"""
+
+    def __init__(self, every_seconds: float, stats: StatsRecorder) -> None:
+        self.every_seconds = every_seconds
+        self._stats = stats
+
+    def due(self) -> bool:
+        return time.monotonic() - self._stats.last_handoff >= self.every_seconds
+
+    def read(self, step: np.ndarray) -> np.ndarray:
+        """The host side of `traced`: `due()` in the shape of `step` (vmap broadcasts)."""
+        return np.full(np.shape(step), self.due(), dtype=bool)
+
+    def traced(self, step: ArrayLike) -> jax.Array:
+        """A traced bool: is a save due? One host crossing per evaluation; guard it
+        (`lax.cond(step % check_every == 0, ...)`). `step` must vary between
+        evaluations (the loop counter), so the read is not hoisted out of the loop."""
+        # pure_callback, as StopFlag.traced: no effect to order, and it batches and
+        # differentiates; a read nobody uses may be dropped, which is what we want.
+        step = jnp.asarray(step)
+        return jax.pure_callback(
+            self.read,
+            jax.ShapeDtypeStruct(step.shape, jnp.bool_),
+            jax.lax.stop_gradient(step),
+            vmap_method="broadcast_all",
+        )
+
+    def guarded(self, step: jax.Array, check_every: int) -> jax.Array:
+        """`traced(step)` every `check_every` steps, False in between (no crossing)."""
+        return jax.lax.cond(
+            step % check_every == 0, self.traced, lambda s: jnp.zeros(jnp.shape(s), bool), step
+        )

@@ -1,0 +1,146 @@
+"""The writer's retention: after each commit, which steps go (`_policy.Keeper`), and
+setting them aside (their files are deleted later, `Writer._sweep`).
+
+Runs in the writer thread, after a step is committed: the device never waits for it.
+The first commit of a Checkpointer lists the directory once and, where the rules rank
+metrics or times, reads each step's meta; every later commit costs the same however
+many steps are kept (`Keeper.add` and `settle`). Only the library's own complete steps
+are ever touched (`Storage.set_aside` checks each), and a step is unlisted before its
+files go, so a crash at any point leaves every kept step whole.
+
+Rules changed between runs apply from the first commit on: the steps the previous
+run's rules (the `retention` record of the newest step before it) kept and the new
+rules do not are deleted then, and named in a warning log first.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import _format, _policy, _remote, _steps
+from ._errors import ConfigError
+from ._policy import Entry, Keeper, Rules
+from ._storage import Bucket, Local
+
+logger = logging.getLogger("jax_cb_ckpt")
+
+
+class Retention:
+    """Which steps one writer keeps under `rules`, and what it set aside."""
+
+    def __init__(self, rules: Rules, storage: Local | Bucket) -> None:
+        self.rules = rules
+        self._storage = storage
+        self._keeper: Keeper | None = None  # made at the first commit
+        self._put_off: list[int] = []  # steps to set aside that the storage refused
+
+    def removed(self, step: int) -> None:
+        """`step` was deleted by someone else (a save with on_existing='replace')."""
+        if self._keeper is not None:
+            self._keeper.remove(step)
+
+    def committed(self, step: int, saved_at: float, meta: dict[str, Any]) -> list[str]:
+        """After `step` (its `meta` record, handed over at `saved_at`) was committed: set
+        aside the steps no rule keeps any more; what was set aside, for deletion."""
+        entry = Entry(step, saved_at, _best_values(meta, self.rules.best))
+        if self._keeper is None:
+            self._keeper = self._first(step, entry)
+        else:
+            self._keeper.add(entry)
+        going = sorted(set(self._put_off) | set(self._keeper.settle()))
+        self._put_off = []
+        asides = []
+        for index, old in enumerate(going):
+            try:
+                aside = self._storage.set_aside(old)
+            except (_remote.StorageError, ConfigError, OSError) as e:
+                # The step just committed is complete and listed, which is what matters.
+                self._put_off = going[index:]
+                logger.warning(
+                    "retention in %s put off to the next save: %s",
+                    self._storage.path,
+                    _remote.scrub(str(e)),
+                )
+                break
+            logger.debug("retention (%s): step %d deleted", self.rules.describe(), old)
+            if aside is not None:
+                asides.append(aside)
+        return asides
+
+    def kept_by(self, step: int) -> tuple[str, ...]:
+        return () if self._keeper is None else self._keeper.kept_by(step)
+
+    def _first(self, step: int, entry: Entry) -> Keeper:
+        """The keeper of the first commit: every complete step of the directory, each
+        examined under the rules (changed rules apply from here), and a warning naming
+        what the previous run's rules kept and these delete."""
+        steps = [s for s in self._storage.list_steps() if s != step]
+        wanted = self.rules.keep_best is not None or self.rules.keep_every_seconds is not None
+        metas = _steps.step_metas(self._storage, steps[-1:] if not wanted else steps)
+        entries = [_entry(s, metas.get(s), self.rules.best) for s in steps]
+        keeper = Keeper(self.rules, [*entries, entry])
+        previous = _previous_rules(metas.get(steps[-1]) if steps else None)
+        if steps and previous != self.rules:
+            self._warn_changed(keeper, previous, steps, metas)
+        return keeper
+
+    def _warn_changed(
+        self,
+        keeper: Keeper,
+        previous: Rules | None,
+        steps: list[int],
+        metas: dict[int, _format.StepMeta],
+    ) -> None:
+        """The steps the previous rules kept that these rules drop, in a warning log
+        (before anything is deleted)."""
+        if previous is None:
+            kept_before = set(steps)  # no record: kept every step (or an older version)
+            said = "keep all (no rules recorded)"
+        else:
+            best = previous.best
+            if previous.keep_best is not None or previous.keep_every_seconds is not None:
+                missing = [s for s in steps if s not in metas]
+                metas = {**metas, **_steps.step_metas(self._storage, missing)}
+            old = Keeper(previous, [_entry(s, metas.get(s), best) for s in steps])
+            kept_before = set(steps) - set(old.settle())
+            said = previous.describe()
+        dropped = sorted(s for s in kept_before if not keeper.kept_by(s))
+        if dropped:
+            shown = ", ".join(str(s) for s in dropped[:20]) + (", ..." if len(dropped) > 20 else "")
+            logger.warning(
+                "retention in %s: the rules changed since the last step was saved (were: "
+                "%s; now: %s); deleting %d step(s) the previous rules kept: %s",
+                self._storage.path,
+                said,
+                self.rules.describe(),
+                len(dropped),
+                shown,
+            )
+
+
+def _entry(step: int, meta: _format.StepMeta | None, best: str | None) -> Entry:
+    """What retention needs of a step on disk: when it was saved, its `best` metric."""
+    if meta is None:  # removed meanwhile, or damaged since listed
+        return Entry(step, None, None)
+    return Entry(step, meta.saved_seconds, meta.best_values(best))
+
+
+def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:
+    """The `best` metric of a step being written (its meta record), as float64."""
+    if best is None:
+        return None
+    value = (meta.get("metrics") or {}).get(best)
+    return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def _previous_rules(meta: _format.StepMeta | None) -> Rules | None:
+    """The rules recorded with a step (None: none recorded, or unreadable)."""
+    if meta is None or meta.retention is None:
+        return None
+    try:
+        return _policy.Rules.from_json(meta.retention)
+    except ValueError:
+        return None
