@@ -1,0 +1,568 @@
+"""Metrics with a step, what is kept (keep_every, keep_every_seconds, keep_best, with
+max_to_keep, as a union), saves by wall-clock (every_seconds) and the initial save:
+each rule alone and combined, under vmap, across a restart, on a bucket, in the CLI,
+and a kill during retention. The oracle of what is kept is written plainly here, from
+the rules' definitions (docs/usage.md#what-is-kept), over the steps as they were saved."""
+
+import json
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import kill_group, run_child, start_script
+
+import jax_cb_ckpt
+from jax_cb_ckpt import ConfigError, InvalidStateError
+
+
+def _kept(saved, *, max_to_keep=None, keep_every=None, seconds=None, best=None, mode="max"):
+    """What the rules keep of `saved`, [(step, saved_at seconds, values or None)] in
+    the order they were saved (ascending steps), applied after each save as the writer
+    does: a step dropped once is gone for good. `best`: keep_best N or None."""
+    held: dict[int, tuple[float, np.ndarray | None]] = {}
+    chain: list[float] = []  # the seconds-kept steps' times
+    timed: set[int] = set()
+    bests: dict[int, list[int]] = {}  # member -> its best steps
+    for step, at, values in saved:
+        held[step] = (at, values)
+        if seconds is not None and (not chain or at >= chain[-1] + seconds):
+            chain.append(at)
+            timed.add(step)
+        if best is not None and values is not None:
+            flat = np.ravel(values)
+            for member, value in enumerate(flat):
+                if math.isnan(value):
+                    continue
+                ranked = bests.setdefault(member, [])
+                ranked.append(step)
+                # best first; ties: the older step first (it keeps its place)
+                sign = -1 if mode == "max" else 1
+                ranked.sort(key=lambda s: (sign * float(np.ravel(held[s][1])[member]), s))
+                del ranked[best:]
+        newest = sorted(held)[-(max_to_keep or 1) :]
+        in_best = {s for ranked in bests.values() for s in ranked}
+        for old in list(held):
+            keep = old == max(held) or (max_to_keep is not None and old in newest)
+            keep = keep or (keep_every is not None and old % keep_every == 0)
+            keep = keep or old in timed or old in in_best
+            if not keep:
+                del held[old]
+        for ranked in bests.values():
+            ranked[:] = [s for s in ranked if s in held]
+    return sorted(held)
+
+
+def _saved_at(directory, step):
+    from datetime import datetime
+
+    return datetime.fromisoformat(
+        jax_cb_ckpt.metadata(directory, step=step)["saved_at"]
+    ).timestamp()
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def test_metrics_are_recorded_with_each_save_traced_or_not(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt(every=2)
+    ckpt.save({"w": jnp.ones(3)}, 0, metrics={"return": 1.5, "loss": np.float32(np.nan)})
+
+    @jax.jit
+    def train(state):
+        def body(state, i):
+            state = jax.tree.map(lambda x: x + 1, state)
+            metrics = {
+                "eval": {"return": jnp.sum(state["w"])},
+                "inf": -jnp.inf,
+                "n": i,
+                "ok": i > 1,
+            }
+            ckpt.maybe_save(state, i + 1, metrics=metrics)
+            return state, None
+
+        return jax.lax.scan(body, state, jnp.arange(4))[0]
+
+    train({"w": jnp.ones(3)})
+    ckpt.wait()
+    assert ckpt.all_steps() == [0, 2, 4]
+    zero = ckpt.metrics(0)
+    assert zero["return"] == 1.5 and math.isnan(zero["loss"])
+    assert ckpt.metrics(2) == {"eval/return": 9.0, "inf": -math.inf, "n": 1, "ok": False}
+    assert jax_cb_ckpt.metrics(ckpt_dir, step=4) == {
+        "eval/return": 15.0,
+        "inf": -math.inf,
+        "n": 3,
+        "ok": True,
+    }
+    assert ckpt.metrics() == ckpt.metrics(4)  # the latest by default
+    # stored as JSON in the step's meta item: plain Orbax reads them
+    manager = ocp.CheckpointManager(ckpt_dir)
+    meta = manager.restore(4, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    assert meta["metrics"] == {"eval/return": 15.0, "inf": -math.inf, "n": 3, "ok": True}
+    manager.close()
+    # a step saved without metrics has none
+    ckpt.save({"w": jnp.ones(3)}, 6)
+    ckpt.wait()
+    assert ckpt.metrics(6) == {}
+
+
+def test_metrics_cross_with_the_state_in_the_same_crossing(make_ckpt, tmp_path):
+    """No extra host transfer or callback: the same number of crossings with metrics as
+    without, and the metrics' values are the device's."""
+    counts = []
+    for name, metrics in (("plain", None), ("with", lambda s: {"m": jnp.sum(s)})):
+        ckpt = make_ckpt(tmp_path / name, every=5)
+
+        def body(s, i, ckpt=ckpt, metrics=metrics):
+            s = s * 1.01 + 1.0
+            ckpt.maybe_save(s, i + 1, metrics=None if metrics is None else metrics(s))
+            return s, None
+
+        out = jax.jit(lambda s, body=body: jax.lax.scan(body, s, jnp.arange(20))[0])(jnp.ones(4))
+        ckpt.wait()
+        counts.append(ckpt.stats.crossings)
+        if metrics is not None:
+            for step in ckpt.all_steps():
+                state = ckpt.restore(jnp.ones(4), step=step)
+                assert ckpt.metrics(step)["m"] == float(jnp.sum(state))
+            assert ckpt.metrics(20)["m"] == float(jnp.sum(out))
+    assert counts[0] == counts[1] == 4
+
+
+def test_metrics_under_vmap_have_one_value_per_member(make_ckpt):
+    ckpt = make_ckpt()
+
+    def one(state, seed):
+        ret = jnp.sum(state) * seed
+        ckpt.maybe_save(state, 3, when=seed > 1.0, metrics={"return": ret})
+        return state
+
+    jax.jit(jax.vmap(one))(jnp.ones((4, 2)), jnp.arange(4.0))
+    ckpt.wait()
+    got = ckpt.metrics(3)["return"]
+    assert isinstance(got, np.ndarray) and got.shape == (4,)
+    np.testing.assert_array_equal(got, [0.0, 2.0, 4.0, 6.0])
+    assert ckpt.metadata(3)["members"] == [False, False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "text"),
+    [
+        ({"m": jnp.ones((2, 2))}, "metrics['m'] is float32[2,2]; a metric is one real number"),
+        ({"m": "high"}, "metrics['m'] is a str"),
+        ({"k": jax.random.key(0)}, "metrics['k'] is key<"),
+        ({"c": 1j}, "metrics['c'] is Python complex"),
+        ({f"m{i}": 1.0 for i in range(65)}, "65 metrics, more than the 64"),
+    ],
+)
+def test_a_metric_that_is_not_a_number_is_refused_by_name(make_ckpt, metrics, text):
+    ckpt = make_ckpt()
+    with pytest.raises(InvalidStateError, match=text.replace("[", r"\[").replace("]", r"\]")):
+        ckpt.save(jnp.ones(2), 1, metrics=metrics)
+    with pytest.raises(InvalidStateError):  # also where the save itself is not wanted
+        ckpt.maybe_save(jnp.ones(2), 1, when=False, metrics=metrics)
+    ckpt.wait()
+    assert ckpt.all_steps() == []
+
+
+def test_metrics_with_a_concatenating_gather_are_refused(make_ckpt):
+    ckpt = make_ckpt()
+    mapped = jax.pmap(
+        lambda x: ckpt.save(x, 1, axis_name="d", gather="concat", metrics={"m": x[0]}) or x,
+        axis_name="d",
+    )
+    with pytest.raises(ConfigError, match="gather='concat'.*scalar metric"):
+        mapped(jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"keep_best": 3}, "keep_best and best go together"),
+        ({"best": "return"}, "keep_best and best go together"),
+        ({"keep_best": 0, "best": "r"}, "keep_best must be a positive int"),
+        ({"keep_best": 2, "best": ""}, "best must name a metric"),
+        ({"keep_best": 2, "best": "r", "mode": "highest"}, "mode must be one of"),
+        ({"keep_every": True}, "keep_every must be a positive int"),
+        ({"keep_every_seconds": float("nan")}, "keep_every_seconds must be a positive"),
+        ({"every_seconds": -1}, "every_seconds must be a positive"),
+        ({"check_every": 0}, "check_every must be a positive int"),
+        ({"initial_save": "yes"}, "initial_save must be True or False"),
+    ],
+)
+def test_bad_policy_options_are_refused_by_name(ckpt_dir, kwargs, text):
+    with pytest.raises(ConfigError, match=text):
+        jax_cb_ckpt.Checkpointer(ckpt_dir, **kwargs)
+    assert not ckpt_dir.exists()  # checked before anything is made
+
+
+def test_run_and_scan_record_metrics_computed_at_their_saves(make_ckpt, tmp_path):
+    def body(s, i):
+        return s * 0.9 + i
+
+    def metrics(s):
+        return {"mean": jnp.mean(s), "first": s[0]}
+
+    ckpt = make_ckpt(tmp_path / "run", every=4)
+    final = ckpt.run(body, jnp.ones(3), 10, metrics=metrics)
+    assert ckpt.all_steps() == [4, 8, 10]
+    for step in ckpt.all_steps():
+        state = ckpt.restore(jnp.ones(3), step=step)
+        assert ckpt.metrics(step) == {k: float(v) for k, v in metrics(state).items()}
+    assert ckpt.metrics(10)["first"] == float(final[0])
+    # batched: written for one member, one value per member
+    batched = make_ckpt(tmp_path / "batched", every=5)
+    out = batched.run(body, jnp.ones((3, 2)), 5, batched=True, metrics=metrics)
+    np.testing.assert_array_equal(batched.metrics(5)["mean"], jnp.mean(out, axis=1))
+    # ckpt.scan
+    scanned = make_ckpt(tmp_path / "scan", every=3)
+    carry, _ = jax.jit(
+        lambda c: scanned.scan(lambda c, x: (c + x, None), c, jnp.arange(7.0), metrics=metrics)
+    )(jnp.zeros(2))
+    scanned.wait()
+    assert scanned.all_steps() == [3, 6]
+    assert scanned.metrics(3)["mean"] == 3.0 and scanned.metrics(6)["mean"] == 15.0
+
+
+# -- what is kept ---------------------------------------------------------------------
+
+
+RETURNS = [3.0, 9.0, 1.0, 7.0, np.nan, 8.0, 5.0, 0.0, 4.0, 6.0, 9.0, 2.0, 1.0, 7.5, 3.0, 8.5]
+
+
+def _save_all(ckpt, values, *, pause=0.0, metric=True):
+    """Save steps 1.. with `values` as the metric "return" (None: no metrics); the
+    oracle's input: (step, saved_at, values). Each save is waited for (retention ran)."""
+    saved = []
+    for step, value in enumerate(values, 1):
+        given = None if value is None or not metric else {"return": value}
+        ckpt.save({"w": jnp.full(3, float(step))}, step, metrics=given)
+        ckpt.wait()
+        at = _saved_at(ckpt.directory, step)  # (the newest is always kept)
+        saved.append((step, at, None if given is None else np.asarray(value, np.float64)))
+        time.sleep(pause)
+    return saved
+
+
+RULES = [
+    {"keep_every": 4},
+    {"max_to_keep": 3},
+    {"keep_best": 3, "best": "return"},
+    {"keep_best": 2, "best": "return", "mode": "min"},
+    {"max_to_keep": 2, "keep_every": 5, "keep_best": 2, "best": "return"},
+    {"max_to_keep": 1, "keep_every": 3},
+]
+
+
+@pytest.mark.parametrize("rules", RULES)
+def test_each_rule_alone_and_combined_keeps_what_its_definition_keeps(make_ckpt, rules):
+    ckpt = make_ckpt(**rules)
+    values = [None if i == 6 else v for i, v in enumerate(RETURNS)]  # step 7: no metric
+    saved = _save_all(ckpt, values)
+    expected = _kept(
+        saved,
+        max_to_keep=rules.get("max_to_keep"),
+        keep_every=rules.get("keep_every"),
+        best=rules.get("keep_best"),
+        mode=rules.get("mode", "max"),
+    )
+    assert ckpt.all_steps() == expected
+    assert 16 in expected  # the newest always
+    if set(rules) <= {"keep_best", "best", "mode"}:
+        assert 7 not in expected  # no metric: never best
+        assert 5 not in expected  # NaN: never best
+    if "keep_best" in rules:
+        want = max if rules.get("mode", "max") == "max" else min
+        finite = [(v, s) for s, _, v in saved if v is not None and not np.isnan(v)]
+        best_value = want(v for v, _ in finite)
+        assert ckpt.best_step() == min(s for v, s in finite if v == best_value)
+        mode = rules.get("mode", "max")
+        assert jax_cb_ckpt.best_step(ckpt.directory, best="return", mode=mode) == ckpt.best_step()
+        assert ckpt.restore({"w": jnp.zeros(3)}, step=ckpt.best_step())["w"][0] == ckpt.best_step()
+
+
+@pytest.mark.parametrize("rules", RULES)
+def test_each_rule_under_vmap_keeps_what_its_definition_keeps(make_ckpt, rules):
+    """The same rules on saves made under jit(vmap): two members, each with its own
+    "return"; a step is kept while it is among any member's best."""
+    ckpt = make_ckpt(**rules)
+
+    def one(state, value, step):
+        ckpt.save(state, step, metrics={"return": value})
+        return state
+
+    def bare(state, step):
+        ckpt.save(state, step)
+        return state
+
+    with_metrics = jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
+    without = jax.jit(jax.vmap(bare, in_axes=(0, None)))
+    saved = []
+    for step, value in enumerate(RETURNS, 1):
+        pair = np.asarray([value, RETURNS[-step]])  # member 1 ranks them the other way
+        state = jnp.full((2, 3), float(step))
+        if step == 7:  # no metric
+            without(state, jnp.int32(step))
+        else:
+            with_metrics(state, jnp.asarray(pair, jnp.float32), jnp.int32(step))
+        ckpt.wait()
+        saved.append((step, 0.0, None if step == 7 else pair))
+    expected = _kept(
+        saved,
+        max_to_keep=rules.get("max_to_keep"),
+        keep_every=rules.get("keep_every"),
+        best=rules.get("keep_best"),
+        mode=rules.get("mode", "max"),
+    )
+    assert ckpt.all_steps() == expected
+    if "keep_best" in rules:
+        for member in (0, 1):
+            finite = [
+                (v[member], s) for s, _, v in saved if v is not None and not np.isnan(v[member])
+            ]
+            want = max if rules.get("mode", "max") == "max" else min
+            best_value = want(v for v, _ in finite)
+            assert ckpt.best_step(member=member) == min(s for v, s in finite if v == best_value)
+
+
+def test_keep_every_seconds_keeps_one_step_per_interval(make_ckpt):
+    ckpt = make_ckpt(keep_every_seconds=0.25)
+    saved = _save_all(ckpt, [None] * 14, pause=0.06)
+    expected = _kept(saved, seconds=0.25)
+    assert ckpt.all_steps() == expected
+    assert 3 <= len(expected) <= 10  # one per interval (+ the newest), from ~1 s of saves
+
+
+def test_keep_best_under_vmap_keeps_any_members_best(make_ckpt):
+    ckpt = make_ckpt(keep_best=1, best="return", mode="max")
+    # member 0 is best at step 2, member 1 at step 4; member 2 is NaN throughout
+    table = {
+        1: [1.0, 1.0, np.nan],
+        2: [5.0, 0.0, np.nan],
+        3: [2.0, 1.0, np.nan],
+        4: [0.0, 6.0, np.nan],
+        5: [1.0, 2.0, np.nan],
+    }
+
+    def one(state, value, step):
+        ckpt.save(state, step, metrics={"return": value})
+        return state
+
+    saved = []
+    for step, row in table.items():
+        jax.jit(jax.vmap(one, in_axes=(0, 0, None)), static_argnums=2)(
+            jnp.ones((3, 2)), jnp.asarray(row), step
+        )
+        ckpt.wait()
+        saved.append((step, 0.0, np.asarray(row)))
+    assert ckpt.all_steps() == _kept(saved, best=1) == [2, 4, 5]
+    assert ckpt.best_step(member=0) == 2
+    assert ckpt.best_step(member=1) == 4
+    assert ckpt.best_step(member=2) is None  # NaN never counts
+    assert ckpt.best_step() == 4  # the best value of any member: 6.0
+    with pytest.raises(ConfigError, match="member"):
+        ckpt.best_step(member=3)
+
+
+def test_rules_hold_across_a_restart_and_changed_rules_warn(ckpt_dir, caplog):
+    rules = {"max_to_keep": 2, "keep_every": 4}
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, **rules) as ckpt:
+        first = _save_all(ckpt, [None] * 6)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [4, 5, 6]
+    with (
+        jax_cb_ckpt.Checkpointer(ckpt_dir, **rules) as ckpt,
+        caplog.at_level(logging.WARNING, "jax_cb_ckpt"),
+    ):
+        for step in (7, 8, 9):
+            ckpt.save({"w": jnp.zeros(3)}, step)
+            ckpt.wait()
+    assert not [r for r in caplog.records if "rules changed" in r.getMessage()]
+    saved = first + [(s, 0.0, None) for s in (7, 8, 9)]
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == _kept(saved, **rules) == [4, 8, 9]
+    # other rules: they apply from the next commit, and the log names what they delete
+    caplog.clear()
+    with (
+        jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=1) as ckpt,
+        caplog.at_level(logging.WARNING, "jax_cb_ckpt"),
+    ):
+        assert jax_cb_ckpt.all_steps(ckpt_dir) == [4, 8, 9]  # opening deletes nothing
+        ckpt.save({"w": jnp.zeros(3)}, 10)
+        ckpt.wait()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [10]
+    said = [r.getMessage() for r in caplog.records if "rules changed" in r.getMessage()]
+    assert len(said) == 1
+    assert "were: max_to_keep=2, keep_every=4; now: max_to_keep=1" in said[0]
+    assert "deleting 3 step(s) the previous rules kept: 4, 8, 9" in said[0]
+    # no rules: every step kept again, nothing deleted
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+        ckpt.save({"w": jnp.zeros(3)}, 11)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [10, 11]
+
+
+def test_rules_on_a_bucket(remote):
+    rules = {"max_to_keep": 1, "keep_every": 3, "keep_best": 1, "best": "return"}
+    ckpt = jax_cb_ckpt.Checkpointer(remote.url, **rules)
+    with ckpt:
+        saved = _save_all(ckpt, [2.0, 5.0, 1.0, 4.0, 0.0, 3.0, 1.0])
+    expected = _kept(saved, max_to_keep=1, keep_every=3, best=1)
+    assert jax_cb_ckpt.all_steps(remote.url) == expected == [2, 3, 6, 7]
+    assert jax_cb_ckpt.best_step(remote.url, best="return") == 2
+    assert jax_cb_ckpt.metrics(remote.url, step=2) == {"return": 5.0}
+    # across a restart on the bucket: the rules go on from what is there
+    with jax_cb_ckpt.Checkpointer(remote.url, **rules) as ckpt:
+        ckpt.save({"w": jnp.zeros(3)}, 8, metrics={"return": 9.0})
+    assert jax_cb_ckpt.all_steps(remote.url) == [3, 6, 8]
+
+
+def test_ls_shows_metrics_and_which_rule_keeps_each_step(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt(max_to_keep=1, keep_every=2, keep_best=1, best="return")
+    _save_all(ckpt, [1.0, 3.0, np.nan, 0.5, -np.inf])
+    ckpt.close()
+    table = run_child(["python", "-m", "jax_cb_ckpt", "ls", ckpt_dir])
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert "retention: max_to_keep=1, keep_every=2, keep_best=1 by 'return' (max)" in lines[0]
+    assert lines[1].split()[-5:] == ["size", "return", "kept", "by", "state"]
+    rows = {int(line.split()[0]): line for line in lines[2:]}
+    assert sorted(rows) == [2, 4, 5]
+    assert rows[2].split()[-4:] == ["3", "every,", "best", "complete"]
+    assert rows[4].split()[-3:] == ["0.5", "every", "complete"]
+    assert rows[5].split()[-4:] == ["-inf", "newest,", "latest", "complete"]
+    printed = run_child(["python", "-m", "jax_cb_ckpt", "ls", "--json", ckpt_dir])
+    data = json.loads(printed.stdout)  # strict JSON: no NaN tokens
+    assert data["retention"] == {
+        "max_to_keep": 1,
+        "keep_every": 2,
+        "keep_best": 1,
+        "best": "return",
+        "mode": "max",
+    }
+    by_step = {row["step"]: row for row in data["steps"]}
+    assert by_step[5]["metrics"] == {"return": "-inf"} and by_step[5]["kept_by"] == [
+        "newest",
+        "latest",
+    ]
+    assert by_step[2]["kept_by"] == ["every", "best"] and by_step[2]["metrics"] == {"return": 3.0}
+    shown = run_child(["python", "-m", "jax_cb_ckpt", "show", "--step", "4", ckpt_dir])
+    assert "metrics       return=0.5" in shown.stdout
+    assert "retention     max_to_keep=1, keep_every=2" in shown.stdout
+
+
+# -- when to save ---------------------------------------------------------------------
+
+
+def test_every_seconds_saves_by_the_clock_asking_every_check_every_steps(make_ckpt):
+    ckpt = make_ckpt(every_seconds=0.05, check_every=10)
+
+    @jax.jit
+    def train(s):
+        def body(i, s):
+            s = s + 1
+            jax.debug.callback(lambda: time.sleep(0.001))  # ~1 ms a step
+            ckpt.maybe_save(s, i + 1)
+            return s
+
+        return jax.lax.fori_loop(0, 300, body, s)
+
+    train(jnp.zeros(2))
+    ckpt.wait()
+    steps = ckpt.all_steps()
+    assert all(step % 10 == 0 for step in steps)  # asked only every check_every steps
+    assert 2 <= len(steps) <= 30
+    times = [_saved_at(ckpt.directory, s) for s in steps]
+    assert all(b - a >= 0.045 for a, b in zip(times, times[1:], strict=False))
+    # the clock's reads are no saves: one crossing of the state per save
+    assert ckpt.stats.crossings == len(steps)
+
+
+def test_every_seconds_with_every_saves_on_both(make_ckpt):
+    ckpt = make_ckpt(every=7, every_seconds=3600)
+    jax.jit(
+        lambda s: jax.lax.fori_loop(0, 30, lambda i, s: (ckpt.maybe_save(s, i + 1), s + 1)[1], s)
+    )(jnp.zeros(2))
+    ckpt.wait()
+    assert ckpt.all_steps() == [7, 14, 21, 28]  # the clock never came due
+
+
+def test_run_and_scan_save_by_the_clock_at_their_chunk_boundaries(make_ckpt, tmp_path):
+    def slow(s, i):
+        jax.debug.callback(lambda: time.sleep(0.002))
+        return s + 1
+
+    ckpt = make_ckpt(tmp_path / "run", every_seconds=0.05, check_every=8)
+    final = ckpt.run(slow, jnp.zeros(2), 100)
+    steps = ckpt.all_steps()
+    assert steps[-1] == 100 and all(s % 8 == 0 for s in steps[:-1]) and len(steps) >= 3
+    assert float(final[0]) == 100.0
+    scanned = make_ckpt(tmp_path / "scan", every_seconds=0.05, check_every=8)
+
+    def step(c, x):
+        jax.debug.callback(lambda: time.sleep(0.002))
+        return c + x, None
+
+    jax.jit(lambda c: scanned.scan(step, c, jnp.ones(100))[0])(jnp.zeros(2))
+    scanned.wait()
+    steps = scanned.all_steps()
+    assert len(steps) >= 2 and all(s % 8 == 0 for s in steps)
+
+
+def test_initial_save_saves_the_starting_state_of_a_fresh_run(make_ckpt, tmp_path):
+    def body(s, i):
+        return s + 1
+
+    ckpt = make_ckpt(tmp_path / "run", every=5, initial_save=True)
+    ckpt.run(body, jnp.zeros(2), 10, metrics=lambda s: {"m": s[0]})
+    assert ckpt.all_steps() == [0, 5, 10] and ckpt.metrics(0) == {"m": 0.0}
+    ckpt.run(body, jnp.zeros(2), 15)  # resumed: no second step 0
+    assert ckpt.all_steps() == [0, 5, 10, 15]
+    own = make_ckpt(tmp_path / "own", initial_save=True)
+    state, start = own.restore_or_init(lambda: {"w": jnp.arange(3.0)})
+    own.wait()
+    assert start == 0 and own.all_steps() == [0]
+    np.testing.assert_array_equal(own.restore({"w": jnp.zeros(3)}, step=0)["w"], [0, 1, 2])
+    scanned = make_ckpt(tmp_path / "scan", every=4, initial_save=True)
+    jax.jit(lambda c: scanned.scan(lambda c, x: (c + x, None), c, jnp.ones(8))[0])(jnp.zeros(2))
+    scanned.wait()
+    assert scanned.all_steps() == [0, 4, 8]
+
+
+# -- a kill during retention ------------------------------------------------------------
+
+_WORKER = """
+import os, sys
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax.numpy as jnp, numpy as np
+import jax_cb_ckpt
+ckpt = jax_cb_ckpt.Checkpointer(sys.argv[1], max_to_keep=2, keep_every=10, keep_best=3, best="r")
+print("started", flush=True)
+for step in range(1, 100000):
+    ckpt.save({"x": jnp.full(1 << 16, float(step))}, step, metrics={"r": float((step * 37) % 101)})
+"""
+
+
+def test_a_kill_during_retention_leaves_every_kept_step_whole(tmp_path):
+    """SIGKILL at random moments of a run whose writer deletes a step at almost every
+    commit: every step the rules keep, of the steps up to the newest on disk, is there
+    and verifies; nothing incomplete is listed."""
+    rng = np.random.default_rng(7)
+    directory = tmp_path / "ckpt"
+    for round_ in range(3):
+        child = start_script(tmp_path, _WORKER, directory, ready="started")
+        time.sleep(float(rng.uniform(0.3, 1.5)))
+        kill_group(child)
+        steps = jax_cb_ckpt.all_steps(directory)
+        assert steps, f"round {round_}: nothing saved"
+        newest = steps[-1]
+        # (Steps no rule keeps may still be there: the kill can fall between a commit
+        # and its retention.)
+        saved = [(s, 0.0, np.asarray(float((s * 37) % 101))) for s in range(1, newest + 1)]
+        expected = _kept(saved, max_to_keep=2, keep_every=10, best=3)
+        missing = sorted(set(expected) - set(steps))
+        assert not missing, f"round {round_}: kept steps {missing} are gone (on disk: {steps})"
+        assert jax_cb_ckpt.verify(directory) == steps
+        directory = tmp_path / f"ckpt{round_ + 1}"  # a fresh run each round
