@@ -164,3 +164,21 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
     markdown = (out / "results.md").read_text()
     assert markdown in printed and "x Orbax" in markdown and "x GET" in markdown
     assert "x read |" in markdown.split("x GET")[1]  # the bucket table's plain-read ratio
+
+
+def test_policies_benchmark_reports_device_ratios_and_retention_per_save(tmp_path):
+    printed = _run(
+        "benchmarks.policies",
+        *("--steps", "2000", "--every", "1000", "--reps", "1", "--kept", "5,40", "--saves", "4"),
+        timeout=300,
+    ).stdout
+    report = json.loads(printed[: printed.index("\n}\n") + 2])
+    device = report["device"]
+    assert set(device["ratio_to_plain"]) == {"plain", "policies", "every_seconds", "plain_again"}
+    assert device["ratio_to_plain"]["plain"] == 1.0 and device["saves_per_run"] == 2
+    assert device["best_step_of_the_policies_run"] is not None  # metrics were recorded
+    for n, row in report["writer"].items():
+        assert row["retention_ms_per_save"] > 0 and row["write_ms_per_save"] > 0, n
+        # max_to_keep=n, keep_every=7 and the best 3: about n of the n + saves steps
+        assert int(n) <= row["steps_on_disk"] <= int(n) + int(n) // 7 + 4 + 3
+    assert "x plain" in printed and "kept: retention" in printed
