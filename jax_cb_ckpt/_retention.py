@@ -45,11 +45,17 @@ class Retention:
     def committed(self, step: int, saved_at: float, meta: dict[str, Any]) -> list[str]:
         """After `step` (its `meta` record, handed over at `saved_at`) was committed: set
         aside the steps no rule keeps any more; what was set aside, for deletion."""
+        # The step just committed is complete and listed, which is what matters: when
+        # the storage does not answer, retention waits for the next commit.
         entry = Entry(step, saved_at, _best_values(meta, self.rules.best))
-        if self._keeper is None:
-            self._keeper = self._first(step, entry)
-        else:
-            self._keeper.add(entry)
+        try:
+            if self._keeper is None:
+                self._keeper = self._first(step, entry)  # (None again if this fails)
+            else:
+                self._keeper.add(entry)
+        except (_remote.StorageError, ConfigError, OSError) as e:
+            self._put_off_warning(e)
+            return []
         going = sorted(set(self._put_off) | set(self._keeper.settle()))
         self._put_off = []
         asides = []
@@ -57,18 +63,20 @@ class Retention:
             try:
                 aside = self._storage.set_aside(old)
             except (_remote.StorageError, ConfigError, OSError) as e:
-                # The step just committed is complete and listed, which is what matters.
                 self._put_off = going[index:]
-                logger.warning(
-                    "retention in %s put off to the next save: %s",
-                    self._storage.path,
-                    _remote.scrub(str(e)),
-                )
+                self._put_off_warning(e)
                 break
             logger.debug("retention (%s): step %d deleted", self.rules.describe(), old)
             if aside is not None:
                 asides.append(aside)
         return asides
+
+    def _put_off_warning(self, e: Exception) -> None:
+        logger.warning(
+            "retention in %s put off to the next save: %s",
+            self._storage.path,
+            _remote.scrub(str(e)),
+        )
 
     def kept_by(self, step: int) -> tuple[str, ...]:
         return () if self._keeper is None else self._keeper.kept_by(step)
