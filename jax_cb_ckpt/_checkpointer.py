@@ -26,11 +26,13 @@ from . import (
     _storage,
     _traced,
     _tree,
+    _warn,
 )
 from ._clock import SaveClock
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
+    CheckpointWarning,
     ConfigError,
     SaveError,
     shown,
@@ -118,7 +120,8 @@ class Checkpointer:
             have passed (default 100).
         initial_save: save the starting state of a fresh run too: `run()` and
             `restore_or_init` save step 0 when the directory has no checkpoint, and
-            `ckpt.scan` saves its `init` at `start`.
+            `ckpt.scan` saves its `init` at `start` when `start` is the Python int 0
+            and the directory had no checkpoint when it was traced.
         keep_every: retention: keep every step that is a multiple of this, forever
             (a learning curve's checkpoints). Orbax: `EveryNSteps`.
         keep_every_seconds: retention: keep one step per this many seconds (the
@@ -199,6 +202,7 @@ class Checkpointer:
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
+        self._told_best: set[tuple[str, ...]] = set()  # (_check_best)
         seconds = options.every_seconds
         self._clock = None if seconds is None else SaveClock(seconds, self._stats)
         # refuses a second live writer of this directory (one per process of a run)
@@ -396,10 +400,9 @@ class Checkpointer:
             wanted, condition = when, None
         else:
             wanted, condition = True, _traced.check_when(when, where)
+        self._check_best(metrics, where)
         if not wanted:
             _tree.describe_state(state, where)  # still check the state
-            if metrics is not None:
-                _tree.describe_metrics(metrics, where)
             return
         self._cross(
             _route.Request(
@@ -453,10 +456,30 @@ class Checkpointer:
         where = "save"
         self._check_usable(where)
         step_value = _traced.check_step(step, where)
+        self._check_best(metrics, where)
         self._cross(
             _route.Request(
                 where, state, step, step_value, None, axis_name, gather, shardings, metrics
             )
+        )
+
+    def _check_best(self, metrics: PyTree, where: str) -> None:
+        """`metrics=` checked (while tracing, or at an eager call); a warning, once per
+        set of names, when they lack the metric `keep_best` ranks by: a misspelt `best`
+        would otherwise keep none of the steps silently."""
+        if metrics is None:
+            return
+        names = _tree.describe_metrics(metrics, where)[0]
+        rules = self._options.rules
+        best = None if rules is None else rules.best
+        if best is None or best in names or names in self._told_best:
+            return
+        self._told_best.add(names)
+        _warn.warn(
+            f"{where}(metrics=...): the metrics are {list(names)}, without {best!r}, the "
+            f"metric keep_best ranks by (best={best!r}): these steps never count as best. "
+            f"Fix: pass best= the name of one of them, or add {best!r} to metrics.",
+            CheckpointWarning,
         )
 
     def _cross(self, request: _route.Request) -> None:
@@ -873,7 +896,7 @@ class Checkpointer:
         the trained values differ), so its runs can never be resumed exactly.
         `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`: nothing
         computed) is what the checkpoint is restored into. With `initial_save`, a
-        fresh start saves the initial state as step 0 (handed over before returning).
+        fresh start saves the initial state as step 0 (on disk before it returns).
         Waits for pending saves first; blocks while it restores or initialises.
 
         Example:
@@ -897,6 +920,7 @@ class Checkpointer:
             init = init_fn(*args)
             if self._options.initial_save:
                 self.save(init, 0)
+                self.wait()  # on disk before the run goes on (and lists its steps)
             return init, 0
         if like is None:  # (args closed over: Python numbers among them stay numbers)
             like = jax.eval_shape(lambda: init_fn(*args))

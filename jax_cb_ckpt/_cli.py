@@ -167,6 +167,8 @@ def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMet
         rules = Rules.from_json(newest.retention)
     except ValueError:
         return None
+    if not rules.any:  # (a record of no rule: every step is kept)
+        return None
     entries = [
         Entry(step, meta.saved_seconds, meta.best_values(rules.best))
         for step, meta in metas.items()
@@ -180,6 +182,8 @@ def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMet
 
 def _metric_text(metas: dict[int, _format.StepMeta], step: int, name: str) -> str:
     """One cell of a metric's column: the value, or under vmap the members' range."""
+    import numpy as np  # (already imported by _format: no start-up cost)
+
     meta = metas.get(step)
     value = None if meta is None else meta.metrics.get(name)
     if value is None:
@@ -188,18 +192,12 @@ def _metric_text(metas: dict[int, _format.StepMeta], step: int, name: str) -> st
         return f"{value.item():.6g}" if value.dtype.kind == "f" else str(value.item())
     if value.size == 0:
         return "[]"
-    low, high = value.min(), value.max()
-    return f"{low:.4g}..{high:.4g} (x{value.size})"
-
-
-def _json_number(value: Any) -> Any:
-    """A metric for `--json`: NaN and inf as the strings "nan", "inf", "-inf" (JSON has
-    no such numbers; Python's json would write tokens other parsers refuse)."""
-    if isinstance(value, list):
-        return [_json_number(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+    counted = value[~np.isnan(value)] if value.dtype.kind == "f" else value
+    if counted.size == 0:
+        return f"nan (x{value.size})"
+    nans = value.size - counted.size
+    shown = f"{counted.min():.4g}..{counted.max():.4g} (x{value.size}"
+    return shown + (f", {nans} nan)" if nans else ")")
 
 
 def _meta(storage: Storage, step: int | None) -> tuple[dict[str, Any], _format.StepMeta]:
@@ -233,7 +231,7 @@ def _listed(
         meta = _step_meta(storage, step)[1]
         metas[step] = meta
         saved_at = meta.saved_at or storage.entry_time(str(step))
-        metrics = {name: _json_number(value.tolist()) for name, value in meta.metrics.items()}
+        metrics = {name: value.tolist() for name, value in meta.metrics.items()}
     except (CheckpointError, OSError):
         if not storage.exists(str(step)):  # removed by retention meanwhile
             return None
@@ -378,8 +376,21 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def _print_json(value: dict[str, Any]) -> None:
-    json.dump(value, sys.stdout, indent=1)
+    """One strict JSON object: NaN and inf (a metric, or anything an edited file holds)
+    as the strings "nan", "inf", "-inf" (`_strict`)."""
+    json.dump(_strict(value), sys.stdout, indent=1, allow_nan=False)
     print()
+
+
+def _strict(value: Any) -> Any:
+    """`value` with every float that JSON cannot hold (NaN, inf) as its string."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def _size(nbytes: int | None) -> str:

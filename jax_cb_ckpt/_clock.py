@@ -10,7 +10,9 @@ chunk boundaries they already have. The time counts from the last save handed ov
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,26 @@ class SaveClock:
 
     def guarded(self, step: jax.Array, check_every: int) -> jax.Array:
         """`traced(step)` every `check_every` steps, False in between (no crossing)."""
-        return jax.lax.cond(
-            step % check_every == 0, self.traced, lambda s: jnp.zeros(jnp.shape(s), bool), step
-        )
+        return self._ask(step % check_every == 0, step)
+
+    @functools.cached_property
+    def _ask(self) -> Callable[[jax.Array, jax.Array], jax.Array]:
+        """`ask(flag, step)`: the clock read under `lax.cond(flag, ...)`. Under vmap a
+        batched `flag` would turn the cond into a select that reads the clock at every
+        step, so the batching rule asks once for the batch (when any member's flag
+        holds) and gives each member its flag's answer; nested vmaps recurse."""
+
+        @jax.custom_batching.custom_vmap
+        def ask(flag: jax.Array, step: jax.Array) -> jax.Array:
+            return jax.lax.cond(flag, self.traced, lambda s: jnp.zeros((), bool), step)
+
+        @ask.def_vmap
+        def batched(
+            axis_size: int, in_batched: list[bool], flag: jax.Array, step: jax.Array
+        ) -> tuple[jax.Array, bool]:
+            flag_batched, step_batched = in_batched
+            one_flag = jnp.any(flag) if flag_batched else flag
+            due = ask(one_flag, jnp.max(step) if step_batched else step)
+            return (flag & due, True) if flag_batched else (due, False)
+
+        return ask

@@ -378,7 +378,7 @@ class StepMeta:
             members=members,
             checksums=meta.get("checksums"),
             shardings=meta.get("shardings") or {},
-            saved_at=meta.get("saved_at"),
+            saved_at=meta["saved_at"] if isinstance(meta.get("saved_at"), str) else None,
             versions=versions,
             metrics=metrics,
             retention=meta["retention"] if isinstance(meta.get("retention"), dict) else None,
@@ -393,15 +393,22 @@ class StepMeta:
     @property
     def saved_seconds(self) -> float | None:
         """`saved_at` in seconds since the epoch (None: not recorded, or unreadable)."""
-        if not isinstance(self.saved_at, str):
-            return None
-        try:
-            when = datetime.datetime.fromisoformat(self.saved_at)
-        except ValueError:
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=datetime.UTC)
-        return when.timestamp()
+        return saved_seconds(self.saved_at)
+
+
+def saved_seconds(saved_at: object) -> float | None:
+    """A meta record's `saved_at` (ISO 8601, to the ms) in seconds since the epoch, or
+    None. Retention reads a step's time from here both for the step it just wrote and
+    for the steps a later run finds: the same milliseconds, the same decisions."""
+    if not isinstance(saved_at, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(saved_at)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
 
 
 # "A small pytree of scalars": each metric is a column of `jax-cb-ckpt ls` and a few
@@ -431,7 +438,7 @@ def parse_metrics(record: object) -> dict[str, np.ndarray]:
                 f"the metric {name!r} is not a number or an array of numbers "
                 f"(dtype {array.dtype}, shape {array.shape})"
             )
-        out[name] = array.astype(np.int64 if array.dtype.kind in "iu" else array.dtype)
+        out[name] = array.astype(np.int64) if array.dtype.kind == "i" else array
     return out
 
 

@@ -109,6 +109,13 @@ def checked(
     check = _positive_int(
         check_every, "check_every", "ask the clock every this many steps", optional=True
     )
+    if check is not None and every_seconds is None:
+        raise ConfigError(
+            f"Checkpointer(check_every={check}): check_every says how often a maybe_save "
+            "asks whether every_seconds have passed, and there is no every_seconds. Fix: "
+            "pass every_seconds=T too, or leave check_every out (run()'s own check_every "
+            "says how often it reads the stop request)."
+        )
     if not isinstance(initial_save, bool):
         raise ConfigError(
             f"Checkpointer(initial_save={shown(initial_save)}): initial_save must be True "

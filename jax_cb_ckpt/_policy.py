@@ -6,8 +6,10 @@ kept, and the writer builds no `Keeper` at all.
 
 - "latest" (`max_to_keep`): the newest N steps held;
 - "every" (`keep_every`): the steps divisible by it, forever;
-- "seconds" (`keep_every_seconds`): walking the held steps upwards, the first one with
-  a save time, then each saved at least that long after the previous one kept so;
+- "seconds" (`keep_every_seconds`): walking the held steps in the order they were
+  saved (by their save times; a counter restarted below the newest step does not
+  reorder them), the first one with a save time, then each saved at least that long
+  after the previous one kept so;
 - "best" (`keep_best`, `best`, `mode`): for each member of a vmapped run (a plain save
   is one member), the N steps with the best value of the metric `best`. NaN and a
   missing metric never count; on a tie the older step keeps its place.
@@ -178,9 +180,12 @@ class Keeper:
         self._entries: dict[int, Entry] = {entry.step: entry for entry in entries}
         self._rebuild()
 
-    def _rebuild(self) -> None:
-        """Everything anew from the held steps, all of them unchecked: O(N log N)."""
+    def _rebuild(self, *, keep_chain: bool = False) -> None:
+        """Everything anew from the held steps, all of them unchecked: O(N log N).
+        `keep_chain`: the steps the seconds chain holds stay in it (an add out of order
+        never revokes what the chain kept)."""
         rules = self._rules
+        kept = getattr(self, "_chain", set()) if keep_chain else set()
         self._entries = dict(sorted(self._entries.items()))
         steps = list(self._entries)
         self._unchecked = set(steps)
@@ -191,9 +196,15 @@ class Keeper:
         self._heaps: list[list[tuple[Any, int]]] = []
         self._in_best: collections.Counter[int] = collections.Counter()
         for step, entry in self._entries.items():  # upwards, as if each were just added
-            self._offer_seconds(step, entry.seconds)
             if rules.keep_best is not None:
                 self._offer_best(step, entry.values)
+        # The chain in the order the steps were saved: a step saved later with a lower
+        # number (a restarted counter) must not push out the steps it already kept.
+        timed = sorted(
+            (e.seconds, step) for step, e in self._entries.items() if e.seconds is not None
+        )
+        for seconds, step in timed:
+            self._offer_seconds(step, seconds, forced=step in kept)
 
     def _items(self, step: int, values: np.ndarray | None) -> Iterator[tuple[int, Any]]:
         """(member, (goodness, -step)) for each member whose value counts (not NaN)."""
@@ -202,14 +213,15 @@ class Keeper:
             if value == value:  # NaN never counts as best
                 yield member, (sign * value, -step)
 
-    def _offer_seconds(self, step: int, seconds: float | None) -> None:
-        """The seconds chain, for a step above every step in it."""
+    def _offer_seconds(self, step: int, seconds: float | None, *, forced: bool = False) -> None:
+        """The seconds chain, for a step saved after every step in it."""
         every = self._rules.keep_every_seconds
         if every is None or seconds is None:
             return
-        if self._chain_last is None or seconds >= self._chain_last + every:
+        last = self._chain_last
+        if forced or last is None or seconds >= last + every:
             self._chain.add(step)
-            self._chain_last = seconds
+            self._chain_last = seconds if last is None else max(last, seconds)
 
     def _offer_best(self, step: int, values: np.ndarray | None) -> None:
         """Each member's best set, for a step above every held step: O(members log N)."""
@@ -239,8 +251,11 @@ class Keeper:
         newest = self._newest()
         step = entry.step
         if step in self._entries or (newest is not None and step < newest):
+            # A step saved anew replaces the old one, as if removed first; one below the
+            # newest (a restarted counter) keeps what the chain kept.
+            again = step in self._entries
             self._entries[step] = entry
-            self._rebuild()
+            self._rebuild(keep_chain=not again)
             return
         self._entries[step] = entry
         if newest is not None:

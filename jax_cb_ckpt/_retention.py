@@ -16,12 +16,13 @@ rules do not are deleted then, and named in a warning log first.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _format, _policy, _remote, _steps
-from ._errors import ConfigError
+from ._errors import CheckpointWarning, ConfigError, DamagedStepWarning
 from ._policy import Entry, Keeper, Rules
 from ._storage import Bucket, Local
 
@@ -31,45 +32,83 @@ logger = logging.getLogger("jax_cb_ckpt")
 class Retention:
     """Which steps one writer keeps under `rules`, and what it set aside."""
 
-    def __init__(self, rules: Rules, storage: Local | Bucket) -> None:
+    def __init__(
+        self, rules: Rules, storage: Local | Bucket, note: Callable[[type[Warning], str], None]
+    ) -> None:
         self.rules = rules
         self._storage = storage
+        self._note = note  # a warning for the user's thread (`Exchange.note`)
         self._keeper: Keeper | None = None  # made at the first commit
         self._put_off: list[int] = []  # steps to set aside that the storage refused
+        # Steps whose meta was read and checked (or that this writer committed): the
+        # only ones set aside without reading their meta first.
+        self._checked: set[int] = set()
 
     def removed(self, step: int) -> None:
         """`step` was deleted by someone else (a save with on_existing='replace')."""
         if self._keeper is not None:
             self._keeper.remove(step)
 
-    def committed(self, step: int, saved_at: float, meta: dict[str, Any]) -> list[str]:
-        """After `step` (its `meta` record, handed over at `saved_at`) was committed: set
-        aside the steps no rule keeps any more; what was set aside, for deletion."""
+    def committed(self, step: int, meta: dict[str, Any]) -> list[str]:
+        """After `step` (its `meta` record) was committed: set aside the steps no rule
+        keeps any more; what was set aside, for deletion."""
         # The step just committed is complete and listed, which is what matters: when
         # the storage does not answer, retention waits for the next commit.
-        entry = Entry(step, saved_at, _best_values(meta, self.rules.best))
+        seconds = _format.saved_seconds(meta.get("saved_at"))  # (as a later run reads it)
+        entry = Entry(step, seconds, _best_values(meta, self.rules.best))
+        self._checked.add(step)
         try:
             if self._keeper is None:
                 self._keeper = self._first(step, entry)  # (None again if this fails)
             else:
                 self._keeper.add(entry)
+            going = sorted(set(self._put_off) | set(self._keeper.settle()))
         except (_remote.StorageError, ConfigError, OSError) as e:
             self._put_off_warning(e)
             return []
-        going = sorted(set(self._put_off) | set(self._keeper.settle()))
+        except Exception as e:  # a fault of ours: said, and nothing deleted
+            self._keeper = None  # (listed again at the next commit)
+            self._note(
+                CheckpointWarning,
+                f"jax_cb_ckpt: retention in {self._storage.path!r} after step {step} failed "
+                f"({type(e).__name__}: {e}); nothing was deleted, and step {step} is saved.",
+            )
+            return []
         self._put_off = []
         asides = []
         for index, old in enumerate(going):
+            if old not in self._checked and not self._still_ours(old):
+                continue
             try:
                 aside = self._storage.set_aside(old)
             except (_remote.StorageError, ConfigError, OSError) as e:
                 self._put_off = going[index:]
                 self._put_off_warning(e)
                 break
+            self._checked.discard(old)
             logger.debug("retention (%s): step %d deleted", self.rules.describe(), old)
             if aside is not None:
                 asides.append(aside)
         return asides
+
+    def _still_ours(self, step: int) -> bool:
+        """A step listed at the opening whose meta was not read yet: read and checked now,
+        before it is deleted. One that cannot be read (damaged since, or not whole: a
+        bucket lists a step by its objects alone) is left alone, and said."""
+        if _steps.step_metas(self._storage, [step]):
+            return True
+        if self._storage.exists(str(step)):
+            self._say_left_alone([step])
+        return False
+
+    def _say_left_alone(self, steps: list[int]) -> None:
+        self._note(
+            DamagedStepWarning,
+            f"jax_cb_ckpt: retention in {self._storage.path!r} left step(s) "
+            f"{', '.join(map(str, steps))} alone: their description (meta) cannot be read "
+            "or is not what was written, so they may be damaged; they are neither ranked "
+            "nor deleted. Fix: `jax-cb-ckpt verify` the directory; remove or restore them.",
+        )
 
     def _put_off_warning(self, e: Exception) -> None:
         logger.warning(
@@ -88,6 +127,12 @@ class Retention:
         steps = [s for s in self._storage.list_steps() if s != step]
         wanted = self.rules.keep_best is not None or self.rules.keep_every_seconds is not None
         metas = _steps.step_metas(self._storage, steps[-1:] if not wanted else steps)
+        if wanted:  # a step whose meta cannot be read is neither ranked nor deleted
+            unread = [s for s in steps if s not in metas]
+            if unread:
+                self._say_left_alone(unread)
+            steps = [s for s in steps if s in metas]
+        self._checked |= set(metas)
         entries = [_entry(s, metas.get(s), self.rules.best) for s in steps]
         keeper = Keeper(self.rules, [*entries, entry])
         previous = _previous_rules(metas.get(steps[-1]) if steps else None)
@@ -145,10 +190,11 @@ def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:
 
 
 def _previous_rules(meta: _format.StepMeta | None) -> Rules | None:
-    """The rules recorded with a step (None: none recorded, or unreadable)."""
+    """The rules recorded with a step (None: none recorded, none set, or unreadable)."""
     if meta is None or meta.retention is None:
         return None
     try:
-        return _policy.Rules.from_json(meta.retention)
+        rules = _policy.Rules.from_json(meta.retention)
     except ValueError:
         return None
+    return rules if rules.any else None

@@ -353,6 +353,7 @@ def _save_initial(
         jax.jit(lambda s: ckpt.save(s, 0, shardings=shardings))(init)
     else:
         ckpt.save(init, 0, metrics=recorded)
+    ckpt.wait()  # on disk before the loop (or an early return: num_steps=0)
 
 
 def _process_shardings(state: PyTree) -> PyTree:

@@ -276,6 +276,7 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
     return _metadata(directory, step)[0]
 
 
+@step_by_keyword
 def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
     {name: value}, a Python number for a plain save and a numpy array of the batch's
@@ -306,8 +307,11 @@ def best_step(
         raise ConfigError(f"{where}(best={best!r}): best must name a metric (a str).")
     if mode not in ("max", "min"):
         raise ConfigError(f"{where}(mode={mode!r}): mode must be 'max' or 'min'.")
+    try:
+        rules = _policy.Rules(keep_best=1, best=best, mode=mode)
+    except ValueError as e:
+        raise ConfigError(f"{where}(best={best!r}): {e}") from None
     metas = step_metas(storage, _listed(storage, where))
-    rules = _policy.Rules(keep_best=1, best=best, mode=mode)
     entries = [_policy.Entry(s, m.saved_seconds, m.best_values(best)) for s, m in metas.items()]
     keeper = _policy.Keeper(rules, entries)
     try:

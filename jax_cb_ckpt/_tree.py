@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _dtypes, _format
 from ._dtypes import ML_DTYPES
 from ._errors import InvalidStateError, StructureMismatchError
+from ._errors import shown as _shown
 from ._spec import ARRAY, KEY, SCALAR, LeafSpec, key_data_shape
 from ._types import PyTree
 
@@ -215,6 +216,11 @@ def describe_metrics(
     not; or 1-D, one per member of a batch the state holds without vmap), named by
     their key paths joined with "/" (`{"eval": {"return": r}}` is "eval/return").
     Raises `InvalidStateError` naming the metric that is not one."""
+    if not jax.tree.leaves(metrics):
+        raise InvalidStateError(
+            f"{where}(metrics=...): {_shown(metrics)} holds no values. Fix: pass a dict of "
+            "scalars, e.g. metrics={'return': ret}, or leave metrics= out."
+        )
     _, specs, leaves = describe_state(metrics, f"{where}(metrics=...)", prefix="metrics")
     if len(specs) > _format.MAX_METRICS:
         raise InvalidStateError(

@@ -81,7 +81,7 @@ class Writer:
         self._identity = self._storage.identity()
         self._group: Processes = group or Solo()
         # What is kept (None: every step); the steps it unlisted, to delete (_sweep).
-        self._retention = None if rules is None else Retention(rules, self._storage)
+        self._retention = None if rules is None else Retention(rules, self._storage, exchange.note)
         self._aside: list[str] = []
         self._retention_s = 0.0  # of the step just written (SaveRecord.retention_s)
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
@@ -367,7 +367,7 @@ class Writer:
         need not wait for)."""
         if self._retention is not None:
             start = time.perf_counter()
-            self._aside += self._retention.committed(item.step, item.saved_at, step.meta)
+            self._aside += self._retention.committed(item.step, step.meta)
             self._retention_s = time.perf_counter() - start
 
     def _enter_attempt(self, temp: str, round_: Round) -> None:

@@ -7,6 +7,7 @@ the rules' definitions (docs/usage.md#what-is-kept), over the steps as they were
 import json
 import logging
 import math
+import os
 import time
 
 import jax
@@ -158,6 +159,7 @@ def test_metrics_under_vmap_have_one_value_per_member(make_ckpt):
         ({"k": jax.random.key(0)}, "metrics['k'] is key<"),
         ({"c": 1j}, "metrics['c'] is Python complex"),
         ({f"m{i}": 1.0 for i in range(65)}, "65 metrics, more than the 64"),
+        ({"m": None}, "holds no values"),
     ],
 )
 def test_a_metric_that_is_not_a_number_is_refused_by_name(make_ckpt, metrics, text):
@@ -193,6 +195,7 @@ def test_metrics_with_a_concatenating_gather_are_refused(make_ckpt):
         ({"every_seconds": -1}, "every_seconds must be a positive"),
         ({"check_every": 0}, "check_every must be a positive int"),
         ({"initial_save": "yes"}, "initial_save must be True or False"),
+        ({"check_every": 10}, "there is no every_seconds"),
     ],
 )
 def test_bad_policy_options_are_refused_by_name(ckpt_dir, kwargs, text):
@@ -336,6 +339,25 @@ def test_keep_every_seconds_keeps_one_step_per_interval(make_ckpt):
     expected = _kept(saved, seconds=0.25)
     assert ckpt.all_steps() == expected
     assert 3 <= len(expected) <= 10  # one per interval (+ the newest), from ~1 s of saves
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_keep_every_seconds_goes_on_across_a_restart(where, tmp_path, remote_on):
+    """The chain of one step per interval continues from the steps on disk: their own
+    saved_at, read back at the first commit of the next run."""
+    directory = str(tmp_path / "ckpt") if where == "local" else remote_on(where).url
+    rules = {"keep_every_seconds": 0.3, "max_to_keep": 1}
+    saved = []
+    for run in range(2):
+        with jax_cb_ckpt.Checkpointer(directory, **rules) as ckpt:
+            for step in range(1 + 8 * run, 9 + 8 * run):
+                ckpt.save({"w": jnp.zeros(3)}, step)
+                ckpt.wait()
+                saved.append((step, _saved_at(directory, step), None))
+                time.sleep(0.07)
+    expected = _kept(saved, max_to_keep=1, seconds=0.3)
+    assert jax_cb_ckpt.all_steps(directory) == expected
+    assert len(expected) >= 3
 
 
 def test_keep_best_under_vmap_keeps_any_members_best(make_ckpt):
@@ -522,13 +544,139 @@ def test_initial_save_saves_the_starting_state_of_a_fresh_run(make_ckpt, tmp_pat
     assert ckpt.all_steps() == [0, 5, 10, 15]
     own = make_ckpt(tmp_path / "own", initial_save=True)
     state, start = own.restore_or_init(lambda: {"w": jnp.arange(3.0)})
-    own.wait()
-    assert start == 0 and own.all_steps() == [0]
+    assert start == 0 and own.all_steps() == [0]  # on disk when it returns
     np.testing.assert_array_equal(own.restore({"w": jnp.zeros(3)}, step=0)["w"], [0, 1, 2])
+
+    # a scan of the same run after it: step 0 is there, no second one is handed over
+    def add(c, x):
+        return jax.tree.map(lambda a: a + x, c), None
+
+    jax.jit(lambda c: own.scan(add, c, jnp.ones(4), every=2)[0])(state)
+    own.wait()
+    assert own.all_steps() == [0, 2, 4] and own.stats.duplicates == 0
+    empty = make_ckpt(tmp_path / "empty", every=5, initial_save=True)
+    empty.run(body, jnp.zeros(2), 0)  # nothing to run: step 0 is on disk all the same
+    assert empty.all_steps() == [0]
     scanned = make_ckpt(tmp_path / "scan", every=4, initial_save=True)
     jax.jit(lambda c: scanned.scan(lambda c, x: (c + x, None), c, jnp.ones(8))[0])(jnp.zeros(2))
     scanned.wait()
     assert scanned.all_steps() == [0, 4, 8]
+
+
+# -- what an adversarial pass found ----------------------------------------------------
+
+
+def test_a_step_below_the_newest_never_unkeeps_the_seconds_chain(make_ckpt):
+    """A restarted counter (step 5 saved after step 50) is judged by its save time: the
+    steps one per interval kept stay kept."""
+    ckpt = make_ckpt(keep_every_seconds=0.1, max_to_keep=1)
+    for step in (10, 20, 30, 40, 50):
+        ckpt.save({"w": jnp.zeros(3)}, step)
+        ckpt.wait()
+        time.sleep(0.15)
+    assert ckpt.all_steps() == [10, 20, 30, 40, 50]
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning):
+        ckpt.save({"w": jnp.zeros(3)}, 5)
+        ckpt.wait()
+    assert ckpt.all_steps() == [5, 10, 20, 30, 40, 50]
+
+
+def _rewrite_meta(step_dir, change):
+    """Edit a step's meta item and rewrite its record in Orbax's step file to match (a
+    consistent edit that the listing's size and CRC check cannot see)."""
+    from jax_cb_ckpt import _format
+
+    path = os.path.join(step_dir, "meta", "metadata")
+    with open(path) as f:
+        meta = json.load(f)
+    change(meta)
+    for name, data in _format.meta_files(meta).items():
+        with open(os.path.join(step_dir, name), "wb") as f:
+            f.write(data)
+
+
+def test_retention_leaves_a_step_whose_meta_cannot_be_read_alone(make_ckpt, ckpt_dir):
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+        _save_all(ckpt, [9.0, 1.0, 2.0])
+    _rewrite_meta(ckpt_dir / "1", lambda meta: meta.update(metrics={"note": "hello"}))
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 2, 3]  # listed (the record matches)
+    ckpt = make_ckpt(max_to_keep=1, keep_best=1, best="return")
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"left step\(s\) 1 alone"):
+        ckpt.save({"w": jnp.zeros(3)}, 4, metrics={"return": 0.0})
+        ckpt.wait()
+    assert ckpt.all_steps() == [1, 3, 4]  # 1 neither ranked nor deleted; 3 is best now
+    # with max_to_keep alone, a step read only before it is deleted is left alone too
+    other = make_ckpt(ckpt_dir.parent / "other")
+    _save_all(other, [None] * 2)
+    other.close()
+    _rewrite_meta(ckpt_dir.parent / "other" / "1", lambda meta: meta.update(metrics=[1]))
+    with jax_cb_ckpt.Checkpointer(ckpt_dir.parent / "other", max_to_keep=1) as again:
+        with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+            again.save({"w": jnp.zeros(3)}, 3)
+            again.wait()
+    assert os.path.isdir(ckpt_dir.parent / "other" / "1")
+
+
+def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote):
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        _save_all(ckpt, [9.0, 1.0])
+    from jax_cb_ckpt import _remote
+
+    url = f"{remote.url}/1/meta/metadata"
+    data, _ = _remote.read(url)
+    _remote.write(url, data.replace(b'"return": 9.0', b'"return": 8.0'))  # CRC no longer matches
+    with jax_cb_ckpt.Checkpointer(remote.url, max_to_keep=1, keep_best=1, best="return") as ckpt:
+        with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+            ckpt.save({"w": jnp.zeros(3)}, 3, metrics={"return": 0.0})
+            ckpt.wait()
+    assert "1" in {k.split("/")[0] for k in _remote.list_keys(remote.url)}
+
+
+def test_a_best_metric_the_saves_never_pass_is_warned_about(make_ckpt):
+    ckpt = make_ckpt(keep_best=2, best="ret")
+    with pytest.warns(jax_cb_ckpt.CheckpointWarning, match=r"without 'ret'.*never count as best"):
+        ckpt.save({"w": jnp.zeros(3)}, 1, metrics={"return": 1.0})
+    ckpt.save({"w": jnp.zeros(3)}, 2, metrics={"return": 2.0})  # said once per set of names
+    ckpt.save({"w": jnp.zeros(3)}, 3)  # a save without metrics is fine
+    ckpt.wait()
+
+
+def test_odd_but_valid_values_and_records(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt()
+    ckpt.save({"w": jnp.zeros(3)}, 1, metrics={"u": np.uint64(2**64 - 1), "i": np.int64(-(2**63))})
+    ckpt.save({"w": jnp.zeros(3)}, 2, metrics={"nan": np.float32(np.nan)})
+    ckpt.close()
+    assert jax_cb_ckpt.metrics(ckpt_dir, step=1) == {"u": 2**64 - 1, "i": -(2**63)}
+    # a record of no rule, and a saved_at that is not a string: read, listed, saved after
+    _rewrite_meta(ckpt_dir / "2", lambda meta: meta.update(retention={}, saved_at=12))
+    table = run_child(["python", "-m", "jax_cb_ckpt", "ls", ckpt_dir])
+    assert table.returncode == 0 and "kept by" not in table.stdout, table.stderr
+    shown = run_child(["python", "-m", "jax_cb_ckpt", "show", "--json", ckpt_dir])
+    data = json.loads(shown.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert data["metrics"] == {"nan": "nan"}
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=1) as again:
+        again.save({"w": jnp.zeros(3)}, 3)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [3]
+
+
+def test_the_clock_is_asked_every_check_every_steps_under_vmap_too(make_ckpt):
+    """A vmapped loop counter would turn the cond that guards the clock into a select
+    that asks at every step; the batching rule asks once per check for the batch."""
+    ckpt = make_ckpt(every_seconds=3600, check_every=50)
+    reads = []
+    read = ckpt._clock.read
+    ckpt._clock.read = lambda step: (reads.append(1), read(step))[1]  # counted, not replaced
+
+    def body(carry, _):
+        state, i = carry
+        ckpt.maybe_save(state, i + 1)
+        return (state + 1, i + 1), None
+
+    run = jax.vmap(lambda s, i: jax.lax.scan(body, (s, i), None, length=1000)[0])
+    jax.jit(run)(jnp.zeros((3, 2)), jnp.zeros(3, jnp.int32))
+    jax.jit(jax.vmap(run))(jnp.zeros((2, 3, 2)), jnp.zeros((2, 3), jnp.int32))
+    ckpt.wait()
+    assert len(reads) == 2 * 1000 // 50
 
 
 # -- a kill during retention ------------------------------------------------------------

@@ -264,9 +264,14 @@ def test_an_add_below_the_newest_is_placed_and_the_seconds_chain_recomputed():
     keeper = Keeper(Rules(keep_every_seconds=10.0))
     commit(keeper, entry(10, seconds=0.0), entry(30, seconds=10.0), entry(40, seconds=12.0))
     assert keeper.steps == [10, 30, 40]
-    # Step 5 saved before step 10 starts the chain: 10 (1 s later) is no longer kept.
-    assert commit(keeper, entry(5, seconds=-1.0)) == [10]
-    assert keeper.kept_by(30) == ("seconds",)
+    # Step 5 saved last (a restarted counter) is judged by its time, after 40's: 1 s
+    # after 30 it is not kept; and what the chain kept stays kept.
+    assert commit(keeper, entry(5, seconds=13.0)) == [5]
+    assert keeper.kept_by(10) == ("seconds",) and keeper.kept_by(30) == ("seconds",)
+    # One saved out of time order (a clock set back) never revokes the chain either.
+    commit(keeper, entry(7, seconds=-1.0))
+    assert keeper.kept_by(10) == ("seconds",) and keeper.kept_by(7) == ("seconds",)
+    assert keeper.steps == [7, 10, 30, 40]
     latest = Keeper(Rules(max_to_keep=2))
     commit(latest, entry(10), entry(20), entry(30))
     assert commit(latest, entry(15)) == [15]
@@ -374,13 +379,13 @@ def _members(held):
 
 
 def _chain(rules, held):
-    """The seconds chain walked from the oldest held step."""
+    """The seconds chain walked from the first held step saved (by save time)."""
     chain, last = set(), None
     if rules.keep_every_seconds is None:
         return chain
-    for step in sorted(held):
-        seconds = held[step].seconds
-        if seconds is not None and (last is None or seconds >= last + rules.keep_every_seconds):
+    timed = sorted((e.seconds, step) for step, e in held.items() if e.seconds is not None)
+    for seconds, step in timed:
+        if last is None or seconds >= last + rules.keep_every_seconds:
             chain.add(step)
             last = seconds
     return chain
@@ -495,7 +500,7 @@ class LiteralOracle(ScratchOracle):
             super().add(entry_)
             self.restart()
             return
-        last = self.held[max(self._chain)].seconds if self._chain else None
+        last = max((self.held[s].seconds for s in self._chain), default=None)
         super().add(entry_)
         every = rules.keep_every_seconds
         if every is not None and entry_.seconds is not None:
@@ -545,14 +550,15 @@ def _random_rules(rng):
 
 def _random_entry(rng, step, shapes, clock):
     """Values drawn from a few numbers (ties), with NaN, inf and a missing metric; a
-    time that now and then is unknown or earlier than the step before's."""
+    time that now and then is unknown, else the clock (later than every earlier save:
+    saves are timed as they are handed over, in the order they are committed)."""
     shape = rng.choice(shapes)
     values = None
     if rng.random() < 0.9:
         pool = [0.0, 1.0, 2.0, 3.0, NAN, NAN, INF, -INF] if rng.random() < 0.3 else [0, 1, 2, 3]
         values = np.asarray([rng.choice(pool) for _ in range(math.prod(shape))], float)
         values = values.reshape(shape)
-    seconds = None if rng.random() < 0.1 else clock + rng.choice([-1.0, 0.0, 0.5, 1.5])
+    seconds = None if rng.random() < 0.1 else clock
     return Entry(step, seconds, values)
 
 
@@ -568,7 +574,7 @@ def test_the_keeper_agrees_with_plain_oracles_on_random_sequences(seed):
         what = rng.random()
         if what < 0.7 or not scratch.held:  # mostly above the newest, now and then below
             step = top + rng.randint(1, 3) if rng.random() < 0.85 else rng.randint(0, top + 1)
-            top, clock = max(top, step), clock + rng.choice([0.0, 0.5, 1.0])
+            top, clock = max(top, step), clock + rng.choice([0.25, 0.5, 1.0])
             new = _random_entry(rng, step, shapes, clock)
             for one in (keeper, scratch, literal):
                 one.add(new)
