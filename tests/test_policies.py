@@ -58,6 +58,30 @@ def _kept(saved, *, max_to_keep=None, keep_every=None, seconds=None, best=None, 
     return sorted(held)
 
 
+def _kept_under(saved, rules):
+    """`_kept` of a Checkpointer's keyword rules."""
+    return _kept(
+        saved,
+        max_to_keep=rules.get("max_to_keep"),
+        keep_every=rules.get("keep_every"),
+        seconds=rules.get("keep_every_seconds"),
+        best=rules.get("keep_best"),
+        mode=rules.get("mode", "max"),
+    )
+
+
+def _best_of(saved, rules, member=0):
+    """The step with the best value of `member` (ties: the older), by the rules' mode."""
+    finite = [
+        (np.ravel(v)[member], s)
+        for s, _, v in saved
+        if v is not None and not np.isnan(np.ravel(v)[member])
+    ]
+    want = max if rules.get("mode", "max") == "max" else min
+    best_value = want(v for v, _ in finite)
+    return min(s for v, s in finite if v == best_value)
+
+
 def _saved_at(directory, step):
     from datetime import datetime
 
@@ -267,23 +291,14 @@ def test_each_rule_alone_and_combined_keeps_what_its_definition_keeps(make_ckpt,
     ckpt = make_ckpt(**rules)
     values = [None if i == 6 else v for i, v in enumerate(RETURNS)]  # step 7: no metric
     saved = _save_all(ckpt, values)
-    expected = _kept(
-        saved,
-        max_to_keep=rules.get("max_to_keep"),
-        keep_every=rules.get("keep_every"),
-        best=rules.get("keep_best"),
-        mode=rules.get("mode", "max"),
-    )
+    expected = _kept_under(saved, rules)
     assert ckpt.all_steps() == expected
     assert 16 in expected  # the newest always
     if set(rules) <= {"keep_best", "best", "mode"}:
         assert 7 not in expected  # no metric: never best
         assert 5 not in expected  # NaN: never best
     if "keep_best" in rules:
-        want = max if rules.get("mode", "max") == "max" else min
-        finite = [(v, s) for s, _, v in saved if v is not None and not np.isnan(v)]
-        best_value = want(v for v, _ in finite)
-        assert ckpt.best_step() == min(s for v, s in finite if v == best_value)
+        assert ckpt.best_step() == _best_of(saved, rules)
         mode = rules.get("mode", "max")
         assert jax_cb_ckpt.best_step(ckpt.directory, best="return", mode=mode) == ckpt.best_step()
         assert ckpt.restore({"w": jnp.zeros(3)}, step=ckpt.best_step())["w"][0] == ckpt.best_step()
@@ -315,22 +330,11 @@ def test_each_rule_under_vmap_keeps_what_its_definition_keeps(make_ckpt, rules):
             with_metrics(state, jnp.asarray(pair, jnp.float32), jnp.int32(step))
         ckpt.wait()
         saved.append((step, 0.0, None if step == 7 else pair))
-    expected = _kept(
-        saved,
-        max_to_keep=rules.get("max_to_keep"),
-        keep_every=rules.get("keep_every"),
-        best=rules.get("keep_best"),
-        mode=rules.get("mode", "max"),
-    )
+    expected = _kept_under(saved, rules)
     assert ckpt.all_steps() == expected
     if "keep_best" in rules:
         for member in (0, 1):
-            finite = [
-                (v[member], s) for s, _, v in saved if v is not None and not np.isnan(v[member])
-            ]
-            want = max if rules.get("mode", "max") == "max" else min
-            best_value = want(v for v, _ in finite)
-            assert ckpt.best_step(member=member) == min(s for v, s in finite if v == best_value)
+            assert ckpt.best_step(member=member) == _best_of(saved, rules, member)
 
 
 def test_keep_every_seconds_keeps_one_step_per_interval(make_ckpt):
