@@ -141,7 +141,9 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     head = "".join(f"{title:>{w}}  " for (title, _), w in zip(columns, widths, strict=True))
     _say(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  {head}state")
     for index, r in enumerate(rows):
-        if "damaged" in r:
+        if "damaged" in r and r.get("listed"):
+            state = f"damaged: {r['damaged']} (restore and verify refuse it; never deleted)"
+        elif "damaged" in r:
             state = f"damaged: {r['damaged']} (not listed, not restored)"
         elif "foreign" in r:
             state = f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
@@ -227,17 +229,24 @@ def _listed(
 ) -> dict[str, Any] | None:
     """The row of a complete step; its parsed meta goes into `metas`."""
     metrics = {}
+    damaged = None
     try:
         meta = _step_meta(storage, step)[1]
         metas[step] = meta
         saved_at = meta.saved_at or storage.entry_time(str(step))
         metrics = {name: value.tolist() for name, value in meta.metrics.items()}
-    except (CheckpointError, OSError):
+    except (CheckpointError, OSError) as e:
         if not storage.exists(str(step)):  # removed by retention meanwhile
             return None
         saved_at = storage.entry_time(str(step))
+        if isinstance(e, RestoreError):  # (_step_meta: its description is not whole)
+            damaged = str(e).split(" is damaged: ", 1)[-1]
     bytes_ = storage.entry_bytes(str(step))
-    row = {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": True}
+    row = {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": damaged is None}
+    if damaged is not None:
+        # Listed by its files alone (a bucket lists a step by its objects; a local step
+        # damaged since it was listed), but its description is not what was written.
+        return row | {"damaged": damaged, "listed": True}
     return row | {"metrics": metrics} if metrics else row
 
 

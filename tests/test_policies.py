@@ -621,7 +621,7 @@ def test_retention_leaves_a_step_whose_meta_cannot_be_read_alone(make_ckpt, ckpt
     assert os.path.isdir(ckpt_dir.parent / "other" / "1")
 
 
-def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote):
+def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote, capsys):
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         _save_all(ckpt, [9.0, 1.0])
     from jax_cb_ckpt import _remote
@@ -634,6 +634,13 @@ def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote):
             ckpt.save({"w": jnp.zeros(3)}, 3, metrics={"return": 0.0})
             ckpt.wait()
     assert "1" in {k.split("/")[0] for k in _remote.list_keys(remote.url)}
+    # and ls says what it is (a bucket lists a step by its objects alone)
+    from jax_cb_ckpt._cli import main
+
+    assert main(["ls", "--json", remote.url]) == 0
+    rows = {row["step"]: row for row in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows[1]["complete"] is False and "meta" in rows[1]["damaged"]
+    assert rows[3]["complete"] and rows[3]["kept_by"] == ["newest", "latest"]
 
 
 def test_a_best_metric_the_saves_never_pass_is_warned_about(make_ckpt):
