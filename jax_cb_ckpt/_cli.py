@@ -240,7 +240,7 @@ def _listed(
             return None
         saved_at = storage.entry_time(str(step))
         if isinstance(e, RestoreError):  # (_step_meta: its description is not whole)
-            damaged = str(e).split(" is damaged: ", 1)[-1]
+            damaged = str(e.__cause__ or e)
     bytes_ = storage.entry_bytes(str(step))
     row = {"step": step, "saved_at": saved_at, "bytes": bytes_, "complete": damaged is None}
     if damaged is not None:

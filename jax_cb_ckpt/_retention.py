@@ -117,9 +117,6 @@ class Retention:
             _remote.scrub(str(e)),
         )
 
-    def kept_by(self, step: int) -> tuple[str, ...]:
-        return () if self._keeper is None else self._keeper.kept_by(step)
-
     def _first(self, step: int, entry: Entry) -> Keeper:
         """The keeper of the first commit: every complete step of the directory, each
         examined under the rules (changed rules apply from here), and a warning naming

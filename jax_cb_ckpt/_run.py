@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
 from ._preempt import Preempted, StopFlag
+from ._scan import metrics_at_save
 from ._types import PyTree, Saver
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ def _jitted_loop(
             reads.append(ckpt.save_due)
         if shardings is not None:
             reads = [_agreed(read, shardings) for read in reads]
-        metrics_fn = None if metrics is None or not batched else jax.vmap(metrics)
+        per_member = metrics if metrics is None or not batched else jax.vmap(metrics)
         loop = jax.jit(
             make_loop(
                 ckpt,
@@ -263,7 +264,7 @@ def _jitted_loop(
                 reads[0],
                 shardings,
                 read_due=reads[1] if len(reads) > 1 else None,
-                metrics=metrics_fn or metrics,
+                metrics=per_member,
             )
         )
         if key is None:
@@ -309,11 +310,7 @@ def make_loop(
             save = at_save | stop
             if read_due is not None:
                 save = save | jax.lax.cond(i % check == 0, read_due, no, i)
-            recorded = None
-            if metrics is not None:  # computed only where a save is made
-                shapes = jax.eval_shape(metrics, state)
-                zeros = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # noqa: E731
-                recorded = jax.lax.cond(save, metrics, zeros, state)
+            recorded = metrics_at_save(metrics, state, save)  # only where a save is made
             ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
             return stop
 

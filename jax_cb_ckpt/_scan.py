@@ -63,7 +63,7 @@ def scan(
         size = math.gcd(every, ckpt.check_every) if by_clock else every
     if ckpt.initial_save and isinstance(start, int) and start == 0 and ckpt.latest_step() is None:
         # A fresh run (decided while tracing): its starting state is step 0.
-        ckpt.save(init, start, shardings=shardings, metrics=_at_save(metrics, init, None))
+        ckpt.save(init, start, shardings=shardings, metrics=metrics_at_save(metrics, init, None))
     n = _length(xs, length)
     full, rest = divmod(n, size)
     if full == 0:  # not one save: the plain scan
@@ -80,12 +80,14 @@ def scan(
         done = done + 1
         step = start + done * size
         if not by_clock:  # every boundary saves: no conditional
-            ckpt.save(carry, step, shardings=shardings, metrics=_at_save(metrics, carry, None))
+            ckpt.save(
+                carry, step, shardings=shardings, metrics=metrics_at_save(metrics, carry, None)
+            )
             return (carry, done), ys
         when = ckpt.save_due(step)  # one host query per chunk
         if every is not None:
             when = when | (done * size % every == 0)
-        recorded = _at_save(metrics, carry, when)
+        recorded = metrics_at_save(metrics, carry, when)
         ckpt.maybe_save(carry, step, when=when, shardings=shardings, metrics=recorded)
         return (carry, done), ys
 
@@ -100,11 +102,11 @@ def scan(
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
 
 
-def _at_save(
+def metrics_at_save(
     metrics: Callable[[PyTree], PyTree] | None, carry: PyTree, when: jax.Array | None
 ) -> PyTree:
-    """The metrics to record with a save of `carry`: computed only where `when` holds
-    (None: a save that always happens)."""
+    """The metrics to record with a save of `carry` (`ckpt.scan`'s and `ckpt.run`'s):
+    computed only where `when` holds (None: a save that always happens)."""
     if metrics is None:
         return None
     if when is None:
