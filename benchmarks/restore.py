@@ -16,7 +16,10 @@ repetitions (the order rotating per repetition, harness.rotated), reads it back 
   StandardRestore()))` of the same step (what Orbax alone costs on our layout);
 - `plain read`: every file of the step read into memory (`f.read`), the storage's own
   speed: warm (page cache), and cold (after `drop_caches`) where the kernel lets this
-  process drop the caches, else reported as not measured.
+  process drop the caches, else reported as not measured;
+- `verify`: `jax_cb_ckpt.verify(directory, step=1)`, which reads the step's index
+  itself (`_ocdbt`), against `verify, TensorStore`: the same with the index read by
+  TensorStore (the reader it falls back on for a compressed index).
 
 The cold rows drop the page cache before each method's read. The tmpfs directory
 (`/dev/shm`) has no disk: its rows are the CPU's share. Figures are medians, in ms;
@@ -115,7 +118,25 @@ def _methods(directory: str, like: Any) -> dict[str, Callable[[], Any]]:
         ),
         "plain Orbax": orbax,
         "plain read": lambda: plain_read(os.path.join(directory, "1")),
+        "verify": lambda: jax_cb_ckpt.verify(directory, step=1),
+        "verify, TensorStore": lambda: _verify_with_tensorstore(directory),
     }
+
+
+def _verify_with_tensorstore(directory: str) -> list[int]:
+    """`verify` with the step's index read by TensorStore, as before `_ocdbt` (the
+    reader it uses for a compressed index): the package's own reader's ceiling."""
+    from jax_cb_ckpt import _ocdbt, _storage
+
+    def refuse(self: _storage.Local, step: int) -> _ocdbt.Database:
+        raise _ocdbt.Unsupported("read by TensorStore (benchmark)")
+
+    own = _storage.Local.index
+    _storage.Local.index = refuse  # type: ignore[method-assign]
+    try:
+        return jax_cb_ckpt.verify(directory, step=1)
+    finally:
+        _storage.Local.index = own  # type: ignore[method-assign]
 
 
 def run_case(base: str, name: str, make: Callable[[], Any], reps: int, cold: bool) -> dict:
@@ -241,8 +262,8 @@ def _servers_installed() -> bool:
 def _table(results: list[dict], cold: bool) -> str:
     lines = [
         "| dir | state | mode | restore | verify=False | into jax.Arrays | plain Orbax | "
-        "plain read | x Orbax | x read |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "plain read | x Orbax | x read | verify | verify, TensorStore | x TensorStore |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ms = r["ms"]
@@ -254,7 +275,9 @@ def _table(results: list[dict], cold: bool) -> str:
                 f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | "
                 f"{ms[f'restore, verify=False {mode}']:.2f} | "
                 f"{ms[f'restore, jax.Arrays {mode}']:.2f} | {orbax:.2f} | {read:.2f} | "
-                f"{ours / orbax:.2f} | {ours / read:.1f} |"
+                f"{ours / orbax:.2f} | {ours / read:.1f} | {ms[f'verify {mode}']:.2f} | "
+                f"{ms[f'verify, TensorStore {mode}']:.2f} | "
+                f"{ms[f'verify {mode}'] / ms[f'verify, TensorStore {mode}']:.2f} |"
             )
     if not cold:
         lines.append("")

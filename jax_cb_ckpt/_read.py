@@ -31,6 +31,7 @@ returns.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _ocdbt
 from ._format import SMALL_BYTES, Sums, checksum, checksum_bytes, param_name, region_key
 from ._spec import LeafSpec
 from ._staging import empty_aligned
@@ -158,10 +159,36 @@ class StepArrays:
     """The arrays of one step (its `state` item), opened for reading; one per read
     of a step, used by one thread."""
 
-    def __init__(self, storage: Storage, step: int, leaves: tuple[LeafSpec, ...]) -> None:
-        """`storage`: where the step lives (`_storage.at`), which opens its database."""
-        ts = _ts()
+    def __init__(
+        self,
+        storage: Storage,
+        step: int,
+        leaves: tuple[LeafSpec, ...],
+        *,
+        light: bool = False,
+    ) -> None:
+        """`storage`: where the step lives (`_storage.at`), which opens its database.
+        `light`: read its index with `_ocdbt` where that reader can (a local step the
+        writer wrote), so that TensorStore is imported only for what needs it (a
+        compressed leaf): `verify`, whose start is otherwise TensorStore's import."""
         self.leaves = {spec.name: spec for spec in leaves}
+        self._storage, self._step, self._count = storage, step, len(leaves)
+        self.layouts: dict[tuple[str, ...], Layout] = {}
+        self._index: _IndexValues | None = None
+        self._opened: tensorstore.KvStore | None = None
+        if light:
+            try:
+                self._index = _IndexValues(storage.index(step))
+            except _ocdbt.Unsupported:
+                pass
+        if self._index is None:
+            self._open()
+
+    def _open(self) -> tensorstore.KvStore:
+        """The step's database opened by TensorStore (once)."""
+        if self._opened is not None:
+            return self._opened
+        ts = _ts()
         self._context = ts.Context(
             ts.Context.Spec(
                 {
@@ -175,8 +202,13 @@ class StepArrays:
             ),
             _threads(),
         )
-        self._kv = storage.database(step, ts, self._context, len(leaves))
-        self.layouts: dict[tuple[str, ...], Layout] = {}
+        self._opened = self._storage.database(self._step, ts, self._context, self._count)
+        return self._opened
+
+    @property
+    def _values(self) -> _IndexValues | tensorstore.KvStore:
+        """Where keys are read: the index `_ocdbt` read, else TensorStore's database."""
+        return self._open() if self._index is None else self._index
 
     # -- layouts -------------------------------------------------------------------------
 
@@ -190,7 +222,8 @@ class StepArrays:
             for s in (self.leaves.values() if specs is None else specs)
             if 0 not in s.stored_shape and s.name not in self.layouts
         ]
-        reads = [(s, self._kv.read(f"{param_name(s.name)}/.zarray")) for s in wanted]
+        values = self._values
+        reads = [(s, values.read(f"{param_name(s.name)}/.zarray")) for s in wanted]
         for saved, future in reads:
             try:
                 result = future.result()
@@ -204,13 +237,16 @@ class StepArrays:
         self,
         requests: list[tuple[LeafSpec, Box | None]],
         sums: Sums | None,
+        *,
+        keep: bool = True,
     ) -> list[np.ndarray]:
         """The stored data of each (leaf, box) of `requests` (box None: the whole leaf),
         as new arrays of the stored dtype, read concurrently. With `sums` ({leaf name:
         {region key: CRC-32}}), every region read is checked: `ChecksumMismatch` for the
         first that differs. A failed read is a `LeafReadError`. The same (leaf, box)
         asked for twice is read once (the same array is returned). `check_layouts`
-        first."""
+        first. `keep=False`: read and check only, and return nothing (`verify`: a raw
+        leaf's chunks are then checked as they are, never copied into an array)."""
         pending: dict[tuple[tuple[str, ...], Box], _RawLeaf | _ZarrBox] = {}
         order = []
         for saved, box in requests:
@@ -227,12 +263,17 @@ class StepArrays:
         done: dict[tuple[tuple[str, ...], Box], np.ndarray] = {}
         for key, one in pending.items():
             try:
-                done[key] = one.finish()
+                if keep:
+                    done[key] = one.finish()
+                elif isinstance(one, _RawLeaf):
+                    one.check()
+                else:
+                    one.finish()
             except ChecksumMismatch:
                 raise
             except Exception as e:
                 raise LeafReadError(one.saved, e) from e
-        return [done[key] for key in order]
+        return [done[key] for key in order] if keep else []
 
     def _start(
         self,
@@ -242,8 +283,8 @@ class StepArrays:
         sums: dict[str, int] | None,
     ) -> _RawLeaf | _ZarrBox:
         nbytes = layout.dtype.itemsize * math.prod(layout.shape)
-        if layout.raw and nbytes <= SMALL_BYTES:
-            return _RawLeaf(self._kv, saved, layout, box, sums or {})
+        if layout.raw and (nbytes <= SMALL_BYTES or self._index is not None):
+            return _RawLeaf(self._values, saved, layout, box, sums or {})
         # Every checksummed region meeting the box is read whole, so that each byte
         # returned is checked (a region of the writer's is a chunk or a device's block).
         hit = [(k, r) for k, r in ((k, parse_region(k)) for k in sums or {}) if _meets(r, box)]
@@ -256,7 +297,7 @@ class StepArrays:
             _ts()
             .open(
                 {"driver": "zarr", "metadata": layout.zarray},
-                kvstore=self._kv / f"{param_name(saved.name)}/",
+                kvstore=self._open() / f"{param_name(saved.name)}/",
                 context=self._context,
                 open=True,
                 assume_metadata=True,
@@ -418,7 +459,7 @@ class _RawLeaf:
 
     def __init__(
         self,
-        kv: tensorstore.KvStore,
+        kv: _IndexValues | tensorstore.KvStore,
         saved: LeafSpec,
         layout: Layout,
         box: Box,
@@ -456,7 +497,28 @@ class _RawLeaf:
                     raise ChecksumMismatch(self.saved, key)
         return dest if self.box == full else dest[_slices(self.box)].copy()
 
-    def _bytes(self, chunk: Box, future: tensorstore.Future) -> bytes:
+    def check(self) -> None:
+        """Read every chunk and check each checksummed region that is a chunk as its
+        bytes are (an edge chunk without its padding), keeping no array; a step whose
+        regions are not its chunks is checked as `finish` reads it."""
+        layout = self.layout
+        regions = {parse_region(key): (key, crc) for key, crc in self.sums.items()}
+        for chunk, future in zip(self.chunks, self.futures, strict=True):
+            data = self._bytes(chunk, future)
+            hit = regions.pop(chunk, None)
+            if hit is None:
+                continue
+            if all(b - a == c for (a, b), c in zip(chunk, layout.chunks, strict=True)):
+                crc = checksum_bytes(data)
+            else:
+                block = np.frombuffer(data, layout.dtype).reshape(layout.chunks)
+                crc = checksum(block[tuple(slice(0, b - a) for a, b in chunk)])
+            if crc != hit[1]:
+                raise ChecksumMismatch(self.saved, hit[0])
+        if regions:
+            self.finish()
+
+    def _bytes(self, chunk: Box, future: tensorstore.Future | concurrent.futures.Future) -> bytes:
         """A chunk's bytes, once they are there and the size its layout gives."""
         layout = self.layout
         result = future.result()
@@ -471,6 +533,41 @@ class _RawLeaf:
             f"its chunk '{where}' holds {len(result.value)} bytes where its layout gives "
             f"{self._size}"
         )
+
+
+class _Value:
+    """A key's value as `_IndexValues` reads it: TensorStore's read result's fields."""
+
+    __slots__ = ("state", "value")
+
+    def __init__(self, value: bytes | None) -> None:
+        self.state = "missing" if value is None else "value"
+        self.value = b"" if value is None else value
+
+
+class _IndexValues:
+    """The values of a database whose index `_ocdbt` read, read as TensorStore's are
+    (`read(key)` gives a future of a result with `state` and `value`): inline ones at
+    once, out-of-line ones by `os.pread` on a pool of threads (which lets go of the
+    GIL), all at once."""
+
+    def __init__(self, index: _ocdbt.Database) -> None:
+        self.index = index
+
+    def read(self, key: str) -> concurrent.futures.Future[_Value]:
+        where = self.index.locate(key)
+        if isinstance(where, _ocdbt.Indirect):
+            return _pool().submit(lambda: _Value(self.index.read_range(where)))
+        future: concurrent.futures.Future[_Value] = concurrent.futures.Future()
+        future.set_result(_Value(where))
+        return future
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(16, 2 * (os.cpu_count() or 1)), thread_name_prefix="jax_cb_ckpt-read"
+    )
 
 
 def _chunk_boxes(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterable[Box]:
@@ -491,7 +588,7 @@ def _chunk_key(box: Box, chunks: tuple[int, ...], separator: str) -> str:
 # -- a leaf's .zarray, checked --------------------------------------------------------------
 
 
-def _layout(saved: LeafSpec, result: tensorstore.KvStore.ReadResult) -> Layout:
+def _layout(saved: LeafSpec, result: tensorstore.KvStore.ReadResult | _Value) -> Layout:
     """The `.zarray` a read gave for `saved`, parsed and checked against it."""
     name = param_name(saved.name)
     if result.state != "value":

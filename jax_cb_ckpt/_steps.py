@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _format, _policy, _read, _remote, _storage, _warn
+from . import _format, _ocdbt, _policy, _read, _remote, _storage, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
@@ -170,7 +170,8 @@ def read_failure(
         return RestoreError(f"{where}: {e}. Fix: restore another step.")
     # A server's answer may echo credentials: scrubbed before it goes into an error.
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
-    if isinstance(e, (_read.ChunkError, FileNotFoundError)) or any(m in text for m in _DAMAGE):
+    damaged = (_read.ChunkError, _ocdbt.Damaged, FileNotFoundError)
+    if isinstance(e, damaged) or any(m in text for m in _DAMAGE):
         return RestoreError(
             f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
@@ -367,11 +368,13 @@ def open_arrays(
     where: str,
     meta: _format.StepMeta,
     specs: list[LeafSpec],
+    *,
+    light: bool = False,
 ) -> _read.StepArrays:
     """The step's arrays, opened, with the stored layouts of `specs` checked against
-    their descriptions before anything of them is read."""
+    their descriptions before anything of them is read (`light`: `StepArrays`')."""
     try:
-        arrays = _read.StepArrays(storage, step, meta.leaves)
+        arrays = _read.StepArrays(storage, step, meta.leaves, light=light)
         arrays.check_layouts(specs)
     except _read.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
@@ -402,12 +405,14 @@ def read_leaves(
     step: int,
     seen: StepIdentity,
     where: str,
+    *,
+    keep: bool = True,
 ) -> list[np.ndarray]:
-    """`arrays.read(requests)`, its failures as our errors; and the step checked to
-    be the one the read began on (TensorStore reads a file removed meanwhile as an
-    absent key, and zarr an absent chunk as its fill value)."""
+    """`arrays.read(requests, keep=)`, its failures as our errors; and the step
+    checked to be the one the read began on (TensorStore reads a file removed meanwhile
+    as an absent key, and zarr an absent chunk as its fill value)."""
     try:
-        results = arrays.read(requests, sums)
+        results = arrays.read(requests, sums, keep=keep)
     except _read.ChecksumMismatch as e:
         if not storage.still_there(step, seen):
             raise removed(storage, step, where) from e
@@ -471,10 +476,10 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         # Without checksums (an older version's step) every byte is still read: a cut
         # or missing file fails here, where it would fail a restore.
         sums = sums_to_check(meta, stored, True, where)
-        arrays = open_arrays(storage, one, seen, where, meta, stored)
+        arrays = open_arrays(storage, one, seen, where, meta, stored, light=True)
         for group in _by_size(stored, _VERIFY_GROUP_BYTES):
             requests: list[tuple[LeafSpec, _read.Box | None]] = [(s, None) for s in group]
-            read_leaves(arrays, requests, sums, storage, one, seen, where)
+            read_leaves(arrays, requests, sums, storage, one, seen, where, keep=False)
     return steps
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import _format, _remote
+from . import _format, _ocdbt, _remote
 from ._durable import StepSync, fsync_dir
 from ._errors import ConfigError
 from ._format import (
@@ -279,6 +279,11 @@ class Local(_Steps):
                 os.path.join(root, n) for n in dirs + files if os.path.islink(os.path.join(root, n))
             ]
         return found
+
+    def index(self, step: int) -> _ocdbt.Database:
+        """The step's state item's index, read without TensorStore (`_ocdbt`); raises
+        `_ocdbt.Unsupported` for a database that reader does not read."""
+        return _ocdbt.Database(os.path.join(self.step_path(step), STATE_ITEM))
 
     def database(
         self, step: int, ts: ModuleType, context: tensorstore.Context, leaves: int = 1
@@ -699,6 +704,10 @@ class Bucket(_Steps):
 
     def symlinks_inside(self, step: int) -> list[str]:
         return []  # object storage has none
+
+    def index(self, step: int) -> _ocdbt.Database:
+        """Read with TensorStore: `_ocdbt` reads files on a local disk only."""
+        raise _ocdbt.Unsupported("a step in a bucket")
 
     def database(
         self, step: int, ts: ModuleType, context: tensorstore.Context, leaves: int = 1

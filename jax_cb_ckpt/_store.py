@@ -66,6 +66,11 @@ _OCDBT_CONFIG = {
     "max_inline_value_bytes": 1024,
     "max_decoded_node_bytes": 100000000,
     "manifest_kind": "single",
+    # The manifest and B-tree nodes uncompressed (Orbax's default compresses them
+    # with zstd; every reader of OCDBT reads either, each node says which): a few
+    # hundred bytes per step more, and the package's own reader (`_ocdbt`) reads them
+    # without TensorStore, whose import `jax-cb-ckpt verify` would otherwise wait on.
+    "compression": None,
 }
 
 

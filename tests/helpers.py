@@ -296,3 +296,20 @@ def checked_options(directory, **changes):
     )
     given.update(changes)
     return checked(directory, **given)
+
+
+def same_as_tensorstore(root):
+    """The package's own reader of OCDBT indexes (`_ocdbt`, which verify uses) finds
+    every key TensorStore lists in the database at `root`, with the same bytes, and no
+    other; the number of keys."""
+    import tensorstore as ts
+
+    from jax_cb_ckpt import _ocdbt
+
+    own = _ocdbt.Database(str(root))
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
+    keys = kv.list().result()
+    assert sorted(own.values) == sorted(keys)
+    for key in keys:
+        assert own.read(key.decode()) == kv.read(key).result().value, key
+    return len(keys)

@@ -146,7 +146,7 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
     assert case["case"] == "tiny" and case["dir"] == str(disk)
     modes = ["warm", "cold"] if report["cold"] else ["warm"]
     methods = ("restore", "restore, verify=False", "restore, jax.Arrays", "plain Orbax")
-    for method in (*methods, "plain read"):
+    for method in (*methods, "plain read", "verify", "verify, TensorStore"):
         for mode in modes:
             assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
     assert not os.listdir(disk)  # cleaned up
@@ -163,6 +163,7 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
             assert bucket["ms"][method] > 0, (bucket["dir"], method)
     markdown = (out / "results.md").read_text()
     assert markdown in printed and "x Orbax" in markdown and "x GET" in markdown
+    assert "| verify | verify, TensorStore | x TensorStore |" in markdown
     assert "x read |" in markdown.split("x GET")[1]  # the bucket table's plain-read ratio
 
 

@@ -155,9 +155,11 @@ def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
 
 def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
     """`ls`, `show` and `--help` read JSON files: they import neither JAX (~1.8 s) nor
-    Orbax nor TensorStore; `verify` reads arrays with TensorStore, never JAX or Orbax.
-    Their start time is printed (pytest -s); a timed assertion would fail on a loaded
-    machine, the imports are what is checked."""
+    Orbax nor TensorStore; `verify` reads the step's index itself (`_ocdbt`) and its
+    chunks' bytes, without TensorStore (~0.55 s, its import of ml_dtypes): the fixture's
+    steps hold a sharded leaf's device blocks, a typed key and vmap members. Their start
+    time is printed (pytest -s); a timed assertion would fail on a loaded machine, the
+    imports are what is checked."""
     import time
 
     probe = (
@@ -167,7 +169,7 @@ def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
         "heavy = [m for m in ('jax', 'orbax.checkpoint', 'tensorstore') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    needs = {"ls": "[]", "show": "[]", "verify": "['tensorstore']"}
+    needs = {"ls": "[]", "show": "[]", "verify": "[]"}
     for args in (["ls", str(saved)], ["show", str(saved)], ["verify", str(saved)], ["--help"]):
         run = run_child([sys.executable, "-c", probe, *args], timeout=120)
         if args != ["--help"]:
@@ -176,6 +178,38 @@ def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
         start = time.perf_counter()
         cli(*args)
         print(f"jax-cb-ckpt {args[0]}: {time.perf_counter() - start:.2f} s")
+
+
+VERIFY_PROBE = (
+    "import sys; sys.argv = ['jax-cb-ckpt', 'verify', sys.argv[1]]\n"
+    "from jax_cb_ckpt._cli import main\n"
+    "code = main()\n"
+    "print('TENSORSTORE', 'tensorstore' in sys.modules, 'CODE', code)\n"
+)
+
+
+def test_verify_reads_with_tensorstore_what_its_own_reader_does_not(tmp_path, monkeypatch):
+    """A compressed leaf (compression=True) needs TensorStore's zarr driver, and a step
+    whose index is compressed (this package's before 0.9, and Orbax's) TensorStore's
+    OCDBT reader: verify imports it for those and checks them as well; a flipped bit in
+    either is still found."""
+    from jax_cb_ckpt import _store
+
+    big = {"w": np.random.default_rng(0).standard_normal((512, 300)).astype(np.float32)}
+    compressed, old = tmp_path / "compressed", tmp_path / "old"
+    with jax_cb_ckpt.Checkpointer(compressed, compression=True) as ckpt:
+        ckpt.save(big, 1)
+    monkeypatch.setitem(_store._OCDBT_CONFIG, "compression", {"id": "zstd"})
+    with jax_cb_ckpt.Checkpointer(old) as ckpt:
+        ckpt.save(big, 1)
+    monkeypatch.undo()
+    for directory in (compressed, old):
+        run = run_child([sys.executable, "-c", VERIFY_PROBE, str(directory)], timeout=120)
+        assert "TENSORSTORE True CODE 0" in run.stdout, run.stdout + run.stderr
+        assert "step 1: ok" in run.stdout
+    flip(data_files(old / "1")[0], offset=1000)
+    run = run_child([sys.executable, "-c", VERIFY_PROBE, str(old)], timeout=120)
+    assert "step 1: FAILED" in run.stdout and "CODE 1" in run.stdout, run.stdout + run.stderr
 
 
 def test_logging_basicconfig_after_import_shows_the_library_s_lines(tmp_path):

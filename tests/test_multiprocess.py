@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ProcessGroup, free_port, json_lines
+from helpers import ProcessGroup, free_port, json_lines, same_as_tensorstore
 
 import jax_cb_ckpt
 
@@ -105,6 +105,10 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
     # Process 0 read metadata and a step alone, while process 1 went on.
     assert findings[0]["metadata_step"] == 4 and findings[0]["restored_alone"] == 2
     assert jax_cb_ckpt.all_steps(directory) == [2, 4]
+    # The merged index (process 1's nodes and values in its own folder) is read by the
+    # package's own reader as TensorStore reads it, and verify (which uses it) passes.
+    assert same_as_tensorstore(directory / "4" / "state") > 0
+    assert jax_cb_ckpt.verify(directory) == [2, 4]
     # Nothing left behind: no temporary directories, one lock per process at most.
     leftovers = [p.name for p in directory.iterdir() if not p.name.isdigit()]
     assert all(name.startswith(".jax_cb_ckpt.lock") for name in leftovers), leftovers

@@ -1,0 +1,240 @@
+"""The package's own reader of OCDBT indexes (`_ocdbt`), which `verify` uses so that it
+starts without TensorStore: what it reads is what TensorStore reads, on the writer's
+steps and on databases TensorStore writes with deep B-trees and many versions; what it
+does not read it says (`Unsupported`); and a damaged or hostile index is `Damaged`,
+found before anything is allocated on its claims."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+
+import numpy as np
+import pytest
+import tensorstore as ts
+from helpers import flip, flip_stored, same_as_tensorstore
+
+import jax_cb_ckpt
+from jax_cb_ckpt import _ocdbt
+
+
+def _tensorstore(root):
+    return ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
+
+
+def _write(root, items, *, commits=1, node_bytes=None, compression=None):
+    config = {"compression": compression, "max_inline_value_bytes": 64}
+    if node_bytes is not None:
+        config["max_decoded_node_bytes"] = node_bytes
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/", "config": config}).result()
+    items = list(items)
+    for i in range(commits):
+        with ts.Transaction() as txn:
+            for key, value in items[i::commits]:
+                kv.with_transaction(txn)[key] = value
+    return kv
+
+
+def test_reads_the_writer_s_steps_as_tensorstore_does(tmp_path):
+    rng = np.random.default_rng(0)
+    state = {
+        "params": {f"layer{i}": rng.standard_normal((i * 37 % 300 + 1, 3)) for i in range(40)},
+        "big": rng.standard_normal((6000, 1000)).astype(np.float32),  # several chunks
+        "scalar": np.float32(3.0),
+    }
+    with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(state, 1)
+    assert same_as_tensorstore(tmp_path / "c" / "1" / "state") > 2 * 42  # big has chunks
+
+
+def test_reads_deep_b_trees_and_many_versions(tmp_path):
+    """Nodes of at most 512 bytes make a B-tree of height >= 2 over 3,000 keys of
+    shared prefixes; 40 commits put older versions in version tree nodes (only the
+    newest is read)."""
+    rng = random.Random(1)
+    items = [
+        (f"leaf{i % 7}/sub{i % 13}/{i:06d}", rng.randbytes(rng.choice([0, 5, 64, 65, 300])))
+        for i in range(3000)
+    ]
+    _write(tmp_path / "db", items, commits=40, node_bytes=512)
+    manifest = ts.ocdbt.dump(_tensorstore(tmp_path / "db").base).result()
+    assert manifest["versions"][-1]["root_height"] >= 2
+    assert manifest["version_tree_nodes"], "40 versions should not all be inline"
+    assert same_as_tensorstore(tmp_path / "db") == 3000
+
+
+def test_an_empty_database_has_no_keys(tmp_path):
+    kv = _write(tmp_path / "db", [("a", b"1")])
+    kv.delete_range(ts.KvStore.KeyRange()).result()
+    assert _ocdbt.Database(str(tmp_path / "db")).values == {}
+
+
+def test_what_it_does_not_read_is_unsupported(tmp_path):
+    """Compressed nodes (Orbax's default, this package's before): TensorStore reads them."""
+    _write(tmp_path / "zstd", [("a", b"x" * 100)], compression={"id": "zstd"})
+    with pytest.raises(_ocdbt.Unsupported, match="zstd"):
+        _ocdbt.Database(str(tmp_path / "zstd"))
+
+
+def test_a_flipped_bit_anywhere_in_the_index_is_damage(tmp_path):
+    """Every bit of the manifest and of the B-tree node (each has a CRC-32C)."""
+    _write(tmp_path / "db", [(f"k{i}", bytes([i]) * (i * 9)) for i in range(20)])
+    good = _ocdbt.Database(str(tmp_path / "db")).values
+    manifest = tmp_path / "db" / "manifest.ocdbt"
+    [data] = list((tmp_path / "db" / "d").iterdir())
+    node_at = data.stat().st_size - _root_length(tmp_path / "db")
+    targets = [(manifest, 0, manifest.stat().st_size), (data, node_at, data.stat().st_size)]
+    flipped = 0
+    for path, start, stop in targets:
+        for offset in range(start, stop):
+            original = path.read_bytes()
+            for bit in (0x01, 0x80):
+                with open(path, "r+b") as f:
+                    f.seek(offset)
+                    f.write(bytes([original[offset] ^ bit]))
+                try:
+                    values = _ocdbt.Database(str(tmp_path / "db")).values
+                except (_ocdbt.Damaged, _ocdbt.Unsupported):
+                    flipped += 1
+                else:
+                    assert values == good, (path.name, offset, bit)
+                path.write_bytes(original)
+    assert flipped == 2 * sum(stop - start for _, start, stop in targets)
+
+
+def _root_length(root):
+    manifest = ts.ocdbt.dump(_tensorstore(root).base).result()
+    return int(manifest["versions"][-1]["root"]["location"].rsplit(":", 1)[1])
+
+
+# -- hostile indexes, well formed (their CRC-32C right), their claims false -------------
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _wrap(magic, body):
+    head = struct.pack(">I", magic)
+    length = 4 + 8 + 2 + len(body) + 4
+    encoded = head + struct.pack("<Q", length) + b"\0\0" + body
+    return encoded + struct.pack("<I", _ocdbt.crc32c(encoded))
+
+
+def _files(paths):
+    encoded = [p.encode() for p in paths]
+    out = _varint(len(encoded))
+    out += b"".join(_varint(0) for _ in encoded[1:])  # no shared prefixes
+    out += b"".join(_varint(len(p)) for p in encoded)
+    out += b"".join(_varint(0) for _ in encoded)  # no base paths
+    return out + b"".join(encoded)
+
+
+def _leaf(keys, values, files=("d/x",)):
+    """A leaf node: `values` are bytes (inline) or (file index, offset, length)."""
+    body = bytes([0]) + _files(files) + _varint(len(keys))
+    body += b"".join(_varint(0) for _ in keys[1:])
+    body += b"".join(_varint(len(k)) for k in keys) + b"".join(keys)
+    body += b"".join(_varint(len(v) if isinstance(v, bytes) else v[2]) for v in values)
+    body += bytes(0 if isinstance(v, bytes) else 1 for v in values)
+    indirect = [v for v in values if not isinstance(v, bytes)]
+    body += b"".join(_varint(v[0]) for v in indirect) + b"".join(_varint(v[1]) for v in indirect)
+    body += b"".join(v for v in values if isinstance(v, bytes))
+    return _wrap(0x0CDB20DE, body)
+
+
+def _interior(height, children, files=("d/x",)):
+    """An interior node over `children`: (key, file index, offset, length)."""
+    body = bytes([height]) + _files(files) + _varint(len(children))
+    body += b"".join(_varint(0) for _ in children[1:])
+    body += b"".join(_varint(len(c[0])) for c in children)
+    body += b"".join(_varint(0) for _ in children)  # no subtree common prefix
+    body += b"".join(c[0] for c in children)
+    for column in (1, 2, 3):
+        body += b"".join(_varint(c[column]) for c in children)
+    body += b"".join(_varint(1) for _ in range(3 * len(children)))  # statistics
+    return _wrap(0x0CDB20DE, body)
+
+
+def _database(root, node, *, height=0, keys=1, files=("d/x",), data=b""):
+    """A database whose root is `node`, at the end of data file `d/x` after `data`."""
+    os.makedirs(root / "d", exist_ok=True)
+    (root / "d" / "x").write_bytes(data + node)
+    body = b"\x11" * 16 + bytes([0]) + _varint(64) + _varint(1 << 20) + bytes([4]) + _varint(0)
+    body += _files(files) + _varint(1)  # one version
+    body += _varint(1) + bytes([height]) + _varint(0) + _varint(len(data)) + _varint(len(node))
+    body += _varint(keys) + _varint(len(node)) + _varint(0) + struct.pack("<Q", 0)
+    body += _varint(0)  # no version tree nodes
+    (root / "manifest.ocdbt").write_bytes(_wrap(0x0CDB3A2A, body))
+    return root
+
+
+def test_a_hand_made_index_reads(tmp_path):
+    """The encoder of these tests makes what the reader reads (so that the hostile ones
+    below fail for their claim, not for their encoding)."""
+    data = b"0123456789"
+    root = _database(tmp_path, _leaf([b"a", b"b"], [b"inline", (0, 2, 5)]), keys=2, data=data)
+    db = _ocdbt.Database(str(root))
+    assert db.read("a") == b"inline" and db.read("b") == b"23456" and db.read("c") is None
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["huge count", "huge value", "outside", "loop", "order", "keys", "absolute", "height"],
+)
+def test_a_hostile_index_is_damage_before_anything_is_allocated(tmp_path, case):
+    import resource
+
+    if case == "huge count":  # a node claiming 2**60 entries
+        node = _wrap(0x0CDB20DE, bytes([0]) + _files(["d/x"]) + _varint(1 << 60))
+        root = _database(tmp_path, node)
+    elif case == "huge value":  # a value claiming 4 TiB of a 10-byte file
+        root = _database(tmp_path, _leaf([b"a"], [(0, 0, 4 << 40)]), data=b"0123456789")
+    elif case == "outside":  # a value past its file's end (the node follows the data)
+        root = _database(tmp_path, _leaf([b"a"], [(0, 8, 5000)]), data=b"0123456789")
+    elif case == "loop":  # an interior node whose child is itself
+        node = _interior(1, [(b"a", 0, 0, 0)])
+        node = _interior(1, [(b"a", 0, 0, len(node))])
+        root = _database(tmp_path, node, height=1)
+    elif case == "order":  # keys out of order
+        root = _database(tmp_path, _leaf([b"b", b"a"], [b"1", b"2"]), keys=2)
+    elif case == "keys":  # the manifest counts other keys than the tree holds
+        root = _database(tmp_path, _leaf([b"a"], [b"1"]), keys=7)
+    elif case == "absolute":  # a data file outside the database's folder
+        root = _database(tmp_path, _leaf([b"a"], [(0, 0, 1)], files=["../../etc/passwd"]))
+    else:  # a node whose height is not the one its parent gives
+        root = _database(tmp_path, _leaf([b"a"], [b"1"]), height=3)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(_ocdbt.Damaged):
+        _ocdbt.Database(str(root)).read("a")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+
+
+def test_crc32c_is_castagnoli_s():
+    assert _ocdbt.crc32c_python(b"123456789") == 0xE3069283
+    data = random.Random(2).randbytes(5000)
+    assert _ocdbt.crc32c_python(data) == _ocdbt.crc32c(data)
+
+
+def test_verify_finds_a_flipped_value_through_the_own_reader(tmp_path):
+    """verify reads the writer's steps with `_ocdbt` (not TensorStore) and still finds
+    a flipped bit of a large raw leaf's chunk, and of an edge chunk's."""
+    from jax_cb_ckpt._errors import RestoreError
+
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((5000, 1000)).astype(np.float32)  # 20 MB: several chunks
+    with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save({"big": big}, 1)
+    assert jax_cb_ckpt.verify(tmp_path / "c") == [1]
+    for rows in (big[:3], big[-3:]):  # in the first chunk; in the last (an edge) chunk
+        path, offset = flip_stored(tmp_path / "c" / "1", rows)
+        with pytest.raises(RestoreError, match=r"leaf state\['big'\] is corrupted"):
+            jax_cb_ckpt.verify(tmp_path / "c")
+        flip(path, offset)
+    assert jax_cb_ckpt.verify(tmp_path / "c") == [1]
