@@ -10,12 +10,12 @@ uncompressed, `_store._OCDBT_CONFIG`) with the standard library alone, so that
 `verify` can find every chunk's bytes and check them against the step's checksums.
 
 What it does not read it says so (`Unsupported`: a database whose nodes are compressed,
-as Orbax's and this package's before 0.9 are, or a numbered manifest), and the caller
-reads it with TensorStore. What is not what the format says (a cut or flipped file, a
-node that points outside its file, keys out of order, a loop) is `Damaged`, found
-before anything is allocated on its claim: every length is checked against the
-file's size, every node's CRC-32C against its footer, and the number of nodes and
-keys against the bytes that hold them.
+as Orbax's are and this package's were before 2026-12-04, or a numbered manifest), and
+the caller reads it with TensorStore. What is not what the format says (a cut or
+flipped file, a node that points outside its file, keys out of order, a loop) is
+`Damaged`, found before anything is allocated on its claim: every length is checked
+against the file's size, every node's CRC-32C against its footer, and the number of
+nodes and keys against the bytes that hold them.
 
 Blocks the calling thread while it reads; nothing runs in the background.
 """

@@ -190,7 +190,7 @@ VERIFY_PROBE = (
 
 def test_verify_reads_with_tensorstore_what_its_own_reader_does_not(tmp_path, monkeypatch):
     """A compressed leaf (compression=True) needs TensorStore's zarr driver, and a step
-    whose index is compressed (this package's before 0.9, and Orbax's) TensorStore's
+    whose index is compressed (this package's before 2026-12-04, and Orbax's) TensorStore's
     OCDBT reader: verify imports it for those and checks them as well; a flipped bit in
     either is still found."""
     from jax_cb_ckpt import _store
