@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from typing import Any, Protocol
 
 MANIFEST = "manifest.ocdbt"
 
@@ -61,49 +62,25 @@ Value = bytes | Indirect
 
 
 class Database:
-    """The keys of the latest version of the OCDBT database in folder `root`, and
-    where each value is. Reads the whole index when made (every B+tree node); values
-    are read by `read`."""
+    """The keys of the latest version of the OCDBT database in folder `root` (or in
+    `files`: the objects of a step in a bucket, read into memory), and where each value
+    is. Reads the whole index when made (every B+tree node); values are read by
+    `read`."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, files: Files | None = None) -> None:
         self.root = root
-        self._sizes: dict[str, int] = {}
-        manifest = self._whole(MANIFEST)
+        self.files = Folder(root) if files is None else files
         named = f"the manifest '{self._path(MANIFEST)}'"
-        reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
-        reader.take(16)  # the database's uuid
-        if reader.byte() != 0:
-            raise Unsupported("a numbered manifest (manifest_kind 'numbered')")
-        reader.varint()  # max_inline_value_bytes
-        reader.varint()  # max_decoded_node_bytes
-        arity_log2 = reader.byte()
-        if reader.varint() != 0:
-            raise Unsupported("compressed B-tree nodes (zstd)")
-        if not 1 <= arity_log2 <= 16:
-            raise Damaged(f"{named} gives a version tree arity of 2**{arity_log2}")
-        files = _file_table(reader, "")
-        count = reader.count(16, "versions")
-        generations = [reader.varint() for _ in range(count)]
-        heights = [reader.byte() for _ in range(count)]
-        ids = [reader.varint() for _ in range(count)]
-        offsets = [reader.varint() for _ in range(count)]
-        lengths = [reader.varint() for _ in range(count)]
-        keys = [reader.varint() for _ in range(count)]
-        for _ in range(2 * count):  # num_tree_bytes, num_indirect_value_bytes
-            reader.varint()
-        reader.take(8 * count)  # commit times
-        if count == 0:
-            raise Damaged(f"{named} lists no version")
-        if any(a >= b for a, b in zip(generations, generations[1:], strict=False)):
-            raise Damaged(f"{named} has its versions out of order")
+        versions = _latest(self._whole(MANIFEST), named)
+        files_table, heights, ids, offsets, lengths, keys, _ = versions
         # The latest version is the last one inline (older ones, which may sit in
         # version tree nodes after these, are never read).
         self.values: dict[bytes, Value] = {}
         if keys[-1] == 0:
             return
-        if ids[-1] >= len(files):
+        if ids[-1] >= len(files_table):
             raise Damaged(f"{named} points at no data file for its root")
-        path, base = files[ids[-1]]
+        path, base = files_table[ids[-1]]
         self._nodes_left = self._budget()
         self._node(path, base, offsets[-1], lengths[-1], heights[-1], b"", b"", None)
         if len(self.values) != keys[-1]:
@@ -128,8 +105,7 @@ class Database:
         """The bytes of an out-of-line value, checked to lie within its file before
         anything is allocated for them."""
         self._check_range(where.path, where.offset, where.length)
-        with open(self._path(where.path), "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), where.length, where.offset)
+        data = self.files.read(self._relative(where.path), where.offset, where.length)
         if len(data) != where.length:
             raise Damaged(f"'{self._path(where.path)}' was cut while it was read")
         return data
@@ -156,8 +132,7 @@ class Database:
         if length > _MAX_NODE_BYTES:
             raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
         self._check_range(path, offset, length)
-        with open(self._path(path), "rb", buffering=0) as f:
-            encoded = os.pread(f.fileno(), length, offset)
+        encoded = self.files.read(self._relative(path), offset, length)
         if len(encoded) != length:
             raise Damaged(f"'{self._path(path)}' was cut while it was read")
         reader = _Reader(_unwrap(encoded, _BTREE_MAGIC, where), where)
@@ -237,18 +212,19 @@ class Database:
 
     # -- files --------------------------------------------------------------------------
 
-    def _path(self, relative: str) -> str:
-        """The file `relative` of the database, never outside its folder."""
+    def _relative(self, relative: str) -> str:
+        """The file `relative` of the database, checked never to be outside it."""
         parts = relative.split("/")
         if not relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise Damaged(f"the step's index names a data file {relative!r} outside its folder")
-        return os.path.join(self.root, *parts)
+        return relative
+
+    def _path(self, relative: str) -> str:
+        """The file `relative`, named in full for a message."""
+        return f"{self.root.rstrip('/')}/{self._relative(relative)}"
 
     def _size(self, relative: str) -> int:
-        size = self._sizes.get(relative)
-        if size is None:
-            size = self._sizes[relative] = os.stat(self._path(relative)).st_size
-        return size
+        return self.files.size(self._relative(relative))
 
     def _check_range(self, path: str, offset: int, length: int) -> None:
         if offset + length > self._size(path):
@@ -261,8 +237,7 @@ class Database:
         size = self._size(relative)
         if size > _MAX_NODE_BYTES:
             raise Unsupported(f"a manifest of {size} bytes")
-        with open(self._path(relative), "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), size, 0)
+        data = self.files.read(relative, 0, size)
         if len(data) != size:
             raise Damaged(f"'{self._path(relative)}' was cut while it was read")
         return data
@@ -270,10 +245,121 @@ class Database:
     def _budget(self) -> int:
         """The most nodes the database's files can hold (each is >= 16 bytes): a bound
         on the walk, so that a node that points back at its parent ends it."""
+        return self.files.total() // 16 + 1
+
+
+def indexed_bytes(manifest: bytes, where: str) -> tuple[int, str, int]:
+    """(the bytes of the latest version's B-tree and out-of-line values, the data file
+    that holds its root, where the root ends in it), as the manifest `manifest` says
+    (claims, to decide how to read the database: a database written at once is those
+    bytes, its root last in its file)."""
+    files, _, ids, offsets, lengths, keys, indexed = _latest(manifest, where)
+    if keys[-1] == 0 or ids[-1] >= len(files):
+        return indexed, "", 0
+    return indexed, files[ids[-1]][0], offsets[-1] + lengths[-1]
+
+
+def _latest(manifest: bytes, named: str) -> tuple[Any, ...]:
+    """(data file table, heights, file ids, offsets, lengths, key counts, indexed bytes
+    of the latest version) of an encoded manifest."""
+    reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
+    reader.take(16)  # the database's uuid
+    if reader.byte() != 0:
+        raise Unsupported("a numbered manifest (manifest_kind 'numbered')")
+    reader.varint()  # max_inline_value_bytes
+    reader.varint()  # max_decoded_node_bytes
+    arity_log2 = reader.byte()
+    if reader.varint() != 0:
+        raise Unsupported("compressed B-tree nodes (zstd)")
+    if not 1 <= arity_log2 <= 16:
+        raise Damaged(f"{named} gives a version tree arity of 2**{arity_log2}")
+    files = _file_table(reader, "")
+    count = reader.count(16, "versions")
+    generations = [reader.varint() for _ in range(count)]
+    heights = [reader.byte() for _ in range(count)]
+    ids = [reader.varint() for _ in range(count)]
+    offsets = [reader.varint() for _ in range(count)]
+    lengths = [reader.varint() for _ in range(count)]
+    keys = [reader.varint() for _ in range(count)]
+    tree_bytes = [reader.varint() for _ in range(count)]
+    value_bytes = [reader.varint() for _ in range(count)]
+    reader.take(8 * count)  # commit times
+    if count == 0:
+        raise Damaged(f"{named} lists no version")
+    if any(a >= b for a, b in zip(generations, generations[1:], strict=False)):
+        raise Damaged(f"{named} has its versions out of order")
+    indexed = tree_bytes[-1] + value_bytes[-1]
+    return files, heights, ids, offsets, lengths, keys, indexed
+
+
+class Files(Protocol):
+    """Where a database's files are: `size`, `read` of a byte range, and `total`, the
+    bytes of them all."""
+
+    def size(self, relative: str) -> int: ...
+
+    def read(self, relative: str, offset: int, length: int) -> bytes: ...
+
+    def total(self) -> int: ...
+
+
+class Folder:
+    """A database's files in a local folder."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def size(self, relative: str) -> int:
+        return os.stat(os.path.join(self.root, relative)).st_size
+
+    def read(self, relative: str, offset: int, length: int) -> bytes:
+        with open(os.path.join(self.root, relative), "rb", buffering=0) as f:
+            return os.pread(f.fileno(), length, offset)
+
+    def total(self) -> int:
         total = 0
         for folder, _, names in os.walk(self.root):
             total += sum(os.lstat(os.path.join(folder, n)).st_size for n in names)
-        return total // 16 + 1
+        return total
+
+
+class Held:
+    """A database's files, or the parts of them read, held in memory: {relative path:
+    {offset: bytes}}; a read of bytes not held is of a missing file
+    (`FileNotFoundError`)."""
+
+    def __init__(self, parts: dict[str, dict[int, bytes]], where: str) -> None:
+        self.parts, self.where = parts, where
+
+    def size(self, relative: str) -> int:
+        held = self.parts.get(relative)
+        if not held:
+            raise FileNotFoundError(f"{self.where}/{relative} does not exist")
+        return max(offset + len(data) for offset, data in held.items())
+
+    def read(self, relative: str, offset: int, length: int) -> bytes:
+        for start, data in self.parts.get(relative, {}).items():
+            if start <= offset and offset + length <= start + len(data):
+                return data[offset - start : offset - start + length]
+        raise FileNotFoundError(f"{self.where}/{relative} does not exist")
+
+    def total(self) -> int:
+        return sum(len(d) for held in self.parts.values() for d in held.values())
+
+    def missing(self, database: Database) -> list[Indirect]:
+        """The out-of-line values of `database` that lie outside the bytes held."""
+        return [
+            v
+            for v in database.values.values()
+            if isinstance(v, Indirect)
+            and not any(
+                s <= v.offset and v.offset + v.length <= s + len(d)
+                for s, d in self.parts.get(v.path, {}).items()
+            )
+        ]
+
+    def add(self, value: Indirect, data: bytes) -> None:
+        self.parts.setdefault(value.path, {})[value.offset] = data
 
 
 # -- encoding -----------------------------------------------------------------------------

@@ -169,8 +169,10 @@ class StepArrays:
     ) -> None:
         """`storage`: where the step lives (`_storage.at`), which opens its database.
         `light`: read its index with `_ocdbt` where that reader can (a local step the
-        writer wrote), so that TensorStore is imported only for what needs it (a
-        compressed leaf): `verify`, whose start is otherwise TensorStore's import."""
+        writer wrote; a small step in a bucket, read in one round trip:
+        `Bucket.index`), and TensorStore's database is opened only for what needs it (a
+        large or compressed leaf): `verify` then starts without TensorStore's import,
+        and a small step from a bucket is read in one round trip after its opening."""
         self.leaves = {spec.name: spec for spec in leaves}
         self._storage, self._step, self._count = storage, step, len(leaves)
         self.layouts: dict[tuple[str, ...], Layout] = {}
@@ -256,7 +258,7 @@ class StepArrays:
             if key not in pending:
                 leaf_sums = None if sums is None else sums.get(param_name(saved.name))
                 try:
-                    pending[key] = self._start(saved, layout, box, leaf_sums)
+                    pending[key] = self._start(saved, layout, box, leaf_sums, whole=not keep)
                 except Exception as e:
                     raise LeafReadError(saved, e) from e
             order.append(key)
@@ -281,9 +283,16 @@ class StepArrays:
         layout: Layout,
         box: Box,
         sums: dict[str, int] | None,
+        *,
+        whole: bool,
     ) -> _RawLeaf | _ZarrBox:
+        """How a leaf is read: as its chunks' bytes (a small raw leaf; any raw leaf
+        through the package's own index when its values are held in memory, or when
+        only checked, `whole`), else through TensorStore's zarr driver, which reads
+        into the result without a copy."""
         nbytes = layout.dtype.itemsize * math.prod(layout.shape)
-        if layout.raw and (nbytes <= SMALL_BYTES or self._index is not None):
+        index = self._index
+        if layout.raw and (nbytes <= SMALL_BYTES or (index is not None and (whole or index.held))):
             return _RawLeaf(self._values, saved, layout, box, sums or {})
         # Every checksummed region meeting the box is read whole, so that each byte
         # returned is checked (a region of the writer's is a chunk or a device's block).
@@ -554,6 +563,7 @@ class _IndexValues:
 
     def __init__(self, index: _ocdbt.Database) -> None:
         self.index = index
+        self.held = isinstance(index.files, _ocdbt.Held)  # values in memory already
 
     def read(self, key: str) -> concurrent.futures.Future[_Value]:
         where = self.index.locate(key)

@@ -350,6 +350,24 @@ def _sent_reads(
     return pending
 
 
+def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | None]:
+    """Bytes [start, stop) of each (url, start, stop), all at once (None for an object
+    that does not exist): never more, whatever an object's size. A `StorageError` when
+    an object is shorter (servers refuse a range past an object's end)."""
+    pending = []
+    for url, start, stop in ranges:
+        store, key = _bucket_store(url)
+        pending.append((url, store.read(key, byte_range=slice(start, stop))))
+    results: list[bytes | None] = []
+    for url, future in pending:
+        try:
+            result = future.result()
+        except Exception as e:
+            raise _failed("reading", url, e) from None
+        results.append(bytes(result.value) if result.state == "value" else None)
+    return results
+
+
 def list_and_read(url: str, names: list[str]) -> tuple[list[str], list[tuple[bytes | None, bytes]]]:
     """(`list_keys(url)`, `read_many` of `url/name` for each of `names`), the reads and
     the listing sent at once: one round trip where they would be two."""

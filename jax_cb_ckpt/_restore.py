@@ -90,7 +90,7 @@ def restore(
     saved_of = [by_name[spec.name] for spec in like_specs]
     stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
     requests: list[tuple[_tree.LeafSpec, _read.Box | None]] = []
     placements = []  # per like leaf: (sharding, {box: index into results}) or None
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
@@ -224,7 +224,7 @@ def _restore_member(
     full = {s.name: s for s in meta.leaves}
     stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
     requests = []
     for saved in stored:
         if saved.name in batched:  # only the chunks holding the member are read

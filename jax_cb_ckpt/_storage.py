@@ -64,8 +64,11 @@ if TYPE_CHECKING:
     import tensorstore
 
 # The OCDBT database's root, read once per step from a bucket (`Bucket.database`).
-_MANIFEST = "manifest.ocdbt"
+_MANIFEST = _ocdbt.MANIFEST
 _MANIFEST_KEY = f"{STATE_ITEM}/{_MANIFEST}"  # under the step
+# A bucket's step of at most this many bytes in its database is read at once, its index
+# by `_ocdbt` (`Bucket.index`); a larger one by TensorStore, range by range.
+HELD_BYTES = 8 << 20
 
 # What a step is, taken before it is read and compared after (a step replaced under its
 # name, or removed, is another): (device, inode) of its directory; in a bucket
@@ -594,6 +597,7 @@ class Bucket(_Steps):
         self.path = url
         # (step, its OCDBT manifest) of the step `open_step` read last, for `database`.
         self._manifest: tuple[int, bytes | None] | None = None
+        self._listed: tuple[int, list[str]] | None = None  # the step's keys, with it
         self._manifests_lock = threading.Lock()
 
     def step_path(self, step: int | str) -> str:
@@ -685,6 +689,7 @@ class Bucket(_Steps):
         described = _format.check_meta_bytes(text, step, record)
         with self._manifests_lock:  # one, the step read next: threads may share this
             self._manifest = (step, manifest)
+            self._listed = (step, keys)
         return ("object", marker[1]), described
 
     def step_identity(self, step: int) -> StepIdentity:
@@ -706,8 +711,53 @@ class Bucket(_Steps):
         return []  # object storage has none
 
     def index(self, step: int) -> _ocdbt.Database:
-        """Read with TensorStore: `_ocdbt` reads files on a local disk only."""
-        raise _ocdbt.Unsupported("a step in a bucket")
+        """The index of a small step just opened (`open_step`, whose listing and
+        manifest are kept), read with `_ocdbt` from the data object that holds its
+        B-tree's root, read up to the root's end at once (one round trip: the writer
+        writes a small step's values before its root, in the same object, in most
+        saves; values elsewhere are read as the index gives them, in a second), where
+        TensorStore reads the root, then the values it points at (two in turn). Never
+        more bytes than the manifest and the index give. `_ocdbt.Unsupported` for any
+        other step (more than `HELD_BYTES`, a node in another object, an object shorter
+        than the index says, a damaged index, not just opened): it is read by
+        TensorStore, which reports what is wrong with it."""
+        with self._manifests_lock:
+            manifest, listed = self._manifest, self._listed
+        if manifest is None or manifest[0] != step or listed is None or listed[0] != step:
+            raise _ocdbt.Unsupported("a step not just opened")
+        if manifest[1] is None:
+            raise _ocdbt.Unsupported("a step without its manifest")
+        state = f"{self.step_path(step)}/{STATE_ITEM}"
+        data = [
+            key[len(STATE_ITEM) + 1 :]
+            for key in listed[1]
+            if key.startswith(f"{STATE_ITEM}/") and "d" in key.split("/")[1:-1]
+        ]
+        total, root, root_end = _ocdbt.indexed_bytes(
+            manifest[1], f"the manifest '{state}/{_MANIFEST}'"
+        )
+        if total > HELD_BYTES:
+            raise _ocdbt.Unsupported(f"a step of {total} bytes")
+        if root not in data:
+            raise _ocdbt.Unsupported("a step whose objects are not what its manifest says")
+        try:
+            [held] = _remote.read_ranges([(f"{state}/{root}", 0, root_end)])
+            parts = {_MANIFEST: {0: manifest[1]}} | ({} if held is None else {root: {0: held}})
+            source = _ocdbt.Held(parts, state)
+            index = _ocdbt.Database(state, source)
+            # Values the writer put in another object (1 save in 5 or so): read at once,
+            # exactly the bytes the index gives (a second round trip).
+            others = source.missing(index)
+            if sum(v.length for v in others) > HELD_BYTES:
+                raise _ocdbt.Unsupported("values beyond the manifest's count")
+            ranges = [(f"{state}/{v.path}", v.offset, v.offset + v.length) for v in others]
+            for value, got in zip(others, _remote.read_ranges(ranges), strict=True):
+                if got is None:
+                    raise _ocdbt.Unsupported(f"data object '{value.path}' is missing")
+                source.add(value, got)
+        except (_remote.StorageError, _ocdbt.Damaged, FileNotFoundError) as e:
+            raise _ocdbt.Unsupported(f"{e}") from e
+        return index
 
     def database(
         self, step: int, ts: ModuleType, context: tensorstore.Context, leaves: int = 1

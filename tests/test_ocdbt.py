@@ -238,3 +238,153 @@ def test_verify_finds_a_flipped_value_through_the_own_reader(tmp_path):
             jax_cb_ckpt.verify(tmp_path / "c")
         flip(path, offset)
     assert jax_cb_ckpt.verify(tmp_path / "c") == [1]
+
+
+# -- a small step in a bucket: its one data object read at once, its index by _ocdbt ----
+
+
+def _bucket_state():
+    rng = np.random.default_rng(4)
+    return {
+        "small": rng.standard_normal((7, 3)).astype(np.float32),
+        "medium": rng.standard_normal((300, 100)),  # 240 KB: above SMALL_BYTES, raw
+        "count": np.int32(11),
+    }
+
+
+def _data_object(url):
+    from jax_cb_ckpt import _remote
+
+    keys = [k for k in _remote.list_keys(f"{url}/1/state") if k.startswith("d/")]
+    sizes = {k: len(_remote.read(f"{url}/1/state/{k}")[0] or b"") for k in keys}
+    return f"{url}/1/state/{max(keys, key=sizes.__getitem__)}"  # the values
+
+
+def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch):
+    """Its one data object is read once, whole, after the step's opening; TensorStore's
+    OCDBT database is never opened (it would read the B-tree's root, then the values:
+    two round trips in turn)."""
+    from jax_cb_ckpt import _storage
+
+    state = _bucket_state()
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save(state, 1)
+    storage = _storage.at(remote.url)
+    storage.open_step(1)
+    index = storage.index(1)
+    assert isinstance(index.files, _ocdbt.Held) and len(index.values) >= 6
+
+    def no_database(*args, **kwargs):
+        raise AssertionError("TensorStore's database was opened")
+
+    monkeypatch.setattr(_storage.Bucket, "database", no_database)
+    like = {k: np.zeros_like(v) for k, v in state.items()}
+    assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like), state)
+    assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
+    assert jax_cb_ckpt.verify(remote.url) == [1]
+
+
+def test_a_bucket_step_larger_than_held_bytes_is_read_by_tensorstore(remote, monkeypatch):
+    from jax_cb_ckpt import _storage
+
+    state = _bucket_state()
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save(state, 1)
+    monkeypatch.setattr(_storage, "HELD_BYTES", 1000)
+    storage = _storage.at(remote.url)
+    storage.open_step(1)
+    with pytest.raises(_ocdbt.Unsupported, match="bytes"):
+        storage.index(1)
+    like = {k: np.zeros_like(v) for k, v in state.items()}
+    assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
+
+
+@pytest.mark.parametrize("damage", ["longer", "flipped", "cut"])
+def test_a_bucket_data_object_changed_is_read_only_as_far_as_claimed(remote, damage, monkeypatch):
+    """Only as many bytes as the manifest counts are read of the data object: 32 MiB
+    appended to it are never read (what is read is what was written, and restores);
+    a flipped bit or a cut object fails the read (the cut one through TensorStore)."""
+    from jax_cb_ckpt import _remote
+    from jax_cb_ckpt._errors import RestoreError
+
+    state = _bucket_state()
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save(state, 1)
+    url = _data_object(remote.url)
+    data, _ = _remote.read(url)
+    if damage == "longer":
+        data = data + bytes(32 << 20)
+    elif damage == "flipped":
+        data = data[:100] + bytes([data[100] ^ 1]) + data[101:]
+    else:
+        data = data[: len(data) // 2]
+    _remote.write(url, data)
+    del data
+    like = {k: np.zeros_like(v) for k, v in state.items()}
+    if damage == "longer":
+        got = []
+        read_ranges = _remote.read_ranges
+        monkeypatch.setattr(
+            _remote, "read_ranges", lambda ranges: got.append(read_ranges(ranges)) or got[-1]
+        )
+        read_many = _remote.read_many
+
+        def never_whole(urls):
+            assert url not in urls, "the data object was read whole"
+            return read_many(urls)
+
+        monkeypatch.setattr(_remote, "read_many", never_whole)
+        assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
+        held = sum(len(b) for round in got for b in round if b is not None)
+        assert 200_000 < held < 1 << 20  # the step's bytes, not 32 MiB
+        return
+    with pytest.raises(RestoreError, match="changed|corrupted"):
+        jax_cb_ckpt.restore(remote.url, like, step=1)
+    with pytest.raises(RestoreError, match="changed|corrupted"):
+        jax_cb_ckpt.verify(remote.url, step=1)
+
+
+def test_values_outside_the_held_root_object_are_read_as_the_index_gives(tmp_path):
+    """A database whose values sit in another data file than its root (two commits):
+    held with only the root's object up to the root's end, the values it lacks are
+    exactly the other file's, and once added every key reads as TensorStore reads it."""
+    kv = _write(tmp_path / "db", [(f"k{i:03d}", bytes([i]) * 200) for i in range(40)], commits=2)
+    manifest = (tmp_path / "db" / "manifest.ocdbt").read_bytes()
+    total, root, root_end = _ocdbt.indexed_bytes(manifest, "the manifest")
+    held = _ocdbt.Held(
+        {
+            _ocdbt.MANIFEST: {0: manifest},
+            root: {0: (tmp_path / "db" / root).read_bytes()[:root_end]},
+        },
+        str(tmp_path / "db"),
+    )
+    db = _ocdbt.Database(str(tmp_path / "db"), held)
+    missing = held.missing(db)
+    assert missing and all(v.path != root for v in missing), missing
+    for value in missing:
+        with open(tmp_path / "db" / value.path, "rb") as f:
+            f.seek(value.offset)
+            held.add(value, f.read(value.length))
+    assert not held.missing(db)
+    for key in kv.list().result():
+        assert db.read(key.decode()) == kv.read(key).result().value
+    assert total >= sum(v.length for v in missing)
+
+
+def test_many_small_bucket_steps_restore_through_the_held_index(remote, monkeypatch):
+    """The writer puts a small step's values in its root's object in most saves and in
+    another now and then: each of 12 steps restores exactly without TensorStore's
+    database, whichever it was."""
+    from jax_cb_ckpt import _storage
+
+    states = {}
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        for step in range(1, 13):
+            states[step] = {k: v + step for k, v in _bucket_state().items()}
+            ckpt.save(states[step], step)
+    monkeypatch.setattr(
+        _storage.Bucket, "database", lambda *a: pytest.fail("TensorStore's database opened")
+    )
+    like = {k: np.zeros_like(v) for k, v in _bucket_state().items()}
+    for step, state in states.items():
+        assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=step), state)
