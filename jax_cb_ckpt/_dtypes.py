@@ -27,6 +27,20 @@ ML_DTYPES = ("bfloat", "float8", "float6", "float4", "int2", "int4", "uint2", "u
 PACKED_AS = {"int2": np.int8, "uint2": np.uint8, "int4": np.int8, "uint4": np.uint8}
 
 
+def named(name: str) -> np.dtype:
+    """The dtype called `name` in a checkpoint's description or `.zarray`: numpy's, or
+    an ml_dtypes type (bfloat16, float8_*, int4, ...), imported only then (~0.5 s: the
+    command line reads numpy-only steps without it). TypeError for an unknown name."""
+    try:
+        return np.dtype(name)  # a hostile .zarray may give any JSON: numpy checks it
+    except TypeError:
+        if not isinstance(name, str) or not name.startswith(ML_DTYPES):
+            raise
+    import ml_dtypes  # noqa: F401  registers its types with numpy by name
+
+    return np.dtype(name)
+
+
 def packed(dtype: DTypeLike) -> bool:
     """Is `dtype` stored packed (several elements per byte) in XLA's buffers?"""
     name = np.dtype(dtype).name

@@ -1,21 +1,25 @@
-"""The index of an OCDBT database on a local disk, read without TensorStore.
+"""The index of an OCDBT database, read without TensorStore.
 
 A step's arrays sit in an OCDBT database (`_store.py`): a manifest (`manifest.ocdbt`)
 that points at the root of a B+tree, whose leaves hold each key's value inline or as
 a byte range of a data file (`d/<hex>`). The format is TensorStore's, documented in
 its `kvstore/ocdbt/index.rst`. TensorStore reads it, but importing TensorStore takes
-~0.5 s (its import of ml_dtypes), which is all of `jax-cb-ckpt verify`'s start. This
-module reads the index of the databases the writer writes (manifest and nodes
-uncompressed, `_store._OCDBT_CONFIG`) with the standard library alone, so that
-`verify` can find every chunk's bytes and check them against the step's checksums.
+~0.5 s (its import of ml_dtypes), which was all of `jax-cb-ckpt verify`'s start, and
+it reads a bucket's index node by node. This module reads the index of the databases
+the writer writes (manifest and nodes uncompressed, `_store._OCDBT_CONFIG`) with the
+standard library alone, from a local folder (`Folder`) or from a bucket step's bytes
+read at once (`Held`, `_storage.Bucket.index`).
 
-What it does not read it says so (`Unsupported`: a database whose nodes are compressed,
-as Orbax's are and this package's were before 2026-12-04, or a numbered manifest), and
-the caller reads it with TensorStore. What is not what the format says (a cut or
-flipped file, a node that points outside its file, keys out of order, a loop) is
-`Damaged`, found before anything is allocated on its claim: every length is checked
-against the file's size, every node's CRC-32C against its footer, and the number of
-nodes and keys against the bytes that hold them.
+What it does not read it says (`Unsupported`: a database whose nodes are compressed, as
+Orbax's are and this package's were before 2026-12-04, a numbered manifest, a node
+reached twice, an index too large to hold), and the caller reads it with TensorStore,
+which looks keys up one by one. What is not what the format says (a cut or flipped
+file, a node that points outside its file or out of its parent's key range, keys out of
+order or too long, more nodes or keys than the manifest counts, a file that is not a
+regular file) is `Damaged`, found before anything is allocated on its claim: every
+length is checked against the file's size, every node's CRC-32C against its footer,
+every count against the bytes that hold it, and the walk reads each node once and at
+most the bytes of B-tree the manifest counts.
 
 Blocks the calling thread while it reads; nothing runs in the background.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import struct
 from typing import Any, Protocol
 
@@ -36,6 +41,11 @@ _BTREE_MAGIC = 0x0CDB20DE
 _MAX_NODE_BYTES = 64 << 20
 _MAX_HEIGHT = 32  # B+tree heights are ~log_1024(keys): 3 covers a billion keys
 _MAX_KEY_BYTES = 65535  # the format's own limit on keys and data file paths
+# A larger index is read by TensorStore, which looks keys up one by one (ours: ~1 MiB
+# and ~100 bytes of keys per 10,000 leaves).
+_MAX_TREE_BYTES = 64 << 20
+_MAX_KEY_TOTAL = 64 << 20
+_MAX_PREAD = 1 << 30
 
 
 class Unsupported(Exception):
@@ -72,7 +82,7 @@ class Database:
         self.files = Folder(root) if files is None else files
         named = f"the manifest '{self._path(MANIFEST)}'"
         versions = _latest(self._whole(MANIFEST), named)
-        files_table, heights, ids, offsets, lengths, keys, _ = versions
+        files_table, heights, ids, offsets, lengths, keys, _, tree_bytes = versions
         # The latest version is the last one inline (older ones, which may sit in
         # version tree nodes after these, are never read).
         self.values: dict[bytes, Value] = {}
@@ -80,8 +90,17 @@ class Database:
             return
         if ids[-1] >= len(files_table):
             raise Damaged(f"{named} points at no data file for its root")
+        if heights[-1] > _MAX_HEIGHT:
+            raise Damaged(f"{named} gives its B-tree a height of {heights[-1]}")
+        if tree_bytes > _MAX_TREE_BYTES:
+            raise Unsupported(f"a B-tree of {tree_bytes} bytes")
+        # The walk reads each node once, at most the node bytes the manifest counts, and
+        # keeps at most the keys it counts: a node reached twice, or a tree larger than
+        # its manifest says, ends it (a crafted index cannot make it loop or explode).
+        self._seen: dict[tuple[str, int, int], int] = {}  # node -> its height
+        self._tree_left, self._keys_left = tree_bytes, keys[-1]
+        self._key_bytes_left = _MAX_KEY_TOTAL
         path, base = files_table[ids[-1]]
-        self._nodes_left = self._budget()
         self._node(path, base, offsets[-1], lengths[-1], heights[-1], b"", b"", None)
         if len(self.values) != keys[-1]:
             raise Damaged(
@@ -121,14 +140,20 @@ class Database:
         height: int,
         prefix: bytes,
         lower: bytes,
-        parent: str | None,
+        upper: bytes | None,
     ) -> None:
         """Read the B+tree node at (`path`, `offset`, `length`) of `height`, whose keys
-        all begin with `prefix` and are >= `lower`, and every node below it."""
-        self._nodes_left -= 1
-        if self._nodes_left < 0:
-            raise Damaged("the step's B-tree has more nodes than its files can hold (a loop)")
+        all begin with `prefix` and lie in [`lower`, `upper`), and every node below it."""
         where = f"the B-tree node at bytes {offset}..{offset + length} of '{self._path(path)}'"
+        seen = self._seen.get((path, offset, length))
+        if seen is not None:  # shared by two parents (legal), or its own descendant
+            if seen != height:
+                raise Damaged(f"{where} is reached again below itself")
+            raise Unsupported(f"{where}, reached twice")
+        self._seen[(path, offset, length)] = height
+        self._tree_left -= length
+        if self._tree_left < 0:
+            raise Damaged(f"{where} makes the B-tree larger than its manifest says")
         if length > _MAX_NODE_BYTES:
             raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
         self._check_range(path, offset, length)
@@ -155,6 +180,10 @@ class Database:
             keys.append(key)
         if prefix + keys[0] < lower:
             raise Damaged(f"{where} begins below the key its parent gives")
+        if upper is not None and prefix + keys[-1] >= upper:
+            raise Damaged(f"{where} ends above the key its parent gives")
+        if len(prefix) + max(map(len, keys)) > _MAX_KEY_BYTES:
+            raise Damaged(f"{where} has a key longer than {_MAX_KEY_BYTES} bytes")
         if height == 0:
             self._leaf(reader, keys, files, prefix, where)
         else:
@@ -176,7 +205,7 @@ class Database:
                     height - 1,
                     prefix + key[: common[i]],
                     prefix + key,
-                    path,
+                    prefix + keys[i + 1] if i + 1 < count else upper,
                 )
 
     def _leaf(
@@ -208,6 +237,12 @@ class Database:
     def _add(self, key: bytes, value: Value, where: str) -> None:
         if key in self.values:
             raise Damaged(f"{where} repeats key {key!r}")
+        self._keys_left -= 1
+        self._key_bytes_left -= len(key)
+        if self._keys_left < 0:
+            raise Damaged(f"{where} holds more keys than its manifest counts")
+        if self._key_bytes_left < 0:
+            raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
         self.values[key] = value
 
     # -- files --------------------------------------------------------------------------
@@ -242,18 +277,13 @@ class Database:
             raise Damaged(f"'{self._path(relative)}' was cut while it was read")
         return data
 
-    def _budget(self) -> int:
-        """The most nodes the database's files can hold (each is >= 16 bytes): a bound
-        on the walk, so that a node that points back at its parent ends it."""
-        return self.files.total() // 16 + 1
-
 
 def indexed_bytes(manifest: bytes, where: str) -> tuple[int, str, int]:
     """(the bytes of the latest version's B-tree and out-of-line values, the data file
     that holds its root, where the root ends in it), as the manifest `manifest` says
     (claims, to decide how to read the database: a database written at once is those
     bytes, its root last in its file)."""
-    files, _, ids, offsets, lengths, keys, indexed = _latest(manifest, where)
+    files, _, ids, offsets, lengths, keys, indexed, _ = _latest(manifest, where)
     if keys[-1] == 0 or ids[-1] >= len(files):
         return indexed, "", 0
     return indexed, files[ids[-1]][0], offsets[-1] + lengths[-1]
@@ -261,7 +291,7 @@ def indexed_bytes(manifest: bytes, where: str) -> tuple[int, str, int]:
 
 def _latest(manifest: bytes, named: str) -> tuple[Any, ...]:
     """(data file table, heights, file ids, offsets, lengths, key counts, indexed bytes
-    of the latest version) of an encoded manifest."""
+    and B-tree bytes of the latest version) of an encoded manifest."""
     reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
     reader.take(16)  # the database's uuid
     if reader.byte() != 0:
@@ -289,18 +319,15 @@ def _latest(manifest: bytes, named: str) -> tuple[Any, ...]:
     if any(a >= b for a, b in zip(generations, generations[1:], strict=False)):
         raise Damaged(f"{named} has its versions out of order")
     indexed = tree_bytes[-1] + value_bytes[-1]
-    return files, heights, ids, offsets, lengths, keys, indexed
+    return files, heights, ids, offsets, lengths, keys, indexed, tree_bytes[-1]
 
 
 class Files(Protocol):
-    """Where a database's files are: `size`, `read` of a byte range, and `total`, the
-    bytes of them all."""
+    """Where a database's files are: `size` of one, `read` of a byte range of one."""
 
     def size(self, relative: str) -> int: ...
 
     def read(self, relative: str, offset: int, length: int) -> bytes: ...
-
-    def total(self) -> int: ...
 
 
 class Folder:
@@ -310,17 +337,28 @@ class Folder:
         self.root = root
 
     def size(self, relative: str) -> int:
-        return os.stat(os.path.join(self.root, relative)).st_size
+        path = os.path.join(self.root, relative)
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO's size is 0, and opening it blocks
+            raise Damaged(f"'{path}' is not a regular file")
+        return info.st_size
 
     def read(self, relative: str, offset: int, length: int) -> bytes:
-        with open(os.path.join(self.root, relative), "rb", buffering=0) as f:
-            return os.pread(f.fileno(), length, offset)
-
-    def total(self) -> int:
-        total = 0
-        for folder, _, names in os.walk(self.root):
-            total += sum(os.lstat(os.path.join(folder, n)).st_size for n in names)
-        return total
+        path = os.path.join(self.root, relative)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Damaged(f"'{path}' is not a regular file")
+            parts, done = [], 0
+            while done < length:  # one pread returns at most ~2 GiB on Linux
+                part = os.pread(fd, min(length - done, _MAX_PREAD), offset + done)
+                if not part:
+                    break
+                parts.append(part)
+                done += len(part)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
 
 
 class Held:
@@ -342,9 +380,6 @@ class Held:
             if start <= offset and offset + length <= start + len(data):
                 return data[offset - start : offset - start + length]
         raise FileNotFoundError(f"{self.where}/{relative} does not exist")
-
-    def total(self) -> int:
-        return sum(len(d) for held in self.parts.values() for d in held.values())
 
     def missing(self, database: Database) -> list[Indirect]:
         """The out-of-line values of `database` that lie outside the bytes held."""

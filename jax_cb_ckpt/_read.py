@@ -225,7 +225,10 @@ class StepArrays:
             if 0 not in s.stored_shape and s.name not in self.layouts
         ]
         values = self._values
-        reads = [(s, values.read(f"{param_name(s.name)}/.zarray")) for s in wanted]
+        reads = [
+            (s, _read_key(values, f"{param_name(s.name)}/.zarray", _ZARRAY_MAX_BYTES))
+            for s in wanted
+        ]
         for saved, future in reads:
             try:
                 result = future.result()
@@ -296,6 +299,8 @@ class StepArrays:
             return _RawLeaf(self._values, saved, layout, box, sums or {})
         # Every checksummed region meeting the box is read whole, so that each byte
         # returned is checked (a region of the writer's is a chunk or a device's block).
+        if index is not None:  # TensorStore would read a chunk as long as it claims
+            index.check_chunks(saved, layout)
         hit = [(k, r) for k, r in ((k, parse_region(k)) for k in sums or {}) if _meets(r, box)]
         outer = _hull([box] + [r for _, r in hit], len(box))
         return _ZarrBox(self._zarr(saved, layout), saved, layout, box, outer, hit, sums or {})
@@ -479,7 +484,8 @@ class _RawLeaf:
         name = param_name(saved.name)
         self.chunks = list(_chunk_boxes(layout.shape, layout.chunks))
         self.futures = [
-            kv.read(f"{name}/{_chunk_key(c, layout.chunks, layout.separator)}") for c in self.chunks
+            _read_key(kv, f"{name}/{_chunk_key(c, layout.chunks, layout.separator)}", self._size)
+            for c in self.chunks
         ]
 
     def finish(self) -> np.ndarray:
@@ -565,8 +571,27 @@ class _IndexValues:
         self.index = index
         self.held = isinstance(index.files, _ocdbt.Held)  # values in memory already
 
-    def read(self, key: str) -> concurrent.futures.Future[_Value]:
+    def check_chunks(self, saved: LeafSpec, layout: Layout) -> None:
+        """Every stored chunk of `saved` is at most as long as its layout allows
+        (`ChunkError` else), before TensorStore reads one (it allocates what a value
+        claims)."""
+        bound, name = _chunk_bound(layout), param_name(saved.name)
+        for chunk in _chunk_boxes(layout.shape, layout.chunks):
+            key = f"{name}/{_chunk_key(chunk, layout.chunks, layout.separator)}"
+            where = self.index.locate(key)
+            if isinstance(where, _ocdbt.Indirect) and where.length > bound:
+                raise ChunkError(f"'{key}' is {where.length} bytes, where at most {bound} can be")
+
+    def read(self, key: str, at_most: int) -> concurrent.futures.Future[_Value]:
+        """The value of `key`, read only if it is at most `at_most` bytes (what its
+        layout gives: a longer one is damage, and nothing is allocated for it)."""
         where = self.index.locate(key)
+        if isinstance(where, _ocdbt.Indirect) and where.length > at_most:
+            refused: concurrent.futures.Future[_Value] = concurrent.futures.Future()
+            refused.set_exception(
+                ChunkError(f"'{key}' is {where.length} bytes, where at most {at_most} can be")
+            )
+            return refused
         if isinstance(where, _ocdbt.Indirect) and where.length > _AT_ONCE_BYTES:
             return _pool().submit(lambda: _Value(self.index.read_range(where)))
         future: concurrent.futures.Future[_Value] = concurrent.futures.Future()
@@ -580,6 +605,23 @@ class _IndexValues:
 
 
 _AT_ONCE_BYTES = 256 << 10  # values up to this size are read by the calling thread
+
+
+def _chunk_bound(layout: Layout) -> int:
+    """The most bytes a stored chunk of `layout` can be: its elements' bytes, plus
+    zstd's worst case for incompressible data when it is compressed."""
+    size = layout.dtype.itemsize * math.prod(layout.chunks)
+    return size if layout.raw else size + (size >> 7) + 1024
+
+
+def _read_key(
+    values: _IndexValues | tensorstore.KvStore, key: str, at_most: int
+) -> concurrent.futures.Future[_Value] | tensorstore.Future[tensorstore.KvStore.ReadResult]:
+    """`values.read(key)`; the package's own index first checks the value's size (a
+    TensorStore read is as long as the value, whose size is checked once read)."""
+    if isinstance(values, _IndexValues):
+        return values.read(key, at_most)
+    return values.read(key)
 
 
 @functools.cache
@@ -622,7 +664,7 @@ def _layout(saved: LeafSpec, result: tensorstore.KvStore.ReadResult | _Value) ->
         zarray = json.loads(value)
         if not isinstance(zarray, dict):
             raise ValueError("not a JSON object")
-        stored = np.dtype(zarray["dtype"])
+        stored = _dtypes.named(zarray["dtype"])
         shape, chunks = tuple(zarray["shape"]), tuple(zarray["chunks"])
         separator = zarray.get("dimension_separator", ".")
         if separator not in (".", "/"):
@@ -664,7 +706,7 @@ def check_layout(
 ) -> None:
     """A stored array of `shape`, `stored` dtype and `chunks` holds leaf `saved` (of
     stored shape `expected`); else `LayoutError` saying what differs."""
-    dtype = np.dtype(saved.dtype)
+    dtype = _dtypes.named(saved.dtype)
     problem = None
     if tuple(shape) != tuple(expected):
         problem = f"shape {list(shape)}, where the description gives {list(expected)}"

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _dtypes
+
 if TYPE_CHECKING:
     from ._shards import ShardedArray
 
@@ -99,7 +101,7 @@ class LeafSpec:
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise ValueError(f"leaf shape {shape!r} is not a list of non-negative ints")
-        dtype = np.dtype(str(data["dtype"]))  # TypeError for an unknown dtype
+        dtype = _dtypes.named(str(data["dtype"]))  # TypeError for an unknown dtype
         impl = data.get("impl")
         if kind == KEY and not isinstance(impl, str):
             raise ValueError(f"key leaf has no PRNG implementation name (impl={impl!r})")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import random
 import struct
+import sys
 
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import flip, flip_stored, same_as_tensorstore
+from helpers import flip, flip_stored, run_child, same_as_tensorstore
 
 import jax_cb_ckpt
 from jax_cb_ckpt import _ocdbt
@@ -149,12 +150,13 @@ def _leaf(keys, values, files=("d/x",)):
     return _wrap(0x0CDB20DE, body)
 
 
-def _interior(height, children, files=("d/x",)):
-    """An interior node over `children`: (key, file index, offset, length)."""
+def _interior(height, children, files=("d/x",), common=0):
+    """An interior node over `children`: (key, file index, offset, length), each
+    child's keys sharing the first `common` bytes of its key."""
     body = bytes([height]) + _files(files) + _varint(len(children))
     body += b"".join(_varint(0) for _ in children[1:])
     body += b"".join(_varint(len(c[0])) for c in children)
-    body += b"".join(_varint(0) for _ in children)  # no subtree common prefix
+    body += b"".join(_varint(common) for _ in children)
     body += b"".join(c[0] for c in children)
     for column in (1, 2, 3):
         body += b"".join(_varint(c[column]) for c in children)
@@ -162,14 +164,16 @@ def _interior(height, children, files=("d/x",)):
     return _wrap(0x0CDB20DE, body)
 
 
-def _database(root, node, *, height=0, keys=1, files=("d/x",), data=b""):
-    """A database whose root is `node`, at the end of data file `d/x` after `data`."""
+def _database(root, node, *, height=0, keys=1, files=("d/x",), data=b"", tree=None):
+    """A database whose root is `node`, at the end of data file `d/x` after `data`
+    (`tree`: the B-tree's bytes the manifest counts; default the root's)."""
     os.makedirs(root / "d", exist_ok=True)
     (root / "d" / "x").write_bytes(data + node)
     body = b"\x11" * 16 + bytes([0]) + _varint(64) + _varint(1 << 20) + bytes([4]) + _varint(0)
     body += _files(files) + _varint(1)  # one version
     body += _varint(1) + bytes([height]) + _varint(0) + _varint(len(data)) + _varint(len(node))
-    body += _varint(keys) + _varint(len(node)) + _varint(0) + struct.pack("<Q", 0)
+    body += _varint(keys) + _varint(len(node) if tree is None else tree) + _varint(0)
+    body += struct.pack("<Q", 0)
     body += _varint(0)  # no version tree nodes
     (root / "manifest.ocdbt").write_bytes(_wrap(0x0CDB3A2A, body))
     return root
@@ -388,3 +392,99 @@ def test_many_small_bucket_steps_restore_through_the_held_index(remote, monkeypa
     like = {k: np.zeros_like(v) for k, v in _bucket_state().items()}
     for step, state in states.items():
         assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=step), state)
+
+
+def _two_level(tmp_path, a_keys, b_keys, *, split, tree_extra=0):
+    """A root over two leaves (inline values), all in `d/x`: leaf A, leaf B, the root;
+    the root gives leaf B the keys from `split` on."""
+    a = _leaf(a_keys, [b"1"] * len(a_keys))
+    b = _leaf(b_keys, [b"2"] * len(b_keys))
+    root = _interior(1, [(b"", 0, 0, len(a)), (split, 0, len(a), len(b))])
+    tree = len(a) + len(b) + len(root) + tree_extra
+    keys = len(a_keys) + len(b_keys)
+    return _database(tmp_path, root, height=1, keys=keys, data=a + b, tree=tree)
+
+
+def test_a_two_level_index_reads(tmp_path):
+    db = _ocdbt.Database(str(_two_level(tmp_path, [b"a", b"b"], [b"m", b"z"], split=b"m")))
+    assert sorted(db.values) == [b"a", b"b", b"m", b"z"]
+
+
+@pytest.mark.parametrize(
+    "case", ["above its range", "tree larger than counted", "long keys", "shared node"]
+)
+def test_a_crafted_two_level_index_is_refused(tmp_path, case):
+    """Each would have verify pass a step restore refuses, or make the walk explode:
+    a key above the range its parent gives a leaf (TensorStore never finds it); nodes
+    beyond the B-tree bytes the manifest counts (a graph that revisits nodes); keys
+    built of long shared prefixes (64 KiB each, times the keys); a node two parents
+    share (legal, but TensorStore's to read: it looks keys up one by one)."""
+    if case == "above its range":  # 'z' sits in leaf A, whose range ends at 'm'
+        root = _two_level(tmp_path, [b"a", b"z"], [b"m"], split=b"m")
+        error, match = _ocdbt.Damaged, "ends above the key its parent gives"
+    elif case == "tree larger than counted":
+        root = _two_level(tmp_path, [b"a"], [b"m"], split=b"m", tree_extra=-1)
+        error, match = _ocdbt.Damaged, "larger than its manifest says"
+    elif case == "long keys":  # a 40,000-byte common prefix above a 30,000-byte key
+        long = b"p" * 40_000
+        leaf = _leaf([b"k" * 30_000], [b"1"])
+        body = bytes([1]) + _files(["d/x"]) + _varint(1) + _varint(len(long))
+        body += _varint(len(long)) + long + _varint(0) + _varint(0) + _varint(len(leaf))
+        body += _varint(1) * 3
+        node = _wrap(0x0CDB20DE, body)
+        root = _database(tmp_path, node, height=1, data=leaf, tree=len(leaf) + len(node))
+        error, match = _ocdbt.Damaged, "longer than 65535 bytes"
+    else:
+        leaf = _leaf([b"x"], [b"1"])  # keys "ax" and "bx": one leaf under two prefixes
+        node = _interior(1, [(b"a", 0, 0, len(leaf)), (b"b", 0, 0, len(leaf))], common=1)
+        root = _database(tmp_path, node, height=1, keys=2, data=leaf, tree=10_000)
+        error, match = _ocdbt.Unsupported, "reached twice"
+    with pytest.raises(error, match=match):
+        _ocdbt.Database(str(root))
+
+
+def test_a_value_longer_than_its_layout_allows_is_never_read(tmp_path):
+    """A chunk whose index claims 4 TiB (of a sparse data file) is refused before a
+    byte of it is read or allocated, by verify and by restore (which would otherwise
+    have TensorStore read what it claims)."""
+    from jax_cb_ckpt import _read
+
+    root = _database(tmp_path, _leaf([b"w/0"], [(0, 0, 4 << 40)]), data=b"0123456789")
+    with open(root / "d" / "x", "r+b") as f:
+        f.truncate(5 << 40)  # sparse: the range check alone would let it through
+    values = _read._IndexValues(_ocdbt.Database(str(root)))
+    with pytest.raises(_read.ChunkError, match="where at most 400 can be"):
+        values.read("w/0", 400).result()
+
+
+def test_a_manifest_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO in place of `manifest.ocdbt` (its size is 0, and opening it blocks)."""
+    with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save({"w": np.arange(3.0)}, 1)
+    manifest = tmp_path / "c" / "1" / "state" / "manifest.ocdbt"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    run = run_child(
+        [sys.executable, "-m", "jax_cb_ckpt", "verify", str(tmp_path / "c")], timeout=60
+    )
+    assert run.returncode == 1 and "is not a regular file" in run.stdout, run
+
+
+def test_a_bfloat16_step_verifies_from_the_command_line(tmp_path):
+    """The command line imports no ml_dtypes for a step of numpy types; a step with a
+    bfloat16 leaf imports it to read its description (it was reported damaged)."""
+    import ml_dtypes
+
+    with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save({"w": np.ones((4, 4), ml_dtypes.bfloat16), "f": np.ones(3, np.float32)}, 1)
+    for command in ("verify", "ls"):
+        run = run_child(
+            [sys.executable, "-m", "jax_cb_ckpt", command, str(tmp_path / "c")], timeout=60
+        )
+        assert run.returncode == 0 and "damaged" not in run.stdout, run
+    assert (
+        "step 1: ok"
+        in run_child(
+            [sys.executable, "-m", "jax_cb_ckpt", "verify", str(tmp_path / "c")], timeout=60
+        ).stdout
+    )
