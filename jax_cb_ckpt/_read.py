@@ -1,26 +1,30 @@
-"""The one read path: a step's arrays, read with TensorStore in the layout the writer
-writes (`_store.py`), checked while they are read.
+"""The one read path: a step's arrays, read in the layout the writer writes
+(`_store.py`), checked while they are read.
 
 `restore`, `restore(member=)`, `verify` and the command line read through `StepArrays`:
 
-1. `StepArrays(storage, step, leaves)` opens the state item's OCDBT database once
-   (where the step lives decides how: `_storage.Local.database`, `Bucket.database`),
-   with a context of its own (no data cached across reads: a step replaced under its
-   name is never read from a cache).
+1. `StepArrays(storage, step, leaves, light=True)` reads the state item's OCDBT index
+   with the package's own reader where the storage gives one (`Storage.index`: a
+   local step, a small bucket step read at once; `_ocdbt`), and opens TensorStore's
+   database only for what needs it (`Local.database`, `Bucket.database`), with a
+   context of its own (no data cached across reads: a step replaced under its name is
+   never read from a cache).
 2. `check_layouts()` reads every stored leaf's `.zarray` at once (raw bytes, each
    within 64 KiB) and checks it against the step's description (`LeafSpec`: dtype,
    shape, chunks) before anything is allocated on a file's claim (`LayoutError`).
 3. `read(requests)` issues every read of every requested leaf (or region of one:
    a member, a device's block) before it waits on any, so chunks are read in
-   parallel on TensorStore's threads; each piece is checked against its CRC-32 as
-   soon as it arrives, while the others are still being read (zlib releases the
-   GIL). A leaf is read into one array allocated once, of its stored dtype: no copy
-   that the result does not need.
+   parallel; each piece is checked against its CRC-32 as soon as it arrives, while
+   the others are still being read (zlib releases the GIL). A leaf is read into one
+   array allocated once, of its stored dtype: no copy that the result does not need.
+   `read(..., keep=False)` (verify) checks and keeps nothing.
 
 How a leaf is read follows what its `.zarray` says: a small uncompressed leaf (the
 writer's raw chunks, <= `_format.SMALL_BYTES`) as the raw bytes of its chunks (no zarr
-driver to open); any other through TensorStore's zarr driver, given the checked
-`.zarray` (not read twice), writing each piece straight into the result.
+driver to open), and so is any uncompressed leaf whose bytes are held in memory (a
+bucket step) or that is only checked; any other through TensorStore's zarr driver,
+given the checked `.zarray` (not read twice), writing each piece straight into the
+result, once the index says no chunk is longer than its layout allows.
 
 A piece is a checksummed region when the step's checksums tile the leaf (the writer's
 chunks or device blocks), else the region asked for; a region asked for that cuts
