@@ -22,6 +22,7 @@ from jax_cb_ckpt import (
     NoCheckpointError,
     RestoreError,
     SaveError,
+    _ocdbt,
     _storage,
 )
 
@@ -471,9 +472,13 @@ def test_a_damaged_database_says_what_which_file_and_what_to_do(make_ckpt, ckpt_
     ckpt = make_ckpt()
     ckpt.save({"w": np.arange(100_000, dtype=np.float32)}, 1)
     ckpt.wait()
-    data = max((ckpt_dir / "1" / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
-    with open(data, "r+b") as f:  # the B-tree node sits after the chunk, at the end
-        f.seek(data.stat().st_size - 20)
+    # The B-tree's root, where the manifest says it is (the writer may put it in a data
+    # file of its own, and leave bytes no node points at after the values).
+    state = ckpt_dir / "1" / "state"
+    _, root, root_end = _ocdbt.indexed_bytes((state / "manifest.ocdbt").read_bytes(), "")
+    data = state / root
+    with open(data, "r+b") as f:
+        f.seek(root_end - 20)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))

@@ -83,9 +83,10 @@ def test_a_flipped_bit_anywhere_in_the_index_is_damage(tmp_path):
     _write(tmp_path / "db", [(f"k{i}", bytes([i]) * (i * 9)) for i in range(20)])
     good = _ocdbt.Database(str(tmp_path / "db")).values
     manifest = tmp_path / "db" / "manifest.ocdbt"
-    [data] = list((tmp_path / "db" / "d").iterdir())
-    node_at = data.stat().st_size - _root_length(tmp_path / "db")
-    targets = [(manifest, 0, manifest.stat().st_size), (data, node_at, data.stat().st_size)]
+    _, root, root_end = _ocdbt.indexed_bytes(manifest.read_bytes(), "the manifest")
+    data = tmp_path / "db" / root
+    node_at = root_end - _root_length(tmp_path / "db")
+    targets = [(manifest, 0, manifest.stat().st_size), (data, node_at, root_end)]
     flipped = 0
     for path, start, stop in targets:
         for offset in range(start, stop):
