@@ -30,7 +30,7 @@ import dataclasses
 import os
 import stat
 import struct
-from typing import Any, Protocol
+from typing import Protocol
 
 MANIFEST = "manifest.ocdbt"
 
@@ -81,30 +81,29 @@ class Database:
         self.root = root
         self.files = Folder(root) if files is None else files
         named = f"the manifest '{self._path(MANIFEST)}'"
-        versions = _latest(self._whole(MANIFEST), named)
-        files_table, heights, ids, offsets, lengths, keys, _, tree_bytes = versions
         # The latest version is the last one inline (older ones, which may sit in
         # version tree nodes after these, are never read).
+        latest = _latest(self._read_exact(MANIFEST, 0, None), named)
         self.values: dict[bytes, Value] = {}
-        if keys[-1] == 0:
+        if latest.keys == 0:
             return
-        if ids[-1] >= len(files_table):
+        if latest.root is None:
             raise Damaged(f"{named} points at no data file for its root")
-        if heights[-1] > _MAX_HEIGHT:
-            raise Damaged(f"{named} gives its B-tree a height of {heights[-1]}")
-        if tree_bytes > _MAX_TREE_BYTES:
-            raise Unsupported(f"a B-tree of {tree_bytes} bytes")
+        if latest.height > _MAX_HEIGHT:
+            raise Damaged(f"{named} gives its B-tree a height of {latest.height}")
+        if latest.tree_bytes > _MAX_TREE_BYTES:
+            raise Unsupported(f"a B-tree of {latest.tree_bytes} bytes")
         # The walk reads each node once, at most the node bytes the manifest counts, and
         # keeps at most the keys it counts: a node reached twice, or a tree larger than
         # its manifest says, ends it (a crafted index cannot make it loop or explode).
         self._seen: dict[tuple[str, int, int], int] = {}  # node -> its height
-        self._tree_left, self._keys_left = tree_bytes, keys[-1]
+        self._tree_left, self._keys_left = latest.tree_bytes, latest.keys
         self._key_bytes_left = _MAX_KEY_TOTAL
-        path, base = files_table[ids[-1]]
-        self._node(path, base, offsets[-1], lengths[-1], heights[-1], b"", b"", None)
-        if len(self.values) != keys[-1]:
+        path, base = latest.root
+        self._node(path, base, latest.offset, latest.length, latest.height, b"", b"", None)
+        if len(self.values) != latest.keys:
             raise Damaged(
-                f"{named} counts {keys[-1]} keys where its B-tree holds {len(self.values)}"
+                f"{named} counts {latest.keys} keys where its B-tree holds {len(self.values)}"
             )
 
     # -- reading ----------------------------------------------------------------------
@@ -123,11 +122,7 @@ class Database:
     def read_range(self, where: Indirect) -> bytes:
         """The bytes of an out-of-line value, checked to lie within its file before
         anything is allocated for them."""
-        self._check_range(where.path, where.offset, where.length)
-        data = self.files.read(self._relative(where.path), where.offset, where.length)
-        if len(data) != where.length:
-            raise Damaged(f"'{self._path(where.path)}' was cut while it was read")
-        return data
+        return self._read_exact(where.path, where.offset, where.length)
 
     # -- the index ----------------------------------------------------------------------
 
@@ -156,10 +151,7 @@ class Database:
             raise Damaged(f"{where} makes the B-tree larger than its manifest says")
         if length > _MAX_NODE_BYTES:
             raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
-        self._check_range(path, offset, length)
-        encoded = self.files.read(self._relative(path), offset, length)
-        if len(encoded) != length:
-            raise Damaged(f"'{self._path(path)}' was cut while it was read")
+        encoded = self._read_exact(path, offset, length)
         reader = _Reader(_unwrap(encoded, _BTREE_MAGIC, where), where)
         if reader.byte() != height:
             raise Damaged(f"{where} is not of the height its parent gives")
@@ -175,8 +167,8 @@ class Database:
             if i and prefix_lengths[i] > len(keys[-1]):
                 raise Damaged(f"{where} has a key prefix longer than the key before it")
             key = (keys[-1][: prefix_lengths[i]] if i else b"") + reader.take(suffix_lengths[i])
-            if len(key) > _MAX_KEY_BYTES or (keys and key <= keys[-1]):
-                raise Damaged(f"{where} has keys out of order or too long")
+            if keys and key <= keys[-1]:
+                raise Damaged(f"{where} has keys out of order")
             keys.append(key)
         if prefix + keys[0] < lower:
             raise Damaged(f"{where} begins below the key its parent gives")
@@ -258,23 +250,23 @@ class Database:
         """The file `relative`, named in full for a message."""
         return f"{self.root.rstrip('/')}/{self._relative(relative)}"
 
-    def _size(self, relative: str) -> int:
-        return self.files.size(self._relative(relative))
-
-    def _check_range(self, path: str, offset: int, length: int) -> None:
-        if offset + length > self._size(path):
+    def _read_exact(self, path: str, offset: int, length: int | None) -> bytes:
+        """`length` bytes at `offset` of the file `path` (None: all of a manifest),
+        checked to lie within the file before anything is allocated for them, and to be
+        all there once read."""
+        size = self.files.size(self._relative(path))
+        if length is None:
+            if size > _MAX_NODE_BYTES:
+                raise Unsupported(f"a manifest of {size} bytes")
+            length = size
+        if offset + length > size:
             raise Damaged(
                 f"the step's index gives bytes {offset}..{offset + length} of "
-                f"'{self._path(path)}', which holds {self._size(path)}"
+                f"'{self._path(path)}', which holds {size}"
             )
-
-    def _whole(self, relative: str) -> bytes:
-        size = self._size(relative)
-        if size > _MAX_NODE_BYTES:
-            raise Unsupported(f"a manifest of {size} bytes")
-        data = self.files.read(relative, 0, size)
-        if len(data) != size:
-            raise Damaged(f"'{self._path(relative)}' was cut while it was read")
+        data = self.files.read(path, offset, length)
+        if len(data) != length:
+            raise Damaged(f"'{self._path(path)}' was cut while it was read")
         return data
 
 
@@ -283,15 +275,15 @@ def indexed_bytes(manifest: bytes, where: str) -> tuple[int, str, int]:
     that holds its root, where the root ends in it), as the manifest `manifest` says
     (claims, to decide how to read the database: a database written at once is those
     bytes, its root last in its file)."""
-    files, _, ids, offsets, lengths, keys, indexed, _ = _latest(manifest, where)
-    if keys[-1] == 0 or ids[-1] >= len(files):
+    latest = _latest(manifest, where)
+    indexed = latest.tree_bytes + latest.value_bytes
+    if latest.keys == 0 or latest.root is None:
         return indexed, "", 0
-    return indexed, files[ids[-1]][0], offsets[-1] + lengths[-1]
+    return indexed, latest.root[0], latest.offset + latest.length
 
 
-def _latest(manifest: bytes, named: str) -> tuple[Any, ...]:
-    """(data file table, heights, file ids, offsets, lengths, key counts, indexed bytes
-    and B-tree bytes of the latest version) of an encoded manifest."""
+def _latest(manifest: bytes, named: str) -> _Version:
+    """The latest version of an encoded manifest."""
     reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
     reader.take(16)  # the database's uuid
     if reader.byte() != 0:
@@ -318,8 +310,23 @@ def _latest(manifest: bytes, named: str) -> tuple[Any, ...]:
         raise Damaged(f"{named} lists no version")
     if any(a >= b for a, b in zip(generations, generations[1:], strict=False)):
         raise Damaged(f"{named} has its versions out of order")
-    indexed = tree_bytes[-1] + value_bytes[-1]
-    return files, heights, ids, offsets, lengths, keys, indexed, tree_bytes[-1]
+    root = files[ids[-1]] if ids[-1] < len(files) else None
+    return _Version(
+        root, heights[-1], offsets[-1], lengths[-1], keys[-1], tree_bytes[-1], value_bytes[-1]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Version:
+    """The latest version a manifest lists (older ones are never read)."""
+
+    root: tuple[str, str] | None  # its root node's data file (path, base); None: none
+    height: int  # the B-tree's
+    offset: int  # of the root node in its data file
+    length: int  # of the root node
+    keys: int  # in the B-tree
+    tree_bytes: int  # of the B-tree's nodes
+    value_bytes: int  # of the values stored out of line
 
 
 class Files(Protocol):

@@ -509,8 +509,7 @@ class _RawLeaf:
         else:
             dest = empty_aligned(layout.shape, layout.dtype)
             for chunk, data in zip(self.chunks, blocks, strict=True):
-                block = np.frombuffer(data, layout.dtype).reshape(layout.chunks)
-                dest[_slices(chunk)] = block[tuple(slice(0, b - a) for a, b in chunk)]
+                dest[_slices(chunk)] = _unpadded(data, layout, chunk)
             for key, crc in self.sums.items():
                 if checksum(dest[_slices(parse_region(key))]) != crc:
                     raise ChecksumMismatch(self.saved, key)
@@ -529,9 +528,8 @@ class _RawLeaf:
                 continue
             if all(b - a == c for (a, b), c in zip(chunk, layout.chunks, strict=True)):
                 crc = checksum_bytes(data)
-            else:
-                block = np.frombuffer(data, layout.dtype).reshape(layout.chunks)
-                crc = checksum(block[tuple(slice(0, b - a) for a, b in chunk)])
+            else:  # an edge chunk
+                crc = checksum(_unpadded(data, layout, chunk))
             if crc != hit[1]:
                 raise ChecksumMismatch(self.saved, hit[0])
         if regions:
@@ -552,6 +550,13 @@ class _RawLeaf:
             f"its chunk '{where}' holds {len(result.value)} bytes where its layout gives "
             f"{self._size}"
         )
+
+
+def _unpadded(data: bytes, layout: Layout, chunk: Box) -> np.ndarray:
+    """The elements of `chunk` in its stored bytes (an edge chunk is stored padded to
+    the full chunk shape, as zarr stores it)."""
+    block = np.frombuffer(data, layout.dtype).reshape(layout.chunks)
+    return block[tuple(slice(0, b - a) for a, b in chunk)]
 
 
 class _Value:

@@ -340,13 +340,15 @@ def read_many(urls: list[str]) -> list[tuple[bytes | None, bytes]]:
 
 
 def _sent_reads(
-    urls: list[str],
+    urls: list[str], ranges: list[slice] | None = None
 ) -> list[tuple[str, tensorstore.Future[tensorstore.KvStore.ReadResult]]]:
-    """(url, its read in flight) for each of `urls`, all sent before any is awaited."""
+    """(url, its read in flight) for each of `urls` (of `ranges[i]` of it, where given),
+    all sent before any is awaited."""
     pending = []
-    for url in urls:
+    for i, url in enumerate(urls):
         store, key = _bucket_store(url)
-        pending.append((url, store.read(key)))
+        byte_range = None if ranges is None else ranges[i]
+        pending.append((url, store.read(key, byte_range=byte_range)))
     return pending
 
 
@@ -354,18 +356,9 @@ def read_ranges(ranges: list[tuple[str, int, int]]) -> list[bytes | None]:
     """Bytes [start, stop) of each (url, start, stop), all at once (None for an object
     that does not exist): never more, whatever an object's size. A `StorageError` when
     an object is shorter (servers refuse a range past an object's end)."""
-    pending = []
-    for url, start, stop in ranges:
-        store, key = _bucket_store(url)
-        pending.append((url, store.read(key, byte_range=slice(start, stop))))
-    results: list[bytes | None] = []
-    for url, future in pending:
-        try:
-            result = future.result()
-        except Exception as e:
-            raise _failed("reading", url, e) from None
-        results.append(bytes(result.value) if result.state == "value" else None)
-    return results
+    urls = [url for url, _, _ in ranges]
+    sent = _sent_reads(urls, [slice(start, stop) for _, start, stop in ranges])
+    return [_read_result(url, future)[0] for url, future in sent]
 
 
 def list_and_read(url: str, names: list[str]) -> tuple[list[str], list[tuple[bytes | None, bytes]]]:

@@ -595,9 +595,9 @@ class Bucket(_Steps):
 
     def __init__(self, url: str) -> None:
         self.path = url
-        # (step, its OCDBT manifest) of the step `open_step` read last, for `database`.
-        self._manifest: tuple[int, bytes | None] | None = None
-        self._listed: tuple[int, list[str]] | None = None  # the step's keys, with it
+        # (step, its OCDBT manifest, its keys) of the step `open_step` read last, for
+        # `index` and `database`.
+        self._opened: tuple[int, bytes | None, list[str]] | None = None
         self._manifests_lock = threading.Lock()
 
     def step_path(self, step: int | str) -> str:
@@ -688,8 +688,7 @@ class Bucket(_Steps):
         text = _format.within(meta, text or b"", META_MAX_BYTES)
         described = _format.check_meta_bytes(text, step, record)
         with self._manifests_lock:  # one, the step read next: threads may share this
-            self._manifest = (step, manifest)
-            self._listed = (step, keys)
+            self._opened = (step, manifest, keys)
         return ("object", marker[1]), described
 
     def step_identity(self, step: int) -> StepIdentity:
@@ -722,27 +721,23 @@ class Bucket(_Steps):
         than the index says, a damaged index, not just opened): it is read by
         TensorStore, which reports what is wrong with it."""
         with self._manifests_lock:
-            manifest, listed = self._manifest, self._listed
-        if manifest is None or manifest[0] != step or listed is None or listed[0] != step:
+            opened = self._opened
+        if opened is None or opened[0] != step:
             raise _ocdbt.Unsupported("a step not just opened")
-        if manifest[1] is None:
+        _, manifest, keys = opened
+        if manifest is None:
             raise _ocdbt.Unsupported("a step without its manifest")
         state = f"{self.step_path(step)}/{STATE_ITEM}"
-        data = [
-            key[len(STATE_ITEM) + 1 :]
-            for key in listed[1]
-            if key.startswith(f"{STATE_ITEM}/") and "d" in key.split("/")[1:-1]
-        ]
         total, root, root_end = _ocdbt.indexed_bytes(
-            manifest[1], f"the manifest '{state}/{_MANIFEST}'"
+            manifest, f"the manifest '{state}/{_MANIFEST}'"
         )
         if total > HELD_BYTES:
             raise _ocdbt.Unsupported(f"a step of {total} bytes")
-        if root not in data:
+        if f"{STATE_ITEM}/{root}" not in keys:
             raise _ocdbt.Unsupported("a step whose objects are not what its manifest says")
         try:
             [held] = _remote.read_ranges([(f"{state}/{root}", 0, root_end)])
-            parts = {_MANIFEST: {0: manifest[1]}} | ({} if held is None else {root: {0: held}})
+            parts = {_MANIFEST: {0: manifest}} | ({} if held is None else {root: {0: held}})
             source = _ocdbt.Held(parts, state)
             index = _ocdbt.Database(state, source)
             # Values the writer put in another object (1 save in 5 or so): read at once,
@@ -775,7 +770,7 @@ class Bucket(_Steps):
         takes, not more (`_coalescing_us`)."""
         state = f"{self.step_path(step)}/{STATE_ITEM}"
         with self._manifests_lock:
-            kept, self._manifest = self._manifest, None
+            kept, self._opened = self._opened, None
         if kept is not None and kept[0] == step:
             manifest = kept[1]  # read with the step's description (`open_step`)
         else:
