@@ -13,6 +13,7 @@ from ._errors import CheckpointerClosedError as CheckpointerClosedError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointWarning as CheckpointWarning
 from ._errors import ConfigError as ConfigError
+from ._errors import DamagedStepError as DamagedStepError
 from ._errors import DamagedStepWarning as DamagedStepWarning
 from ._errors import DirectoryLockedError as DirectoryLockedError
 from ._errors import DuplicateStepWarning as DuplicateStepWarning

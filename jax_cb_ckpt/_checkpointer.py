@@ -4,6 +4,7 @@ the writer thread and restore together; each lives in its own module."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import weakref
 from collections.abc import Callable, Hashable
@@ -19,6 +20,7 @@ from . import (
     _processes,
     _remote,
     _restore,
+    _resume,
     _route,
     _run,
     _scan,
@@ -34,6 +36,7 @@ from ._errors import (
     CheckpointError,
     CheckpointWarning,
     ConfigError,
+    NoCheckpointError,
     SaveError,
     shown,
 )
@@ -41,11 +44,13 @@ from ._exchange import Closed, Exchange
 from ._host import HostSide, probe_callback_arrays
 from ._preempt import StopFlag
 from ._stats import Stats, StatsRecorder
-from ._types import BestMode, Crossing, Gather, OnError, OnExisting, OnFull, PyTree
+from ._types import BestMode, Crossing, Gather, OnDamaged, OnError, OnExisting, OnFull, PyTree
 from ._writer import Writer
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
+
+logger = logging.getLogger("jax_cb_ckpt")
 
 
 class Checkpointer:
@@ -134,6 +139,13 @@ class Checkpointer:
             counts as best. Orbax: `BestN` (`best_fn`, `best_mode`).
         best: the metric `keep_best` ranks by.
         mode: `"max"` (default) or `"min"`.
+        on_damaged: what a restart (`restore_or_init`, `run`, `restore` without
+            `step=`) does when its newest step is damaged (a flipped bit, a cut or
+            edited file). `"fall_back"` (default): resume from the newest step that
+            passes its checks; each newer step passed over is set aside under a name
+            that is not a step (`<step>.jax_cb_ckpt-damaged-<hex>`, never deleted, shown
+            by `jax-cb-ckpt ls`) and named in a `DamagedStepWarning`. `"raise"`: stop
+            with a `DamagedStepError` instead, touching nothing.
 
     Retention: with no rule (`max_to_keep`, `keep_every`, `keep_every_seconds`,
     `keep_best`) every step is kept. With rules, a step is kept if any rule keeps it
@@ -165,6 +177,7 @@ class Checkpointer:
         keep_best: int | None = None,
         best: str | None = None,
         mode: BestMode = "max",
+        on_damaged: OnDamaged = "fall_back",
     ) -> None:
         options = _options.checked(
             directory,
@@ -185,6 +198,7 @@ class Checkpointer:
             keep_best=keep_best,
             best=best,
             mode=mode,
+            on_damaged=on_damaged,
         )
         path = options.directory
         self._options = options
@@ -299,6 +313,10 @@ class Checkpointer:
     @property
     def crossing(self) -> Crossing:
         return self._options.crossing
+
+    @property
+    def on_damaged(self) -> OnDamaged:
+        return self._options.on_damaged
 
     def __copy__(self) -> Checkpointer:
         return self  # one writer and one lock per directory: a copy is the same object
@@ -636,8 +654,10 @@ class Checkpointer:
         except CheckpointError as error:
             if isinstance(exc, jax.errors.JaxRuntimeError) and type(error).__name__ in str(exc):
                 # The body failed *because* a callback raised our error, which JAX wrapped:
-                # raise ours (chained to JAX's), so `except StepExistsError:` works.
-                raise error from exc
+                # raise ours (chained to JAX's), so `except StepExistsError:` works. Its
+                # own frames (inside the callback, the exchange) are JAX's traceback's
+                # already: dropped, so the message is not buried under them twice.
+                raise error.with_traceback(None) from exc
             # Otherwise the body's exception wins; the writer error goes along, once.
             exc.add_note(f"jax_cb_ckpt writer error: {error}")
 
@@ -718,6 +738,7 @@ class Checkpointer:
             progress=progress,
             loops=self._run_loops,
             metrics=metrics,
+            resume=lambda like: self._resume(lambda: like, "run"),
         )
 
     def scan(
@@ -866,38 +887,91 @@ class Checkpointer:
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
     ) -> PyTree:
-        """Restore `step` (default: the latest) into the pytree types of `like`.
+        """Restore `step` (default: the newest that passes its checks) into the pytree
+        types of `like`.
 
         Waits for pending saves first (see `wait()`), then blocks while reading. `like`
         may hold concrete arrays or `jax.ShapeDtypeStruct`s. `verify=False` skips the
         checksums; `member=k` restores member k of a batch saved under vmap (reading
-        only its chunks). See `jax_cb_ckpt.restore`.
+        only its chunks). Without `step=` this is a restart, as in `restore_or_init`: a
+        newer damaged step is passed over and set aside (see `on_damaged`), and the run
+        continues from the step restored. See `jax_cb_ckpt.restore`.
         """
         self.wait()
+        if step is None:
+            resumed = self._resume(lambda: like, "restore", verify=verify, member=member)
+            if resumed is None:
+                # Nothing to resume from: the read says what the directory holds.
+                _steps.pick_step(self._storage, None, "restore")
+                raise NoCheckpointError(f"restore: no checkpoint in {self.directory!r}")
+            return resumed[0]
         restored = _restore.restore(self.directory, like, step=step, verify=verify, member=member)
-        # The run goes on from the restored step: every step on disk now belongs to the
-        # past, and saving at or below one of them is a conflict (see `on_existing`).
-        self._exchange.forget(self._storage.list_steps())
+        self._continue_from(step)
         return restored
+
+    def _continue_from(self, step: int) -> None:
+        """The run goes on from the restored `step`: every step on disk now belongs to
+        the past, and a save at or below one of them is a conflict (see `on_existing`);
+        one at or below `step` itself is told that the loop's counter started again."""
+        self._exchange.forget(self._storage.list_steps(), restored=step)
+
+    def _resume(
+        self,
+        like: Callable[[], PyTree],
+        where: str,
+        *,
+        verify: bool = True,
+        member: int | tuple[int, ...] | None = None,
+    ) -> tuple[PyTree, int] | None:
+        """A restart: (the state, its step) of the newest step that passes its checks
+        (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
+        (`on_damaged`), said in one INFO line; None when there is nothing to resume from.
+        `like()` is what the step is read into (made only when there is one to read).
+        Waits for pending saves first."""
+        self.wait()
+        storage = self._storage
+        resumed = _restore.resume(
+            storage, like, where, verify=verify, member=member, on_damaged=self.on_damaged
+        )
+        if resumed.step is None:
+            if resumed.error is not None and where == "restore":
+                raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
+            _resume.report(storage, resumed, where, set_aside=True)  # a fresh start
+            self._exchange.forget(storage.list_steps())
+            return None
+        resumed = _resume.report(storage, resumed, where, set_aside=True)
+        step = resumed.step
+        assert step is not None  # (report keeps the step read)
+        self._continue_from(step)
+        why = "the newest step that passes its checks"
+        if resumed.passed:
+            why += ", passing over " + ", ".join(str(p.step) for p in resumed.passed)
+        if resumed.source == "orbax":
+            why += "; a plain Orbax checkpoint, read unverified (Orbax keeps no checksums)"
+        verb = "restored step" if where == "restore" else "resumed from step"
+        logger.info("%s: %s %d of %s (%s)", where, verb, step, self.directory, why)
+        return resumed.value, step
 
     def restore_or_init(
         self, init_fn: Callable[..., PyTree], *args: object, like: PyTree = None
     ) -> tuple[PyTree, int]:
-        """The state to start a run from, and its step: the latest checkpoint and its
-        step, or `init_fn(*args)` and 0 when there is none.
+        """The state to start a run from, and its step: the newest checkpoint that
+        passes its checks and its step, or `init_fn(*args)` and 0 when there is none.
 
         For a loop of your own, so that a fresh run and every resumed run execute one
         compiled program, bit for bit: compute the initial state here, in a call of its
         own (`init_fn`: jitted, or `jax.vmap`ped over seeds), and pass it to your jitted
         training function as an argument, with the returned step as a traced argument
-        too (a `lax.fori_loop(start, num_updates, ...)`). A training function that
-        builds its initial state inside is another program than the one a resume runs
-        (XLA compiles init-plus-updates differently from updates alone: the last bits of
-        the trained values differ), so its runs can never be resumed exactly.
-        `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`: nothing
-        computed) is what the checkpoint is restored into. With `initial_save`, a
+        too (a `lax.fori_loop(start, num_updates, ...)`, saving `i + 1`). A training
+        function that builds its initial state inside is another program than the one a
+        resume runs (XLA compiles init-plus-updates differently from updates alone: the
+        last bits of the trained values differ), so its runs can never be resumed
+        exactly. `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`:
+        nothing computed) is what the checkpoint is restored into. With `initial_save`, a
         fresh start saves the initial state as step 0 (on disk before it returns).
-        Waits for pending saves first; blocks while it restores or initialises.
+        A newer damaged step is passed over and set aside (see `on_damaged`); a plain
+        Orbax checkpoint is resumed from too. Waits for pending saves first; blocks
+        while it restores or initialises.
 
         Example:
             ```python
@@ -914,17 +988,20 @@ class Checkpointer:
                 "there is no checkpoint. Fix: pass the function, then its arguments: "
                 "restore_or_init(init, key)."
             )
-        self.wait()
-        latest = self.latest_step()
-        if latest is None:
-            init = init_fn(*args)
-            if self._options.initial_save:
-                self.save(init, 0)
-                self.wait()  # on disk before the run goes on (and lists its steps)
-            return init, 0
-        if like is None:  # (args closed over: Python numbers among them stay numbers)
-            like = jax.eval_shape(lambda: init_fn(*args))
-        return self.restore(like, step=latest), latest
+        given = like
+
+        @functools.cache
+        def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
+            return jax.eval_shape(lambda: init_fn(*args)) if given is None else given
+
+        resumed = self._resume(made_like, "restore_or_init")
+        if resumed is not None:
+            return resumed
+        init = init_fn(*args)
+        if self._options.initial_save:
+            self.save(init, 0)
+            self.wait()  # on disk before the run goes on (and lists its steps)
+        return init, 0
 
 
 def _lock_name() -> str:

@@ -121,6 +121,11 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
                 {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
                 | {"complete": False, found.kind: found.why}
             )
+    for step, name, why in storage.set_aside_steps():
+        others.append(
+            {"step": step, "saved_at": None, "bytes": storage.entry_bytes(name)}
+            | {"complete": False, "set_aside": name, "why": why}
+        )
     rows = sorted(
         (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
     )
@@ -145,6 +150,11 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
             state = f"damaged: {r['damaged']} (restore and verify refuse it; never deleted)"
         elif "damaged" in r:
             state = f"damaged: {r['damaged']} (not listed, not restored)"
+        elif "set_aside" in r:
+            state = (
+                f"set aside by a restart as {r['set_aside']}: {r['why']} (not a step; "
+                "never deleted)"
+            )
         elif "foreign" in r:
             state = f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
         elif r["complete"]:

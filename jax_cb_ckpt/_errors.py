@@ -52,6 +52,19 @@ class RestoreError(CheckpointError):
     """A checkpoint could not be restored into the requested structure."""
 
 
+class DamagedStepError(RestoreError):
+    """A step's files are not what was written: a checksum that does not match, a
+    description that was cut or edited, a missing or truncated file. A restart
+    (`restore_or_init`, `run`, `restore` without `step=`) passes over such a step to the
+    newest one that passes its checks, naming it (`DamagedStepWarning`); a step named by
+    `step=` never falls back, and raises this. `why` says what is wrong in a few
+    words (for the warning that names the steps a restart passed over)."""
+
+    def __init__(self, message: str, why: str | None = None) -> None:
+        super().__init__(message)
+        self.why = message if why is None else why
+
+
 class StructureMismatchError(RestoreError, ValueError):
     """`like` differs from the saved checkpoint (structure, shape, dtype or key type)."""
 

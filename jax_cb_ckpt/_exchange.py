@@ -224,6 +224,7 @@ class Exchange:
         self._arrived: set[tuple[object, int]] = set()  # handed, the run not yet ended (`end_run`)
         self._skipped: set[tuple[object, int]] = set()  # skipped, the run not yet ended
         self._old = sorted(old_steps)  # steps other runs left here, not to be mixed with
+        self._restored: int | None = None  # the step the run resumed from (`forget`)
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
         self._order_noted = False  # a step below one handed over: said once
@@ -250,6 +251,9 @@ class Exchange:
                 return "duplicate"
             cut = bisect.bisect_left(self._old, step)
             clash = tuple(self._old[cut:])
+            restored = self._restored
+            if restored is not None and step <= restored and self.on_existing == "raise":
+                raise StepExistsError(self._restart_message(step, restored))
             if clash and self.on_existing == "raise":
                 shown = ", ".join(map(str, clash[:5])) + (", ..." if len(clash) > 5 else "")
                 raise StepExistsError(
@@ -302,6 +306,21 @@ class Exchange:
         and the other run's steps it was to replace count as the other run's again."""
         with self._cond:
             self._unclaim(step, replace)
+
+    def _restart_message(self, step: int, restored: int) -> str:
+        return (
+            f"saving step {step} to {self.directory!r}: this Checkpointer resumed from "
+            f"step {restored} (restore_or_init, restore or run), and step {step} is not "
+            "after it. The loop's step counter started again after the resume: a scan "
+            "index or fori_loop counter that starts at 0 in every call counts the "
+            "updates of this call, not of the run (checkpoint k = the state after k "
+            "updates of the whole run). Nothing was changed on disk. Fix: pass the "
+            "resumed step into the jitted function and save `start + i + 1` for a scan "
+            "index i, or loop with `lax.fori_loop(start, num_updates, body, state)` and "
+            "save `i + 1`; `ckpt.run(update, init, num_steps)` does both. To start over "
+            f"from step {step} instead, create the Checkpointer with "
+            "on_existing='replace' (it deletes the steps from there on)."
+        )
 
     def _duplicate_message(self, step: int) -> str:
         return (
@@ -525,10 +544,13 @@ class Exchange:
             return
         raise error
 
-    def forget(self, steps_on_disk: list[int]) -> None:
+    def forget(self, steps_on_disk: list[int], restored: int | None = None) -> None:
         """After a restore: the run continues from a restored step, so every step now on
-        disk counts as another run's (saving at or below one of them is a conflict)."""
+        disk counts as another run's (saving at or below one of them is a conflict); a
+        save at or below `restored` (the step restored) is one whose loop counter
+        started again, and is told so."""
         with self._cond:
+            self._restored = restored
             self._handed.clear()
             self._arrived.clear()
             self._skipped.clear()

@@ -103,6 +103,12 @@ OURS_PATTERN = re.compile(
 )
 # Written by versions <= 0.1.0: retention renamed steps into this folder.
 LEGACY_DELETED = "_jax_cb_ckpt_deleted"
+# A damaged step a restart passed over, set aside (renamed; in a bucket, copied and then
+# unlisted) under a name that is not a step: the run may write that step number again,
+# and nothing of it is lost. Never deleted, never listed, never restored; `jax-cb-ckpt
+# ls` shows it with the reason recorded in its `SET_ASIDE_NOTE`.
+SET_ASIDE_PATTERN = re.compile(r"(0|[1-9][0-9]*)\.jax_cb_ckpt-damaged-[0-9a-f]{32}", re.ASCII)
+SET_ASIDE_NOTE = ".jax_cb_ckpt-set-aside.json"
 
 
 def resolve(directory: object, where: str) -> str:
@@ -261,6 +267,34 @@ def marker_writer(data: bytes | None) -> str | None:
         return None
     writer = marker.get("writer")
     return writer if isinstance(writer, str) and _TOKEN.fullmatch(writer) else None
+
+
+def step_of_aside(aside: str) -> int:
+    """The step a deletion's aside (`<step>.jax_cb_ckpt-deleting-<hex>`, or in a bucket
+    the step's own URL) was."""
+    return int(os.path.basename(aside.rstrip("/")).partition(".")[0])
+
+
+def set_aside_name(step: int) -> str:
+    """The name a damaged step is set aside under (`SET_ASIDE_PATTERN`)."""
+    return f"{step}.jax_cb_ckpt-damaged-{uuid.uuid4().hex}"
+
+
+def set_aside_note(step: int, why: str) -> bytes:
+    """The note written beside a step set aside: which step it was, why, and when."""
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    return json.dumps({"format": FORMAT, "step": step, "why": why, "set_aside_at": when}).encode()
+
+
+def read_set_aside_note(data: bytes | None) -> str:
+    """The reason a set-aside step's note gives, for `jax-cb-ckpt ls` (bounded: the note
+    is read within `SMALL_FILE_MAX_BYTES`); a placeholder when there is none."""
+    try:
+        note = json.loads(data or b"")
+    except ValueError:
+        note = None
+    why = note.get("why") if isinstance(note, dict) else None
+    return why[:500] if isinstance(why, str) else "no reason recorded"
 
 
 def temp_name(step: int) -> str:

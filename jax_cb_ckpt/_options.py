@@ -17,11 +17,12 @@ import jax
 from . import _format, _remote
 from ._errors import ConfigError, shown
 from ._policy import Rules
-from ._types import BestMode, Crossing, OnError, OnExisting, OnFull, Options
+from ._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull, Options
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
 _ON_EXISTING = typing.get_args(OnExisting)
+_ON_DAMAGED = typing.get_args(OnDamaged)
 _CROSSING = typing.get_args(Crossing)
 _MODES = typing.get_args(BestMode)
 
@@ -46,6 +47,7 @@ def checked(
     keep_best: int | None = None,
     best: str | None = None,
     mode: BestMode = "max",
+    on_damaged: OnDamaged = "fall_back",
 ) -> Options:
     """The options, or a `ConfigError` for the first invalid one. (Typed as the
     Checkpointer declares them; checked all the same, for callers that are not
@@ -81,6 +83,7 @@ def checked(
             "run's steps in the directory, 'replace' deletes that run's steps from "
             "the saved step on and writes the new one."
         )
+    check_on_damaged(on_damaged, "Checkpointer")
     if crossing not in _CROSSING:
         raise ConfigError(
             f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
@@ -136,6 +139,7 @@ def checked(
         every_seconds=every_seconds,
         check_every=_DEFAULT_CHECK_EVERY if check is None else check,
         initial_save=initial_save,
+        on_damaged=on_damaged,
         rules=_rules(max_to_keep, keep_every, keep_every_seconds, keep_best, best, mode),
     )
 
@@ -220,3 +224,14 @@ def _positive_int(value: object, name: str, meaning: str, *, optional: bool) -> 
             f"{shown(value)} of type {type(value).__name__}."
         )
     return value
+
+
+def check_on_damaged(on_damaged: object, where: str) -> None:
+    """`on_damaged` (a Checkpointer's, or `restore`'s) is one of its values."""
+    if on_damaged not in _ON_DAMAGED:
+        raise ConfigError(
+            f"{where}(on_damaged={shown(on_damaged)}): on_damaged must be one of "
+            f"{_ON_DAMAGED}: 'fall_back' resumes from the newest step that passes its "
+            "checks, naming each newer step passed over (DamagedStepWarning); 'raise' "
+            "stops at a damaged newest step (DamagedStepError)."
+        )

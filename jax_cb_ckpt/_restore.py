@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _dtypes, _format, _read, _steps, _storage, _tree
-from ._errors import ConfigError, RestoreError, StructureMismatchError
+from . import _dtypes, _format, _options, _plain, _read, _resume, _steps, _storage, _tree
+from ._errors import ConfigError, DamagedStepError, RestoreError, StructureMismatchError
+from ._types import OnDamaged
 
 
 def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> Any:
@@ -46,8 +48,10 @@ def restore(
     step: int | None = None,
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
+    on_damaged: OnDamaged = "fall_back",
 ) -> Any:
-    """Restore checkpoint `step` (default: the latest) of `directory` into the shape of `like`.
+    """Restore checkpoint `step` (default: the newest that passes its checks) of
+    `directory` into the shape of `like`.
 
     `like` is a pytree like the saved state: concrete arrays, or `jax.ShapeDtypeStruct`s
     (e.g. from `jax.eval_shape`). The result has `like`'s pytree types (TrainState,
@@ -55,8 +59,15 @@ def restore(
     recorded implementation) and Python scalar types; jax.Array leaves are placed with
     the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
     With `verify` (default), every array read is checked against the checksums
-    recorded when it was written: a corrupted file is a `RestoreError`, never numbers.
-    `directory` may be relative (to the working directory), as everywhere.
+    recorded when it was written: a corrupted file is a `DamagedStepError`, never
+    numbers. `directory` may be relative (to the working directory), as everywhere.
+
+    Without `step=`, the newest step that passes its checks is read: a newer step that
+    is damaged (a flipped bit, a cut or edited file) is passed over and named in a
+    `DamagedStepWarning`, and left where it is (a Checkpointer's restart sets it aside);
+    `on_damaged="raise"` raises `DamagedStepError` at it instead. A plain Orbax
+    checkpoint (a `CheckpointManager`'s step) is read too, with Orbax, unverified
+    (docs/usage.md). A step named by `step=` never falls back.
 
     `member`: for a checkpoint saved under `vmap` (seeds, say; `metadata()["batch_shape"]`),
     restore one member of the batch: an int for one batch axis, a tuple of ints for
@@ -67,17 +78,63 @@ def restore(
         NoCheckpointError: no complete checkpoint for that step, or it was removed
             while it was being read (by a writer's retention): read another one.
         StructureMismatchError: `like` differs from the checkpoint; names the first leaf.
-        RestoreError: the checkpoint cannot be read, or its description does not match
-            its data.
+        DamagedStepError: the step named by `step=` (or, with `on_damaged="raise"`, the
+            newest step) is damaged; every step is damaged.
+        RestoreError: the checkpoint cannot be read.
     """
     storage = _storage.at(_format.resolve(directory, "restore"))
     named = _steps.check_step_arg(step, "restore")
-    step = _steps.pick_step(storage, named, "restore")
+    _options.check_on_damaged(on_damaged, "restore")
+    if named is not None:
+        step = _steps.pick_step(storage, named, "restore")
+        return read_step(storage, like, step, verify=verify, member=member, named=True)
+    resumed = resume(
+        storage, lambda: like, "restore", verify=verify, member=member, on_damaged=on_damaged
+    )
+    if resumed.step is None:
+        if resumed.error is not None:  # every step is damaged: the newest says why
+            raise resumed.refusal()
+        _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
+    return _resume.report(storage, resumed, "restore", set_aside=False).value
+
+
+def resume(
+    storage: _storage.Storage,
+    like: Callable[[], Any],
+    where: str,
+    *,
+    verify: bool = True,
+    member: int | tuple[int, ...] | None = None,
+    on_damaged: OnDamaged = "fall_back",
+) -> _resume.Resumed[Any]:
+    """The newest step of `storage` that passes its checks, read into `like()` (made
+    only when there is a step to read: `restore_or_init`'s default is traced from the
+    user's `init_fn`) by `_resume.newest`: ours by `read_step`, a plain Orbax step by
+    `_plain.restore`."""
+    return _resume.newest(
+        storage,
+        lambda step: read_step(storage, like(), step, verify=verify, member=member, named=False),
+        lambda found: _plain.restore(found, like(), where, member=member),
+        where,
+        on_damaged=on_damaged,
+    )
+
+
+def read_step(
+    storage: _storage.Storage,
+    like: Any,
+    step: int,
+    *,
+    verify: bool,
+    member: int | tuple[int, ...] | None,
+    named: bool,
+) -> Any:
+    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`."""
     where = f"restore(step={step}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    seen, described = _steps.open_step(storage, step, where, None if named is None else "restore")
+    seen, described = _steps.open_step(storage, step, where, "restore" if named else None)
     meta = _steps.parsed(described, where)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
@@ -253,9 +310,10 @@ def _as_described(
     dtype = np.dtype(saved.dtype)
     value = _dtypes.from_storage(array, dtype) if array.shape == shape else None
     if value is None:
-        raise RestoreError(
+        raise DamagedStepError(
             f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
             f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
-            "or corrupted. Fix: restore another step."
+            "or corrupted. Fix: restore another step.",
+            f"leaf {saved.path}'s data is not what its description says",
         )
     return value

@@ -86,7 +86,6 @@ class Retention:
                 self._put_off_warning(e)
                 break
             self._checked.discard(old)
-            logger.debug("retention (%s): step %d deleted", self.rules.describe(), old)
             if aside is not None:
                 asides.append(aside)
         return asides

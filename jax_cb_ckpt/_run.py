@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +51,11 @@ def run(
     progress: bool = False,
     loops: dict[Hashable, Loop] | None = None,
     metrics: Callable[[PyTree], PyTree] | None = None,
+    resume: Callable[[PyTree], tuple[PyTree, int] | None],
 ) -> PyTree:
     """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
-    loops (`_jitted_loop`)."""
+    loops (`_jitted_loop`); `resume(like)`: the Checkpointer's restart (the state and
+    step to continue from, or None for a fresh run)."""
     loops = {} if loops is None else loops
     every, by_clock = ckpt.every, ckpt.every_seconds is not None
     if every is None and not by_clock:
@@ -80,18 +82,20 @@ def run(
         raise ConfigError(f"run: progress must be True or False, got {progress!r}.")
     bar_type = _progress_bar_type() if progress else None
 
-    latest = ckpt.latest_step()
-    start = latest or 0
-    state = init
-    if latest is None and ckpt.initial_save:
-        _save_initial(ckpt, init, metrics, batched)
-    if latest is not None:
+    step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
+    init = _check_body(step_fn, init, batched)
+    resumed = resume(init)
+    if resumed is None:
+        state, start = init, 0
+        if ckpt.initial_save:
+            _save_initial(ckpt, init, metrics, batched)
+    else:
+        state, start = resumed
         if start > num_steps:
             raise ConfigError(
                 f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "
                 f"num_steps={num_steps}. Fix: use another directory, or a larger num_steps."
             )
-        state = ckpt.restore(init, step=start)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -101,11 +105,6 @@ def run(
             num_steps,
         )
         return state
-    if start:
-        logger.info("run: resuming from step %d of %d in %s", start, num_steps, ckpt.directory)
-
-    step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
-    _check_body(step_fn, state, batched)
     shardings = None
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
@@ -405,33 +404,65 @@ def _agreed(
     return agreed
 
 
-def _check_body(step_fn: Body, state: PyTree, batched: bool) -> None:
-    """`body(state, step)` must return the next state, shaped like `state`: a mismatch
-    would surface as JAX's carry-type error deep inside the while_loop."""
+def _check_body(step_fn: Body, state: PyTree, batched: bool) -> PyTree:
+    """`state`, its weakly typed leaves promoted as JAX's loops promote a carry (a
+    Python number in `init`, such as gymnax's `LogWrapper` `episode_returns = 0`, takes
+    the dtype `body` gives it: `result_type(leaf, returned)`), so that a fresh run and
+    a resumed one (whose state is read back in that dtype) pass the loop one signature
+    and run one program. Then `body(state, step)` must return the next state, shaped
+    like it: a mismatch, named by leaf, is a `ConfigError` here rather than JAX's
+    carry-type error deep inside the while_loop."""
+    returned = _returned(step_fn, state)
     given = jax.eval_shape(lambda: state)
-    try:
-        returned = jax.eval_shape(step_fn, state, jnp.int32(0))
-    except Exception as e:
-        raise ConfigError(f"run: calling body(state, step) failed while tracing: {e}") from e
-    same = jax.tree_util.tree_structure(returned) == jax.tree_util.tree_structure(given) and all(
-        (a.shape, a.dtype) == (b.shape, b.dtype)
-        for a, b in zip(jax.tree.leaves(returned), jax.tree.leaves(given), strict=True)
+    if jax.tree_util.tree_structure(returned) == jax.tree_util.tree_structure(given):
+        state = jax.tree.map(_promoted, state, given, returned)
+        given = jax.eval_shape(lambda: state)
+        returned = _returned(step_fn, state)
+    member = " (for one member: batched=True vmaps it)" if batched else ""
+    fix = (
+        " Fix: a lax.scan-style body that returns (state, aux) is wrapped as "
+        "`body=lambda s, i: scan_body(s, i)[0]`; a leaf whose dtype the step changes "
+        "starts in that dtype in init (e.g. jnp.float32(0))."
     )
-    if not same:
-        member = " (for one member: batched=True vmaps it)" if batched else ""
+    if jax.tree_util.tree_structure(returned) != jax.tree_util.tree_structure(given):
         raise ConfigError(
             "run: body(state, step) must return the next state, with the structure, "
             f"shapes and dtypes of `init`{member}; it returned "
             f"{jax.tree_util.tree_structure(returned)} instead of "
-            f"{jax.tree_util.tree_structure(given)}"
-            + (
-                ""
-                if jax.tree_util.tree_structure(returned) != jax.tree_util.tree_structure(given)
-                else " (same structure, other shapes or dtypes)"
-            )
-            + ". Fix: a lax.scan-style body that returns (state, aux) is wrapped as "
-            "`body=lambda s, i: scan_body(s, i)[0]`."
+            f"{jax.tree_util.tree_structure(given)}." + fix
         )
+    flat = jax.tree_util.tree_flatten_with_path(given)[0]
+    for (path, a), b in zip(flat, jax.tree.leaves(returned), strict=True):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ConfigError(
+                f"run: body(state, step) must return the next state, with the shapes and "
+                f"dtypes of `init`{member}; leaf init{jax.tree_util.keystr(path)} is "
+                f"{_shown(a)} in init and {_shown(b)} in what body returns." + fix
+            )
+    return state
+
+
+def _returned(step_fn: Body, state: PyTree) -> PyTree:
+    try:
+        return jax.eval_shape(step_fn, state, jnp.int32(0))
+    except Exception as e:
+        raise ConfigError(f"run: calling body(state, step) failed while tracing: {e}") from e
+
+
+def _promoted(leaf: Any, given: jax.ShapeDtypeStruct, returned: object) -> Any:
+    """`leaf` in the dtype a loop carries it in: JAX's rule for a weakly typed carry."""
+    if not getattr(given, "weak_type", False) or not isinstance(returned, jax.ShapeDtypeStruct):
+        return leaf
+    if (given.shape, given.dtype) == (returned.shape, returned.dtype):
+        return leaf
+    # (the leaf, not `given`: result_type reads a ShapeDtypeStruct as strongly typed)
+    return jax.lax.convert_element_type(leaf, jnp.result_type(leaf, returned.dtype))
+
+
+def _shown(x: jax.ShapeDtypeStruct) -> str:
+    return f"{x.dtype}{list(x.shape)}" + (
+        " (weakly typed)" if getattr(x, "weak_type", False) else ""
+    )
 
 
 def _in_thread(fn: Callable[[], _T], stop: StopFlag, tick: Callable[[], None] | None = None) -> _T:

@@ -53,6 +53,9 @@ class LeafSpec:
     shape: tuple[int, ...]
     impl: str | None = None  # PRNG implementation of a typed key
     pytype: str | None = None  # Python type of a scalar leaf
+    # A `like` leaf that is weakly typed (from a Python number: JAX gives it the dtype
+    # of what it meets, as a loop's carry does). Not stored: a property of `like` only.
+    weak: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:

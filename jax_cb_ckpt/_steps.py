@@ -31,6 +31,7 @@ from . import _format, _ocdbt, _policy, _read, _remote, _storage, _warn
 from ._errors import (
     CheckpointError,
     ConfigError,
+    DamagedStepError,
     DamagedStepWarning,
     NoCheckpointError,
     RestoreError,
@@ -131,10 +132,11 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
     if step is not None:
         damaged = storage.damaged_steps()
         if step in damaged:
-            raise RestoreError(
+            raise DamagedStepError(
                 f"{what}: step {step} in {path!r} is damaged ({damaged[step]}); nothing "
                 "was read from it. Fix: restore another step (all_steps()), or the "
-                "folder from a good copy."
+                "folder from a good copy.",
+                damaged[step],
             )
     foreign = storage.foreign_steps()
     other = (
@@ -167,16 +169,17 @@ def read_failure(
     if not storage.still_there(step, seen):  # files vanish under a read as it goes
         return removed(storage, step, where)
     if isinstance(e, _read.LayoutError):
-        return RestoreError(f"{where}: {e}. Fix: restore another step.")
+        return DamagedStepError(f"{where}: {e}. Fix: restore another step.", str(e))
     # A server's answer may echo credentials: scrubbed before it goes into an error.
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
     damaged = (_read.ChunkError, _ocdbt.Damaged, FileNotFoundError)
     if isinstance(e, damaged) or any(m in text for m in _DAMAGE):
-        return RestoreError(
+        return DamagedStepError(
             f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
             f"edit). {_outcome(where)} Fix: restore another step (all_steps()); "
-            "`jax-cb-ckpt verify` checks every step."
+            "`jax-cb-ckpt verify` checks every step.",
+            f"cannot read {what}: {text}",
         )
     return RestoreError(f"{where}: cannot read {what}: {text}")
 
@@ -226,11 +229,12 @@ def open_step(
     step that is not there is reported as `pick_step` reports it, not as removed."""
     links = storage.symlinks_inside(step)
     if links:
-        raise RestoreError(
+        raise DamagedStepError(
             f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
             "make reading it read files outside the directory; the library never writes "
             "them, so it was altered. Fix: restore another step, or replace the links by "
-            "the files they point to if you trust them."
+            "the files they point to if you trust them.",
+            f"it contains symlinks ({links[0]!r}, ...)",
         )
     try:
         return storage.open_step(step)
@@ -264,9 +268,10 @@ def _open_failure(e: Exception, storage: Storage, step: int, where: str) -> Chec
     if not complete:
         return removed(storage, step, where)
     if isinstance(e, _format.DamagedStep):
-        return RestoreError(
+        return DamagedStepError(
             f"{where}: the step is damaged: {e}. Fix: restore another step "
-            "(all_steps()), or the folder from a good copy."
+            "(all_steps()), or the folder from a good copy.",
+            str(e),
         )
     return RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}")
 
@@ -355,9 +360,10 @@ def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
     try:
         return _format.StepMeta.parse(meta)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise RestoreError(
+        raise DamagedStepError(
             f"{where}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
-            f"{e}); it was edited or corrupted. Fix: restore another step."
+            f"{e}); it was edited or corrupted. Fix: restore another step.",
+            f"its '{META_ITEM}' item is invalid ({e})",
         ) from e
 
 
@@ -428,13 +434,14 @@ def read_leaves(
 
 def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> RestoreError:
     region = f"elements [{key.replace(',', ', ')}]" if key else "its value"
-    return RestoreError(
+    return DamagedStepError(
         f"{where}: leaf {leaf} is corrupted: the checksum of {region} does not match "
         f"the one recorded when it was written (stored as zarr array '{name}' in "
         f"{step_dir + '/' + STATE_ITEM!r}). A file of the step was changed on "
         "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
         f"{_outcome(where)} Fix: restore another step (all_steps()); "
-        "jax_cb_ckpt.verify(directory) checks every step."
+        "jax_cb_ckpt.verify(directory) checks every step.",
+        f"leaf {leaf} is corrupted: the checksum of {region} does not match",
     )
 
 
@@ -442,10 +449,11 @@ def _leaf_sums(sums: _format.Sums, saved: LeafSpec, where: str) -> dict[str, int
     """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
     leaf_sums = sums.get(_format.param_name(saved.name))
     if leaf_sums is None:
-        raise RestoreError(
+        raise DamagedStepError(
             f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
             f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
-            "or pass verify=False to read it unchecked."
+            "or pass verify=False to read it unchecked.",
+            f"leaf {saved.path} has no checksum",
         )
     return leaf_sums
 

@@ -17,7 +17,8 @@ the lock and the multi-process check call them without a branch of their own:
 - small files of the directory (the multi-process check's nonce): `names`,
   `create_file`, `read_file`, `remove_file`;
 - how steps go away: `set_aside`, `remove_aside`, `remove_step`,
-  `remove_temp`, `clean_leftovers`, `remove_run_temps`.
+  `remove_temp`, `clean_leftovers`, `remove_run_temps`; and how a damaged step a
+  restart passed over is kept out of the way: `set_aside_damaged`, `set_aside_steps`.
 
 What counts as a step (names, the files of a whole step and their bytes, the checks of
 its description) is `_format`'s; the one place that asks which kind a location is,
@@ -130,6 +131,16 @@ class _Steps:
         raise NotImplementedError
 
     def remove_aside(self, aside: str) -> None:
+        raise NotImplementedError
+
+    def set_aside_damaged(self, step: int, why: str) -> str | None:
+        """Move the damaged step `step` out of the steps, whole, under a name that is not
+        a step (`_format.set_aside_name`), with a note saying `why`: the name, or None
+        (nothing touched) when `step` is not a step folder of ours."""
+        raise NotImplementedError
+
+    def set_aside_steps(self) -> list[tuple[int, str, str]]:
+        """(step, name, why) of every damaged step set aside here, by step."""
         raise NotImplementedError
 
     def _after_set_aside(self) -> None:
@@ -432,6 +443,40 @@ class Local(_Steps):
 
     def _after_set_aside(self) -> None:
         fsync_dir(self.path)
+
+    def set_aside_damaged(self, step: int, why: str) -> str | None:
+        """`_Steps.set_aside_damaged`: renamed (atomic, then the directory fsynced), the
+        note written inside. Only a real directory that is ours (complete or damaged)."""
+        path = self.step_path(step)
+        if not _is_real_dir(path) or self.examine(step).kind == "foreign":
+            return None
+        name = _format.set_aside_name(step)
+        os.rename(path, os.path.join(self.path, name))
+        fsync_dir(self.path)
+        _TAGS.pop(os.path.join(path, META_ITEM, META_FILE), None)
+        note = os.path.join(self.path, name, _format.SET_ASIDE_NOTE)
+        with open(note, "xb") as f:
+            f.write(_format.set_aside_note(step, why))
+        return name
+
+    def set_aside_steps(self) -> list[tuple[int, str, str]]:
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            match = _format.SET_ASIDE_PATTERN.fullmatch(name)
+            if match is None or not _is_real_dir(os.path.join(self.path, name)):
+                continue
+            try:
+                note = _read_file(
+                    os.path.join(self.path, name, _format.SET_ASIDE_NOTE), SMALL_FILE_MAX_BYTES
+                )
+            except (OSError, DamagedStep):
+                note = None
+            found.append((int(match.group(1)), name, _format.read_set_aside_note(note)))
+        return sorted(found)
 
     def remove_aside(self, aside: str) -> None:
         _remove_ours(aside)
@@ -895,6 +940,44 @@ class Bucket(_Steps):
             _remove_step_objects(aside)
         except _remote.StorageError:
             pass  # unlisted already; the next opening removes the rest
+
+    def set_aside_damaged(self, step: int, why: str) -> str | None:
+        """`_Steps.set_aside_damaged`: there is no rename, so each object is copied under
+        the new name (one at a time: a damaged step may be large), the note written, and
+        only then is the step unlisted (its commit marker first) and removed. A failure
+        before that leaves the step as it was; a copy cut short stays under its name
+        (never a step) and is shown by `jax-cb-ckpt ls`."""
+        url = self.step_path(step)
+        keys = _remote.list_keys(url)
+        if OURS_NAME not in keys and COMMIT_NAME not in keys:
+            return None
+        name = _format.set_aside_name(step)
+        for key in keys:
+            data, _ = _remote.read(f"{url}/{key}")
+            if data is not None:
+                _remote.write(f"{self.path}/{name}/{key}", data)
+        _remote.write(
+            f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}", _format.set_aside_note(step, why)
+        )
+        _remote.delete(f"{url}/{COMMIT_NAME}")
+        _remove_step_objects(url)
+        return name
+
+    def set_aside_steps(self) -> list[tuple[int, str, str]]:
+        names = set()
+        for key in _remote.list_keys(self.path):
+            name = key.partition("/")[0]
+            if _format.SET_ASIDE_PATTERN.fullmatch(name):
+                names.add(name)
+        found = []
+        for name in names:
+            try:
+                note, _ = _remote.read(f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}")
+            except _remote.StorageError:
+                note = None
+            step = int(name.partition(".")[0])
+            found.append((step, name, _format.read_set_aside_note(note)))
+        return sorted(found)
 
     def step_writer(self, name: str) -> str | None:
         """The writer (lock token) that began the step `name`; None when there is no

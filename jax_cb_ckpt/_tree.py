@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +129,8 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
             impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
         np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
-        return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape)
+        weak = bool(getattr(leaf, "weak_type", False))
+        return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape, weak=weak)
     shown = repr(leaf)
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -275,11 +277,11 @@ def _entry_key(entry: Any) -> Any:
 
 
 def _leaf_key(leaf: Any) -> Any:
-    """What a leaf's spec depends on besides its position: its type, shape and dtype
-    (a Python int's range, which is checked); None for anything else, which is never
+    """What a leaf's spec depends on besides its position: its type, shape, dtype and
+    weak type (a Python int's range, which is checked); None for anything else, which is never
     remembered."""
     if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)):
-        return type(leaf), leaf.shape, leaf.dtype
+        return type(leaf), leaf.shape, leaf.dtype, bool(getattr(leaf, "weak_type", False))
     if isinstance(leaf, int) and not isinstance(leaf, bool):
         return type(leaf), -(2**63) <= leaf < 2**63
     if isinstance(leaf, _PY_SCALARS):
@@ -454,7 +456,28 @@ def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
         return False
     if like.kind == KEY:
         return like.impl is None or like.impl == saved.impl
-    return like.dtype == saved.dtype
+    return like.dtype == saved.dtype or carried_as(like, saved)
+
+
+def carried_as(like: LeafSpec, saved: LeafSpec) -> bool:
+    """A weakly typed `like` leaf (a Python number of the initial state) that a loop
+    carries as `dtype`: JAX promotes a weakly typed carry to `result_type(leaf, what
+    the body returns)`, so a checkpoint holds it in that dtype. Restored as stored.
+    (A Python number of the leaf's kind stands for it: `result_type` reads a
+    ShapeDtypeStruct as strongly typed.)"""
+    dtype = saved.dtype
+    if not like.weak or like.kind != ARRAY or saved.kind != ARRAY or like.dtype == dtype:
+        return False
+    kind = np.dtype(like.dtype).kind
+    number = {"b": False, "i": 0, "u": 0, "f": 0.0, "c": 0j}.get(kind)
+    if number is None:
+        return False
+    with warnings.catch_warnings():  # (a 64-bit dtype without x64 is said, and differs)
+        warnings.simplefilter("ignore")
+        try:
+            return np.dtype(jnp.result_type(number, _dtypes.named(dtype))).name == dtype
+        except TypeError:
+            return False
 
 
 def _number_kind(dtype: str) -> str:
@@ -492,14 +515,18 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
         return np.dtype(spec.dtype).type(array.item() if array.shape == () else array)
     if isinstance(like_leaf, np.ndarray):
         return np.asarray(array, dtype=spec.dtype)
+    # A weakly typed leaf the loop carried in another dtype comes back as stored, as
+    # the loop carries it (strongly typed); one stored in its own dtype stays weak.
+    carried = carried_as(spec, saved)
+    dtype = saved.dtype if carried else spec.dtype
     if isinstance(array, np.ndarray):
         # device_put, not jnp.asarray: on a CPU it adopts an aligned host array without
         # a copy (the read allocates aligned arrays, `_read`); jnp.asarray always copies
         # (256 MiB: ~100 ms here, ~260 ms from unaligned memory).
-        value = jax.device_put(np.asarray(array, dtype=spec.dtype))
+        value = jax.device_put(np.asarray(array, dtype=dtype))
     else:
-        value = jnp.asarray(array, dtype=spec.dtype)
-    if getattr(like_leaf, "weak_type", False):
+        value = jnp.asarray(array, dtype=dtype)
+    if getattr(like_leaf, "weak_type", False) and not carried:
         value = _weakly_typed(value)
     return _place(value, getattr(like_leaf, "sharding", None))
 

@@ -27,6 +27,7 @@ PyTree: TypeAlias = Any
 OnFull = Literal["block", "skip", "newest"]  # a save that finds the queue full
 OnError = Literal["raise", "continue"]  # a write that failed
 OnExisting = Literal["raise", "replace"]  # another run's steps at or above a save's
+OnDamaged = Literal["fall_back", "raise"]  # a restart that finds its newest step damaged
 Crossing = Literal["auto", "buffer", "callback"]  # how traced arrays reach the host
 Gather = Literal["stack", "concat", "replicated"]  # a state gathered over an axis
 BestMode = Literal["max", "min"]  # keep_best: is a higher metric better, or a lower one
@@ -49,6 +50,7 @@ class Options:
     every_seconds: float | None = None  # also save when this long has passed
     check_every: int = 100  # a bare maybe_save asks the clock every this many steps
     initial_save: bool = False  # run / scan / restore_or_init save the starting state
+    on_damaged: OnDamaged = "fall_back"  # a restart's newest step is damaged
     rules: Rules | None = None  # what retention keeps (None: every step)
 
     @property

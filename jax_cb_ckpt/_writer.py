@@ -84,6 +84,7 @@ class Writer:
         self._retention = None if rules is None else Retention(rules, self._storage, exchange.note)
         self._aside: list[str] = []
         self._retention_s = 0.0  # of the step just written (SaveRecord.retention_s)
+        self._log = SaveLog(directory)  # what the log says of the saves
         self._unfinished: list[str] = []  # failed steps in object storage (_sweep)
         if self._group.primary:  # the primary cleans up after killed writers
             untouched = self._storage.clean_leftovers(lock.taken_over_from)
@@ -145,6 +146,7 @@ class Writer:
                 self._sweep()
         finally:
             self._sweep()
+            self._log.flush()
             _exit.LIVE.discard(self)
             self._group.close()
             self._lock.release()
@@ -217,6 +219,7 @@ class Writer:
         finally:
             self._group.writing = None  # peers waiting for this process wait on while set
         self._written(item, time.perf_counter() - start, checksum_s)
+        self._log.saved(item, time.perf_counter() - start, step.meta.get("metrics", {}))
         return None
 
     def _write_as_primary(
@@ -312,14 +315,6 @@ class Writer:
                 step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s, retention_s
             )
         )
-        logger.info(
-            "saved step %d to %s: %d bytes, written in %.1f ms (device waited %.2f ms)",
-            step,
-            self.directory,
-            item.nbytes,
-            write_s * 1e3,
-            item.blocking_s * 1e3,
-        )
 
     def _write_descriptions(self, temp: str, step: _Described) -> None:
         """The primary's file of a step that depends on no array written: Orbax's
@@ -367,8 +362,10 @@ class Writer:
         need not wait for)."""
         if self._retention is not None:
             start = time.perf_counter()
-            self._aside += self._retention.committed(item.step, step.meta)
+            asides = self._retention.committed(item.step, step.meta)
+            self._aside += asides
             self._retention_s = time.perf_counter() - start
+            self._log.deleted([_format.step_of_aside(a) for a in asides], self._rules)
 
     def _enter_attempt(self, temp: str, round_: Round) -> None:
         """This process's part's folder in the attempt's temporary directory, which
@@ -391,6 +388,78 @@ class Writer:
             self._storage.remove_aside(self._aside.pop())
         while self._unfinished:  # best effort: else the next opening removes it
             self._storage.remove_temp(self._unfinished.pop(), self._lock.token)
+
+
+class SaveLog:
+    """What the log (`logging.getLogger("jax_cb_ckpt")`) says of the saves: every save,
+    and every step retention deletes, at DEBUG; at INFO the first save, then at most one
+    line per `interval` seconds summing up the saves since the last one (the newest
+    with its size, times and metrics, and the steps retention deleted), so that a long
+    run saving every second writes a few lines a minute, not one per save (600 in 60
+    s before); `flush` says what is left when the writer ends. The writer thread's own."""
+
+    def __init__(self, directory: str, interval: float = 10.0) -> None:
+        self.directory = directory
+        self.interval = interval
+        self._said_at: float | None = None  # monotonic time of the last INFO line
+        self._since = 0  # saves since it
+        self._newest = ""  # the newest save, said
+        self._deleted: list[int] = []  # steps retention deleted since it
+
+    def saved(self, item: SaveItem, write_s: float, metrics: dict[str, Any]) -> None:
+        shown = "".join(f", {name}={_brief(value)}" for name, value in metrics.items())
+        self._newest = (
+            f"step {item.step} ({_size(item.nbytes)}, written in {write_s * 1e3:.1f} ms, "
+            f"device waited {item.blocking_s * 1e3:.2f} ms{shown})"
+        )
+        logger.debug("saved %s to %s", self._newest, self.directory)
+        self._since += 1
+        now = time.monotonic()
+        if self._said_at is None or now - self._said_at >= self.interval:
+            self._say(now)
+
+    def deleted(self, steps: list[int], rules: Rules | None) -> None:
+        for step in steps:
+            logger.debug("retention (%s): step %d deleted", rules and rules.describe(), step)
+        self._deleted += steps
+
+    def flush(self) -> None:
+        if self._since or self._deleted:
+            self._say(time.monotonic())
+
+    def _say(self, now: float) -> None:
+        if self._since > 1:
+            line = f"saved {self._since} steps to {self.directory}, the newest {self._newest}"
+        elif self._since == 1:
+            line = f"saved {self._newest} to {self.directory}"
+        else:
+            line = f"saved nothing more to {self.directory}"
+        if self._deleted:
+            line += f"; retention deleted step(s) {_steps_text(self._deleted)}"
+        logger.info("%s", line)
+        self._said_at, self._since, self._newest, self._deleted = now, 0, "", []
+
+
+def _brief(value: Any) -> str:
+    """A metric as the log line shows it (under vmap: its members' range)."""
+    values = np.asarray(value, dtype=np.float64).ravel()
+    if values.size == 1:
+        return f"{values[0]:.6g}"
+    return f"[{np.nanmin(values):.6g} .. {np.nanmax(values):.6g}]" if values.size else "[]"
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return f"{nbytes} B"
+
+
+def _steps_text(steps: list[int]) -> str:
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]} ({len(steps)} in all)"
 
 
 class _Described:

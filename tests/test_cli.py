@@ -267,9 +267,16 @@ def test_the_library_s_log_lines_are_readable_and_alone(tmp_path):
         f"WARNING:jax_cb_ckpt:run stopped at step 5 after request_stop(); checkpoint saved "
         f"in {directory}; exit code 1"
     ), ours
-    assert f"INFO:jax_cb_ckpt:run: resuming from step 5 of 20 in {directory}" in ours
-    assert ours[-1].startswith("INFO:jax_cb_ckpt:run: nothing to do"), ours
-    assert sum(line.startswith("INFO:jax_cb_ckpt:saved step") for line in ours) == 4, ours
+    resumed = "the newest step that passes its checks"
+    assert f"INFO:jax_cb_ckpt:run: resumed from step 5 of {directory} ({resumed})" in ours
+    assert f"INFO:jax_cb_ckpt:restore: restored step 20 of {directory} ({resumed})" in ours
+    assert [line for line in ours if line.startswith("INFO:jax_cb_ckpt:run: nothing to do")]
+    # Saves at INFO: the first one, then a line per 10 s at most (here: at the end),
+    # saying how many and the newest (issue 41 item 7).
+    saves = [line for line in ours if line.startswith("INFO:jax_cb_ckpt:saved")]
+    assert saves[0].startswith("INFO:jax_cb_ckpt:saved step 5 (12 B"), saves
+    assert saves[-1].startswith("INFO:jax_cb_ckpt:saved 3 steps to"), saves
+    assert "the newest step 20 (12 B" in saves[-1] and len(saves) == 2, saves
 
 
 def test_a_closed_pipe_ends_the_command_quietly(saved):

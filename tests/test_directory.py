@@ -3,6 +3,7 @@ outside it), only its own complete steps, with one writer per directory; a step 
 another run is never mixed with this run's, and every function takes the same path
 forms. Each test failed before its fix (adversarial testing)."""
 
+import json
 import os
 import random
 import shutil
@@ -133,9 +134,9 @@ def test_symlinks_inside_a_step_are_never_read_through(tmp_path, make_ckpt, ckpt
     data = next((ckpt_dir / "3" / "state").glob("**/manifest.ocdbt"))
     data.rename(outside / "manifest.ocdbt")
     os.symlink(outside / "manifest.ocdbt", data)  # deep inside the arrays
-    with pytest.raises(RestoreError, match=r"contains symlinks"):
-        with pytest.warns(jax_cb_ckpt.DamagedStepWarning):  # steps 1 and 2
-            jax_cb_ckpt.restore(ckpt_dir, state_at(0))
+    # Every step is damaged: the newest one's error, naming the others.
+    with pytest.raises(RestoreError, match=r"contains symlinks.*step 2: .*step 1: "):
+        jax_cb_ckpt.restore(ckpt_dir, state_at(0))
     assert_victim_intact(outside)
 
 
@@ -332,7 +333,8 @@ def test_a_step_folder_copied_in_is_kept_whole_or_half(make_ckpt, ckpt_dir, tmp_
     step here, listed and restored; one copied in part (its Orbax step file missing) is
     not a step but a damaged one, reported (DamagedStepWarning). Opening the directory,
     retention and a save of the same number delete neither (the object-storage case:
-    test_storage.py)."""
+    test_storage.py); a restart (restore without step=) sets the damaged one aside,
+    whole, and the run writes that step again (issue 41 item 1)."""
     elsewhere = tmp_path / "elsewhere"
     with jax_cb_ckpt.Checkpointer(elsewhere) as other:
         other.save(state_at(500), 500)
@@ -345,13 +347,26 @@ def test_a_step_folder_copied_in_is_kept_whole_or_half(make_ckpt, ckpt_dir, tmp_
     ckpt = make_ckpt(max_to_keep=1)
     with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"step 600: .*_CHECKPOINT_METADATA"):
         assert ckpt.all_steps() == [500]
-    with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
-        assert int(ckpt.restore(state_at(0))["step"]) == 500
-    ckpt.save(state_at(600), 600)
+    ckpt.save(state_at(600), 600)  # not listed, but in the way
     with pytest.raises(SaveError, match=r"'.*/600' already exists and is not a checkpoint"):
-        ckpt.close()
+        ckpt.wait()
     left = sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*"))
     assert left == sorted([*files, ".jax_cb_ckpt.lock"])
+    ckpt.close()
+    ckpt = make_ckpt(max_to_keep=1)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"passing over .*step 600: "):
+        assert int(ckpt.restore(state_at(0))["step"]) == 500
+    [aside] = [p for p in ckpt_dir.iterdir() if p.name.startswith("600.jax_cb_ckpt-damaged-")]
+    note = json.loads((aside / ".jax_cb_ckpt-set-aside.json").read_text())
+    assert note["step"] == 600 and "_CHECKPOINT_METADATA" in note["why"]
+    moved = sorted(str(p.relative_to(aside)) for p in aside.rglob("*"))
+    assert moved == sorted(
+        [f[len("600/") :] for f in files if f.startswith("600/")] + [".jax_cb_ckpt-set-aside.json"]
+    )
+    ckpt.save(state_at(601), 600)  # the run writes step 600 again
+    ckpt.close()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [600]  # (max_to_keep=1)
+    assert int(jax_cb_ckpt.restore(ckpt_dir, state_at(0))["step"]) == 601
 
 
 def test_a_step_blocked_by_a_user_folder_fails_clearly(make_ckpt, ckpt_dir):

@@ -388,8 +388,9 @@ def test_bad_restore_step(make_ckpt, step):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        # Another format tag: not a checkpoint of ours at all (never listed or deleted).
-        (lambda m: m.update(format="other/9"), r"not complete jax_cb_ckpt checkpoints \(\[1\]\)"),
+        # Another format tag under our record of the step: damaged (never listed or
+        # deleted), said as such by a restore without step= (every step is damaged).
+        (lambda m: m.update(format="other/9"), r"step 1 .* has format tag 'other/9'"),
         (lambda m: m.update(leaves="x"), r"'leaves' is a str"),
         (
             lambda m: m["leaves"][0].update(dtype="int64"),
