@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import (
     _format,
@@ -353,9 +354,11 @@ class Checkpointer:
         gather: Gather = "stack",
         shardings: PyTree = None,
         metrics: PyTree = None,
+        last_step: ArrayLike | None = None,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`,
-        or `every_seconds` passed since the last save, asked every `check_every` steps).
+        or `every_seconds` passed since the last save, asked every `check_every` steps),
+        or `step` is `last_step`.
 
         Convention: checkpoint `k` holds the state after `k` updates. Call it at the end
         of an update with the number of updates done (`i + 1` for a scan index `i`, or
@@ -408,6 +411,13 @@ class Checkpointer:
                 `metrics(step)`, shown by `jax-cb-ckpt ls` and ranked by `keep_best`.
                 Named by their keys (`{"eval": {"return": r}}` is `"eval/return"`);
                 under vmap each has one value per member.
+            last_step: the loop's last step (an int, or a traced integer scalar such
+                as `num_updates`): that step is saved whatever `every`,
+                `every_seconds` or `when` say, so the final state of a loop of your own
+                is on disk (`run` saves its last step by itself). Without it, a loop
+                whose length is not a multiple of `every` (or one saving by the clock)
+                ends with an older checkpoint: `close()` warns when it can tell (with
+                `every_seconds`, from the steps the clock was asked at).
         """
         where = "maybe_save"
         self._check_usable(where)
@@ -418,6 +428,8 @@ class Checkpointer:
             wanted, condition = when, None
         else:
             wanted, condition = True, _traced.check_when(when, where)
+        if last_step is not None:
+            wanted, condition = _or_last(step, step_value, last_step, wanted, condition, where)
         self._check_best(metrics, where)
         if not wanted:
             _tree.describe_state(state, where)  # still check the state
@@ -601,6 +613,7 @@ class Checkpointer:
         cut_short: BaseException | None = None
         try:
             self._wait()
+            self._say_if_behind()
         except CheckpointError:
             raise
         except BaseException as e:  # Ctrl-C: the writer still finishes what it was given
@@ -629,6 +642,24 @@ class Checkpointer:
                             "pending (the next close() or wait() raises it): "
                             f"{type(error).__name__}: {error}"
                         )
+
+    def _say_if_behind(self) -> None:
+        """At close: the clock (every_seconds) was asked at a step after the newest one
+        saved, so the loop went on past its last checkpoint and its final state is not
+        on disk (a loop of one's own that saves by `every` or the clock only)."""
+        seen = None if self._clock is None else self._clock.seen
+        saved = self._stats.snapshot().last_saved_step
+        if seen is None or (saved is not None and saved >= seen):
+            return
+        newest = "no step" if saved is None else f"step {saved}"
+        _warn.warn(
+            f"close: the loop reached step {seen} at least (asked the clock there), but "
+            f"the newest checkpoint this Checkpointer saved in {self.directory!r} is "
+            f"{newest}: the final state is not on disk, and a restore gives the older "
+            "one. Fix: maybe_save(state, step, last_step=num_steps) saves the loop's last "
+            "step whatever every/every_seconds say (ckpt.run saves it by itself).",
+            CheckpointWarning,
+        )
 
     def __enter__(self) -> Checkpointer:
         if self._closed:
@@ -922,7 +953,7 @@ class Checkpointer:
         *,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
-    ) -> tuple[PyTree, int] | None:
+    ) -> tuple[PyTree, int | np.ndarray] | None:
         """A restart: (the state, its step) of the newest step that passes its checks
         (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
         (`on_damaged`), said in one INFO line; None when there is nothing to resume from.
@@ -949,12 +980,18 @@ class Checkpointer:
         if resumed.source == "orbax":
             why += "; a plain Orbax checkpoint, read unverified (Orbax keeps no checksums)"
         verb = "restored step" if where == "restore" else "resumed from step"
+        restart = resumed.value
+        assert restart is not None
+        start: int | np.ndarray = step
+        if restart.member_steps is not None:  # members of a batch resume from their own
+            start = restart.member_steps
+            why += f"; the batch's members from their own newest steps {start.tolist()}"
         logger.info("%s: %s %d of %s (%s)", where, verb, step, self.directory, why)
-        return resumed.value, step
+        return restart.state, start
 
     def restore_or_init(
         self, init_fn: Callable[..., PyTree], *args: object, like: PyTree = None
-    ) -> tuple[PyTree, int]:
+    ) -> tuple[PyTree, int | np.ndarray]:
         """The state to start a run from, and its step: the newest checkpoint that
         passes its checks and its step, or `init_fn(*args)` and 0 when there is none.
 
@@ -967,11 +1004,17 @@ class Checkpointer:
         resume runs (XLA compiles init-plus-updates differently from updates alone: the
         last bits of the trained values differ), so its runs can never be resumed
         exactly. `like` (default: the shapes of `init_fn(*args)`, by `jax.eval_shape`:
-        nothing computed) is what the checkpoint is restored into. With `initial_save`, a
+        nothing computed) is what the checkpoint is restored into; given, a weakly typed
+        leaf of a fresh `init_fn(*args)` (a Python number) is cast to like's dtype there,
+        so a fresh and a resumed run pass one signature. With `initial_save`, a
         fresh start saves the initial state as step 0 (on disk before it returns).
         A newer damaged step is passed over and set aside (see `on_damaged`); a plain
-        Orbax checkpoint is resumed from too. Waits for pending saves first; blocks
-        while it restores or initialises.
+        Orbax checkpoint is resumed from too. Under vmap, a member that did not ask for
+        the newest step (its predicate was false there: a finished member of a vmapped
+        `while_loop`) is restored from the newest step it asked for, and the step
+        returned is then an int array of each member's step (pass it batched: `jax.vmap(
+        train, in_axes=(0, 0))`); docs/transforms.md. Waits for pending saves first;
+        blocks while it restores or initialises.
 
         Example:
             ```python
@@ -998,10 +1041,36 @@ class Checkpointer:
         if resumed is not None:
             return resumed
         init = init_fn(*args)
+        if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
+            init = _tree.as_carried(init, given)
         if self._options.initial_save:
             self.save(init, 0)
             self.wait()  # on disk before the run goes on (and lists its steps)
         return init, 0
+
+
+def _or_last(
+    step: ArrayLike,
+    step_value: int | None,
+    last_step: ArrayLike,
+    wanted: bool,
+    condition: jax.Array | None,
+    where: str,
+) -> tuple[bool, jax.Array | None]:
+    """`maybe_save`'s (wanted, condition), or `step == last_step`: decided in Python
+    where both are known, else one more term of the traced condition."""
+    last_value = _traced.check_step(last_step, f"{where}(last_step=...)")
+    if wanted and condition is None:
+        return True, None  # saved anyway
+    if step_value is not None and last_value is not None:
+        return (True, None) if step_value == last_value else (wanted, condition)
+    is_last = _traced.traced_step(step, step_value, where) == _traced.traced_step(
+        last_step, last_value, where
+    )
+    if not wanted:
+        return True, is_last
+    assert condition is not None
+    return True, condition | is_last
 
 
 def _lock_name() -> str:

@@ -182,7 +182,12 @@ def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMet
     if not rules.any:  # (a record of no rule: every step is kept)
         return None
     entries = [
-        Entry(step, meta.saved_seconds, meta.best_values(rules.best))
+        Entry(
+            step,
+            meta.saved_seconds,
+            meta.best_values(rules.best),
+            None if meta.members.all() else meta.members,
+        )
         for step, meta in metas.items()
     ]
     keeper = Keeper(rules, entries)

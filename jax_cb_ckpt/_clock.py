@@ -28,12 +28,18 @@ class SaveClock:
     def __init__(self, every_seconds: float, stats: StatsRecorder) -> None:
         self.every_seconds = every_seconds
         self._stats = stats
+        # The highest step the clock was asked at: a loop reached it (for the warning at
+        # close that the loop went on past its newest checkpoint).
+        self.seen: int | None = None
 
     def due(self) -> bool:
         return time.monotonic() - self._stats.last_handoff >= self.every_seconds
 
     def read(self, step: np.ndarray) -> np.ndarray:
         """The host side of `traced`: `due()` in the shape of `step` (vmap broadcasts)."""
+        if np.size(step):
+            highest = int(np.max(step))
+            self.seen = highest if self.seen is None else max(self.seen, highest)
         return np.full(np.shape(step), self.due(), dtype=bool)
 
     def traced(self, step: ArrayLike) -> jax.Array:

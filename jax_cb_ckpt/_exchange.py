@@ -177,6 +177,8 @@ class SaveItem:
     handoff_s: float
     release: Callable[[], None]  # give the host buffers back (staging pool)
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
+    # Under vmap with a batched step: each member's own step, where some differ.
+    member_steps: np.ndarray | None = None
 
     @property
     def step(self) -> int:

@@ -315,6 +315,7 @@ def meta_record(
     shardings: dict[str, Any],
     batch_shape: tuple[int, ...],
     members: list[Any],
+    member_steps: list[Any] | None = None,
     saved_at: float | None = None,
     metrics: dict[str, Any] | None = None,
     retention: dict[str, Any] | None = None,
@@ -331,7 +332,11 @@ def meta_record(
     - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
       "spec": [[mesh axes] per dimension]}};
     - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
-      members asked for the save;
+      members asked for the save; `member_steps` (only where a batched step differs
+      between members): each member's own step, in the batch's shape. A member that
+      did not ask holds what its state was at its own step, which under vmap of a
+      `while_loop` may be a state it never had (a finished member's body still runs);
+      a restart resumes each member from the newest step it asked at;
     - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
       numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
     - `retention` (only with retention rules): the rules in force when it was saved
@@ -352,6 +357,8 @@ def meta_record(
     if batch_shape:
         meta["batch_shape"] = list(batch_shape)
         meta["members"] = members
+        if member_steps is not None:
+            meta["member_steps"] = member_steps
     if metrics:
         meta["metrics"] = metrics
     if retention:
@@ -370,6 +377,8 @@ class StepMeta:
     batch_shape: tuple[int, ...] = ()  # () unless saved under vmap
     # Which members asked for the save (bool, batch_shape); all of them when not recorded.
     members: np.ndarray = dataclasses.field(default_factory=lambda: np.ones((), bool))
+    # Each member's own step (int64, batch_shape), where they differ; None: all at `step`.
+    member_steps: np.ndarray | None = None
     checksums: Sums | None = None  # None: written before checksums were kept
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
@@ -396,6 +405,15 @@ class StepMeta:
         members = np.asarray(meta.get("members", np.ones(batch, bool)), dtype=bool)
         if members.shape != tuple(batch):
             raise ValueError(f"'members' has shape {members.shape}, not the batch's {tuple(batch)}")
+        member_steps = meta.get("member_steps")
+        if member_steps is not None:
+            member_steps = np.asarray(member_steps)
+            ok = member_steps.shape == tuple(batch) and member_steps.dtype.kind in "iu"
+            if not ok or (member_steps.size and member_steps.min() < 0):
+                raise ValueError(
+                    f"'member_steps' is not the batch's {tuple(batch)} non-negative step numbers"
+                )
+            member_steps = member_steps.astype(np.int64)
         for field in ("checksums", "shardings"):
             if meta.get(field) is not None and not isinstance(meta[field], dict):
                 raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
@@ -410,6 +428,7 @@ class StepMeta:
             leaves=specs,
             batch_shape=tuple(batch),
             members=members,
+            member_steps=member_steps,
             checksums=meta.get("checksums"),
             shardings=meta.get("shardings") or {},
             saved_at=meta["saved_at"] if isinstance(meta.get("saved_at"), str) else None,

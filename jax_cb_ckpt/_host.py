@@ -354,12 +354,22 @@ class HostSide:
         start = time.perf_counter()
         self._refuse_if_failed()
         members = np.asarray(wanted).astype(bool)
+        steps = np.asarray(step)
         try:
-            step = _one_step(np.asarray(step), members)
+            step = _one_step(steps, members)
         except CheckpointError as e:
             self._exchange.record(e)  # re-raised by wait()/close() as our own type
             raise
-        self._hand_over(signature, step, members, start, copy_out, in_callback=True, owner=owner)
+        self._hand_over(
+            signature,
+            step,
+            members,
+            start,
+            copy_out,
+            in_callback=True,
+            owner=owner,
+            member_steps=_member_steps(steps, members, step),
+        )
 
     def eager(self, signature: Signature, step: int, hosts: list[np.ndarray | jax.Array]) -> None:
         """A save made outside any trace: `hosts` are every leaf's value (numpy arrays,
@@ -428,10 +438,13 @@ class HostSide:
         *,
         in_callback: bool,
         owner: object,
+        member_steps: np.ndarray | None = None,
     ) -> None:
         claim = self._exchange.admit(step, owner, in_callback=in_callback)
         if claim is not None:
-            self._submit(signature, members, copy_out, claim, start=start)
+            self._submit(
+                signature, members, copy_out, claim, start=start, member_steps=member_steps
+            )
 
     def _submit(
         self,
@@ -442,9 +455,11 @@ class HostSide:
         *,
         start: float | None = None,
         blocking_s: float = 0.0,
+        member_steps: np.ndarray | None = None,
     ) -> None:
         """Queue a claimed save (its slot taken): the claim travels with it to the
-        writer. The device waited `blocking_s`, or from `start` until now."""
+        writer. The device waited `blocking_s`, or from `start` until now.
+        `member_steps`: each member's own step, where some differ from the save's."""
         copying = time.perf_counter()
         try:
             crossed, release, ready = copy_out()
@@ -469,6 +484,7 @@ class HostSide:
             end - copying,
             release,
             ready,
+            member_steps,
         )
         self._stats.in_flight(self._exchange.submit(item))
 
@@ -527,6 +543,15 @@ def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
             "step that is the same for every member (e.g. the scan index)."
         )
     return _non_negative(int(saving[0]))
+
+
+def _member_steps(steps: np.ndarray, members: np.ndarray, step: int) -> np.ndarray | None:
+    """Each member's own step under vmap (a batched step: a member whose predicate does
+    not hold may be elsewhere, e.g. a finished member of a vmapped while_loop, whose
+    body still runs), in the batch's shape; None when every member is at `step`."""
+    if steps.ndim == 0 or steps.ndim < members.ndim or steps.shape != members.shape:
+        return None
+    return None if bool(np.all(steps == step)) else steps.astype(np.int64)
 
 
 def _non_negative(step: int) -> int:

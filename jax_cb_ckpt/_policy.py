@@ -1,7 +1,9 @@
 """Retention: which checkpoint steps the writer thread keeps after each commit.
 
 Rules combine as a union: a step stays while any rule keeps it, and the newest step
-always stays (a run must be able to resume from it). With no rule set everything is
+always stays (a run must be able to resume from it); so does, under vmap, the newest
+step each member asked for (a member that stopped saving, a finished member of a
+vmapped while_loop, resumes from there). With no rule set everything is
 kept, and the writer builds no `Keeper` at all.
 
 - "latest" (`max_to_keep`): the newest N steps held;
@@ -150,6 +152,9 @@ class Entry:
     step: int
     seconds: float | None
     values: np.ndarray | None
+    # Under vmap: which members asked for the save (bool, the batch shape); None for a
+    # plain save, or one every member asked for.
+    members: np.ndarray | None = None
 
 
 def _flat(values: np.ndarray | None) -> list[Any]:
@@ -193,6 +198,14 @@ class Keeper:
         self._latest = collections.deque(steps[-keep:] if keep is not None else ())
         self._chain: set[int] = set()
         self._chain_last: float | None = None
+        # The newest step every member asked for (`_all_asked`), and each member's newest
+        # step after it ({flat member index: step}, from steps some members did not ask
+        # for), out of `_size` members: a member's newest is its entry, else the former.
+        self._all_asked: int | None = None
+        self._members_newest: dict[int, int] = {}
+        self._size: int | None = None
+        for step, entry in self._entries.items():
+            self._offer_members(step, entry.members)
         self._heaps: list[list[tuple[Any, int]]] = []
         self._in_best: collections.Counter[int] = collections.Counter()
         for step, entry in self._entries.items():  # upwards, as if each were just added
@@ -242,6 +255,32 @@ class Keeper:
                 continue
             self._in_best[step] += 1
 
+    def _offer_members(self, step: int, members: np.ndarray | None) -> None:
+        """Each member's newest step, for a step above every held step (`members`: which
+        asked for it; None: all of them)."""
+        if members is None or np.asarray(members).all():
+            self._unchecked.update(self._members_newest.values())
+            if self._all_asked is not None:
+                self._unchecked.add(self._all_asked)
+            self._all_asked, self._members_newest, self._size = step, {}, None
+            return
+        flat = np.asarray(members, bool).ravel()
+        self._size = flat.size
+        for member in np.flatnonzero(flat).tolist():
+            old = self._members_newest.get(member)
+            if old is not None:
+                self._unchecked.add(old)
+            self._members_newest[member] = step
+        if len(self._members_newest) >= self._size and self._all_asked is not None:
+            self._unchecked.add(self._all_asked)  # every member asked for a newer step
+
+    def _a_members_newest(self, step: int) -> bool:
+        """`step` is the newest step some member asked for."""
+        if step in self._members_newest.values():
+            return True
+        size = self._size
+        return step == self._all_asked and (size is None or len(self._members_newest) < size)
+
     def _newest(self) -> int | None:
         return next(reversed(self._entries), None)
 
@@ -265,6 +304,7 @@ class Keeper:
             if len(self._latest) > self._rules.max_to_keep:
                 self._unchecked.add(self._latest.popleft())
         self._offer_seconds(step, entry.seconds)
+        self._offer_members(step, entry.members)
         if self._rules.keep_best is not None:
             self._offer_best(step, entry.values)
 
@@ -276,7 +316,7 @@ class Keeper:
         shapes = self.kept_by(step)
         del self._entries[step]
         self._unchecked.discard(step)
-        if {"latest", "seconds", "best"} & set(shapes):  # the newest is the dict's last
+        if {"newest", "latest", "seconds", "best"} & set(shapes):
             self._rebuild()
 
     def settle(self) -> list[int]:
@@ -296,7 +336,7 @@ class Keeper:
             return ()
         every = self._rules.keep_every
         reasons: list[Reason] = []
-        if step == self._newest():
+        if step == self._newest() or self._a_members_newest(step):
             reasons.append("newest")
         if self._latest and step >= self._latest[0]:
             reasons.append("latest")

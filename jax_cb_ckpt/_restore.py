@@ -14,6 +14,7 @@ while it is read is a `NoCheckpointError` (`_steps`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +22,28 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _dtypes, _format, _options, _plain, _read, _resume, _steps, _storage, _tree
-from ._errors import ConfigError, DamagedStepError, RestoreError, StructureMismatchError
+from . import (
+    _dtypes,
+    _format,
+    _options,
+    _plain,
+    _read,
+    _resume,
+    _steps,
+    _storage,
+    _tree,
+    _warn,
+)
+from ._errors import (
+    CheckpointWarning,
+    ConfigError,
+    DamagedStepError,
+    RestoreError,
+    StructureMismatchError,
+)
 from ._types import OnDamaged
+
+logger = logging.getLogger("jax_cb_ckpt")
 
 
 def _placement(like_leaf: Any, spec: _tree.LeafSpec, saved: _tree.LeafSpec) -> Any:
@@ -95,7 +115,16 @@ def restore(
         if resumed.error is not None:  # every step is damaged: the newest says why
             raise resumed.refusal()
         _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
-    return _resume.report(storage, resumed, "restore", set_aside=False).value
+    restart = _resume.report(storage, resumed, "restore", set_aside=False).value
+    assert restart is not None
+    if resumed.source == "orbax":
+        logger.info(
+            "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
+            "no checksums)",
+            resumed.step,
+            storage.path,
+        )
+    return restart.state
 
 
 def resume(
@@ -106,18 +135,123 @@ def resume(
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
     on_damaged: OnDamaged = "fall_back",
-) -> _resume.Resumed[Any]:
+) -> _resume.Resumed[Restart]:
     """The newest step of `storage` that passes its checks, read into `like()` (made
     only when there is a step to read: `restore_or_init`'s default is traced from the
-    user's `init_fn`) by `_resume.newest`: ours by `read_step`, a plain Orbax step by
-    `_plain.restore`."""
+    user's `init_fn`) by `_resume.newest`: ours by `read_step` (a batch whose members did
+    not all ask for that step: each of them from its own newest step, `_each_newest`),
+    a plain Orbax step by `_plain.restore`."""
+
+    def ours(step: int) -> Restart:
+        state = read_step(storage, like(), step, verify=verify, member=member, named=False)
+        if member is not None:
+            return Restart(state)
+        return _each_newest(storage, like(), step, state, verify, where)
+
     return _resume.newest(
         storage,
-        lambda step: read_step(storage, like(), step, verify=verify, member=member, named=False),
-        lambda found: _plain.restore(found, like(), where, member=member),
+        ours,
+        lambda found: Restart(_plain.restore(found, like(), where, member=member)),
         where,
         on_damaged=on_damaged,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A state a restart read, and each member's own step where the members of a vmap
+    batch resume from different steps (None: every member from the step read)."""
+
+    state: Any
+    member_steps: np.ndarray | None = None
+
+
+def _each_newest(
+    storage: _storage.Storage, like: Any, step: int, state: Any, verify: bool, where: str
+) -> Restart:
+    """`state`, read from the batch saved at `step`, with each member that did not ask
+    for that step (its predicate was false: a finished member of a vmapped while_loop,
+    whose body still ran, holds a state it never had there) taken from the newest older
+    step it asked for, and each member's step. A member that asked for no step at all
+    keeps what `step` holds, said in a warning."""
+    meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+    batch = meta.batch_shape
+    if not batch or meta.members.all():
+        return Restart(state)
+    missing = {tuple(int(i) for i in index) for index in np.argwhere(~meta.members)}
+    starts = np.full(batch, step, np.int64)
+    older = [s for s in storage.list_steps() if s < step]
+    for candidate in reversed(older):
+        if not missing:
+            break
+        try:
+            found = _steps.parsed(_steps.open_step(storage, candidate, where)[1], where)
+        except (DamagedStepError, ConfigError, OSError):
+            continue  # (a damaged older step is reported by listings; not one to use)
+        if found.batch_shape != batch:
+            continue
+        for index in sorted(missing):
+            if not found.members[index]:
+                continue
+            one = read_step(
+                storage,
+                _one_member(like, meta, index),
+                candidate,
+                verify=verify,
+                member=index,
+                named=False,
+            )
+            state = _with_member(state, index, one, meta)
+            starts[index] = candidate
+            missing.discard(index)
+    if missing:
+        shown = ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(missing))
+        _warn.warn(
+            f"{where}: member(s) {shown} of the batch saved at step {step} asked for no "
+            "step at or before it (their maybe_save predicate never held), so the state "
+            f"restored for them is what step {step} holds, at their own step "
+            f"({'recorded' if meta.member_steps is not None else 'not recorded'}): under "
+            "vmap of a while_loop that a member had left, a state it never had. Fix: "
+            "save every member's first state (initial_save, or a save at the loop's start).",
+            CheckpointWarning,
+        )
+    return Restart(state, starts)
+
+
+def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> Any:
+    """One member's `like` (its batched leaves without the batch axes)."""
+    n = len(meta.batch_shape)
+    batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
+    _, specs, leaves = _tree.describe_state(like, "restore", prefix="like", abstract_ok=True)
+    treedef = jax.tree_util.tree_structure(like)
+    out = []
+    for spec, leaf in zip(specs, leaves, strict=True):
+        if spec.name not in batched:
+            out.append(leaf)
+        elif isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(jax.ShapeDtypeStruct(leaf.shape[n:], leaf.dtype))
+        else:
+            out.append(leaf[index])
+    return treedef.unflatten(out)
+
+
+def _with_member(state: Any, index: tuple[int, ...], one: Any, meta: _format.StepMeta) -> Any:
+    """`state` with member `index` of its batched leaves replaced by `one`'s."""
+    n = len(meta.batch_shape)
+    batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
+    _, specs, leaves = _tree.describe_state(state, "restore", prefix="like", abstract_ok=True)
+    treedef = jax.tree_util.tree_structure(state)
+    out = []
+    for spec, leaf, new in zip(specs, leaves, jax.tree.leaves(one), strict=True):
+        if spec.name not in batched:
+            out.append(leaf)
+        elif isinstance(leaf, np.ndarray):
+            leaf = leaf.copy()
+            leaf[index] = new
+            out.append(leaf)
+        else:
+            out.append(leaf.at[index].set(new))
+    return treedef.unflatten(out)
 
 
 def read_step(

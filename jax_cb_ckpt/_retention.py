@@ -55,7 +55,10 @@ class Retention:
         # The step just committed is complete and listed, which is what matters: when
         # the storage does not answer, retention waits for the next commit.
         seconds = _format.saved_seconds(meta.get("saved_at"))  # (as a later run reads it)
-        entry = Entry(step, seconds, _best_values(meta, self.rules.best))
+        members = np.asarray(meta.get("members", True), dtype=bool)
+        entry = Entry(
+            step, seconds, _best_values(meta, self.rules.best), None if members.all() else members
+        )
         self._checked.add(step)
         try:
             if self._keeper is None:
@@ -121,7 +124,13 @@ class Retention:
         examined under the rules (changed rules apply from here), and a warning naming
         what the previous run's rules kept and these delete."""
         steps = [s for s in self._storage.list_steps() if s != step]
-        wanted = self.rules.keep_best is not None or self.rules.keep_every_seconds is not None
+        # Every step's meta when a rule ranks them, or when members of this step did not
+        # ask for it: each member's newest step is kept (`Keeper`), which needs the masks.
+        wanted = (
+            self.rules.keep_best is not None
+            or self.rules.keep_every_seconds is not None
+            or entry.members is not None
+        )
         metas = _steps.step_metas(self._storage, steps[-1:] if not wanted else steps)
         if wanted:  # a step whose meta cannot be read is neither ranked nor deleted
             unread = [s for s in steps if s not in metas]
@@ -174,7 +183,8 @@ def _entry(step: int, meta: _format.StepMeta | None, best: str | None) -> Entry:
     """What retention needs of a step on disk: when it was saved, its `best` metric."""
     if meta is None:  # removed meanwhile, or damaged since listed
         return Entry(step, None, None)
-    return Entry(step, meta.saved_seconds, meta.best_values(best))
+    members = None if meta.members.all() else meta.members
+    return Entry(step, meta.saved_seconds, meta.best_values(best), members)
 
 
 def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:

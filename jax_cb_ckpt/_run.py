@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import ConfigError
@@ -51,7 +52,7 @@ def run(
     progress: bool = False,
     loops: dict[Hashable, Loop] | None = None,
     metrics: Callable[[PyTree], PyTree] | None = None,
-    resume: Callable[[PyTree], tuple[PyTree, int] | None],
+    resume: Callable[[PyTree], tuple[PyTree, int | np.ndarray] | None],
 ) -> PyTree:
     """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
     loops (`_jitted_loop`); `resume(like)`: the Checkpointer's restart (the state and
@@ -91,6 +92,14 @@ def run(
             _save_initial(ckpt, init, metrics, batched)
     else:
         state, start = resumed
+        if not isinstance(start, int):
+            raise ConfigError(
+                f"run: the members of the batch in {ckpt.directory!r} resume from different "
+                f"steps ({list(start.ravel())[:8]}: some stopped saving before the newest "
+                "step), and run's loop has one step for the whole batch. Fix: resume with "
+                "ckpt.restore_or_init and a loop of your own that takes each member's start "
+                "(jax.vmap over the start too)."
+            )
         if start > num_steps:
             raise ConfigError(
                 f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "

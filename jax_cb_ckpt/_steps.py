@@ -142,8 +142,9 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
     other = (
         f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
         f"complete jax_cb_ckpt checkpoints ({short(foreign)}): a plain Orbax "
-        "checkpoint, a copy in progress, or an interrupted write. Read a plain Orbax "
-        "checkpoint with orbax.checkpoint directly."
+        "checkpoint, a copy in progress, or an interrupted write. A plain Orbax "
+        "checkpoint is read by restore() without step= and resumed from by a restart "
+        "(unverified: Orbax keeps no checksums); its meta is Orbax's own."
         if foreign
         else ""
     )

@@ -425,7 +425,7 @@ def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], wh
                 f"[{shown}] (a `like` nested one level too deep or too shallow shows "
                 "here)." + fix
             )
-        if not _compatible(spec, other):
+        if not compatible(spec, other):
             raise StructureMismatchError(
                 f"{where}: leaf {spec.path} differs: the checkpoint has "
                 f"{other.describe()}, like has {spec.describe()}." + fix
@@ -438,7 +438,8 @@ def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], wh
             )
 
 
-def _compatible(like: LeafSpec, saved: LeafSpec) -> bool:
+def compatible(like: LeafSpec, saved: LeafSpec) -> bool:
+    """Whether the stored leaf `saved` restores into the `like` leaf `like`."""
     if like.kind == SCALAR:
         # A Python number in `like` accepts a saved 0-d array of the same kind of number.
         if saved.shape != ():
@@ -478,6 +479,30 @@ def carried_as(like: LeafSpec, saved: LeafSpec) -> bool:
             return np.dtype(jnp.result_type(number, _dtypes.named(dtype))).name == dtype
         except TypeError:
             return False
+
+
+def as_carried(state: PyTree, like: PyTree) -> PyTree:
+    """`state` with each weakly typed leaf (a Python number, or an array made from one)
+    in the dtype of the `like` leaf at its place, where JAX's promotion of the leaf to
+    that dtype gives it (as a loop carries it): a fresh start then passes a loop the
+    signature a resumed one does. Any other leaf, or a `like` of another structure,
+    stays as it is."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    likes = jax.tree_util.tree_leaves(like)
+    if len(likes) != len(leaves) or jax.tree_util.tree_structure(like) != treedef:
+        return state
+
+    def carried(leaf: Any, target: Any) -> Any:
+        weak = isinstance(leaf, (int, float, complex)) and not isinstance(leaf, bool)
+        weak = weak or bool(getattr(leaf, "weak_type", False))
+        dtype = getattr(target, "dtype", None)
+        if not weak or dtype is None or _is_key(dtype) or jnp.shape(leaf) != target.shape:
+            return leaf
+        if getattr(target, "weak_type", False) or jnp.result_type(leaf, dtype) != dtype:
+            return leaf
+        return jax.lax.convert_element_type(leaf, dtype)  # (strongly typed, as like)
+
+    return treedef.unflatten([carried(a, b) for a, b in zip(leaves, likes, strict=True)])
 
 
 def _number_kind(dtype: str) -> str:

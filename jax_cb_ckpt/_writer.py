@@ -487,6 +487,7 @@ class _Described:
             shardings=_described_shardings(specs, hosts),
             batch_shape=item.members.shape,
             members=item.members.tolist(),
+            member_steps=None if item.member_steps is None else item.member_steps.tolist(),
             saved_at=item.saved_at,
             metrics={
                 name: _metric_value(host)

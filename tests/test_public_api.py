@@ -8,6 +8,7 @@ PUBLIC = [
     "CheckpointerClosedError",
     "CheckpointWarning",
     "ConfigError",
+    "DamagedStepError",
     "DamagedStepWarning",
     "DirectoryLockedError",
     "DuplicateStepWarning",

@@ -1,0 +1,497 @@
+"""A restart always resumes (issue 41): from the newest intact step, in the shapes users
+write, from plain Orbax too. One kill-and-resume test per item, each a real child
+process SIGKILLed mid-run and started again (tests/restart_worker.py), its final state
+compared bit for bit with an uninterrupted run's; and the rules around them.
+Each test was seen failing on the code before the issue."""
+
+import json
+import logging
+import os
+import sys
+import typing
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import data_files, flip, json_lines, run_child, state_at
+
+import jax_cb_ckpt
+from jax_cb_ckpt import DamagedStepError, DamagedStepWarning, StepExistsError
+
+WORKER = os.path.join(os.path.dirname(__file__), "restart_worker.py")
+SCRIPT = Path(sys.executable).with_name("jax-cb-ckpt")
+
+
+def _worker(scenario, directory, kill_at=None, option=""):
+    """Run the worker to its end (or its kill): (return code, its last JSON line, stderr)."""
+    args = ["python", WORKER, scenario, directory, "-" if kill_at is None else kill_at]
+    result = run_child(args + ([option] if option else []), timeout=240)
+    lines = json_lines(result.stdout)
+    return result.returncode, (lines[-1] if lines else None), result.stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """{scenario: the digest of its final state, run to its end in one go}."""
+    cache = {}
+    root = tmp_path_factory.mktemp("uninterrupted")
+
+    def get(scenario, option=""):
+        key = (scenario, option)
+        if key not in cache:
+            code, line, err = _worker(scenario, root / f"{scenario}-{option}", option=option)
+            assert code == 0 and line is not None, err[-3000:]
+            cache[key] = line["digest"]
+        return cache[key]
+
+    return get
+
+
+def _killed(scenario, directory, kill_at, option=""):
+    code, _, err = _worker(scenario, directory, kill_at, option)
+    assert code == -9, err[-3000:]  # SIGKILL, mid-run
+
+
+# -- item 1: one damaged latest step -----------------------------------------------------
+
+
+def _flip_newest(directory):
+    newest = jax_cb_ckpt.latest_step(directory)
+    path = data_files(os.path.join(directory, str(newest)))[0]
+    flip(path, os.path.getsize(path) // 2)
+    return newest
+
+
+def test_a_flipped_bit_in_the_newest_step_resumes_from_the_one_before(tmp_path, uninterrupted):
+    """Steps 5..20 on disk, one bit of step 20 flipped: every restart raised "leaf
+    state['w'] is corrupted" (a scheduler restarts it forever). Now it resumes from 15,
+    names 20 in a DamagedStepWarning, sets it aside (never deleted, `ls` shows it),
+    writes step 20 again, and ends as the uninterrupted run, bit for bit."""
+    d = tmp_path / "run"
+    _killed("loop", d, 22)
+    bad = _flip_newest(d)
+    assert bad == 20
+    code, line, err = _worker("loop", d)
+    assert code == 0, err[-3000:]
+    assert line["start"] == 15 and line["digest"] == uninterrupted("loop")
+    assert "DamagedStepWarning" in err and "passing over 1 newer step(s): step 20: " in err, err
+    [aside] = [n for n in os.listdir(d) if n.startswith("20.jax_cb_ckpt-damaged-")]
+    note = json.loads((d / aside / ".jax_cb_ckpt-set-aside.json").read_text())
+    assert note["step"] == 20 and ("corrupted" in note["why"] or "cannot read" in note["why"])
+    assert jax_cb_ckpt.all_steps(d)[-1] == 40 and 20 in jax_cb_ckpt.all_steps(d)
+    ls = run_child([SCRIPT, "ls", d], timeout=120)
+    assert ls.returncode == 0 and f"set aside by a restart as {aside}" in ls.stdout, ls.stdout
+
+
+def test_on_damaged_raise_stops_and_touches_nothing(tmp_path):
+    d = tmp_path / "run"
+    _killed("loop", d, 22)
+    _flip_newest(d)
+    before = sorted(os.listdir(d))
+    code, _, err = _worker("loop", d, option="raise")
+    assert code == 1 and "DamagedStepError" in err and "on_damaged='raise'" in err, err[-2000:]
+    assert sorted(os.listdir(d)) == before
+
+
+def _saved(directory, steps=(300, 400, 500)):
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        for step in steps:
+            ckpt.save({"w": np.full(1000, float(step), np.float32)}, step)
+
+
+def _flip_step(directory, step):
+    path = data_files(os.path.join(directory, str(step)))[0]
+    flip(path, os.path.getsize(path) // 2)
+
+
+LIKE = {"w": np.zeros(1000, np.float32)}
+
+
+def test_a_named_step_never_falls_back_and_a_plain_read_moves_nothing(tmp_path):
+    d = tmp_path / "ckpt"
+    _saved(d)
+    _flip_step(d, 500)
+    with pytest.raises(DamagedStepError, match=r"restore\(step=500\)"):
+        jax_cb_ckpt.restore(d, LIKE, step=500)
+    with pytest.warns(DamagedStepWarning, match=r"read step 400 .*step 500: .*left in place"):
+        assert jax_cb_ckpt.restore(d, LIKE)["w"][0] == 400
+    with pytest.raises(DamagedStepError, match="on_damaged='raise'"):
+        jax_cb_ckpt.restore(d, LIKE, on_damaged="raise")
+    assert sorted(os.listdir(d)) == [".jax_cb_ckpt.lock", "300", "400", "500"]  # untouched
+    with jax_cb_ckpt.Checkpointer(d) as ckpt, pytest.raises(DamagedStepError):
+        ckpt.restore(LIKE, step=500)
+    assert "500" in os.listdir(d)
+
+
+def test_a_like_that_does_not_fit_is_raised_not_fallen_back(tmp_path):
+    """Only damage is passed over: a `like` of another shape must not send the run back
+    to an older step (nor set anything aside)."""
+    d = tmp_path / "ckpt"
+    _saved(d)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=r"leaf like\['w'\]"):
+            ckpt.restore_or_init(lambda: {"w": np.zeros(999, np.float32)})
+    assert sorted(os.listdir(d)) == [".jax_cb_ckpt.lock", "300", "400", "500"]
+
+
+def test_every_step_damaged_starts_afresh_and_a_restore_says_why(tmp_path):
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    for step in (300, 400):
+        _flip_step(d, step)
+    with pytest.raises(DamagedStepError, match=r"step=400.*No older step .*step 300: "):
+        jax_cb_ckpt.restore(d, LIKE)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.warns(DamagedStepWarning, match=r"no step .* passes its checks"):
+            state, start = ckpt.restore_or_init(lambda: LIKE)
+        assert start == 0 and state is LIKE
+        ckpt.save(state_at(1), 300)  # the numbers are free again
+    assert jax_cb_ckpt.all_steps(d) == [300]
+    assert len([n for n in os.listdir(d) if "-damaged-" in n]) == 2
+
+
+def test_a_damaged_bucket_step_is_set_aside_whole(remote):
+    """The same in object storage: the step's objects are copied under the set-aside
+    name, then the step is unlisted and removed; the run writes that step again."""
+    _saved(remote.url, (300, 400))
+    from jax_cb_ckpt import _remote, _storage
+
+    storage = _storage.at(remote.url)
+    keys = [k for k in _remote.list_keys(f"{remote.url}/400") if "/d/" in k]
+    big = max(keys, key=lambda k: len(_remote.read(f"{remote.url}/400/{k}")[0]))
+    data = bytearray(_remote.read(f"{remote.url}/400/{big}")[0])
+    data[len(data) // 2] ^= 1
+    _remote.write(f"{remote.url}/400/{big}", bytes(data))
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        with pytest.warns(DamagedStepWarning, match=r"passing over 1 newer step\(s\): step 400"):
+            state, start = ckpt.restore_or_init(lambda: LIKE)
+        assert start == 300 and state["w"][0] == 300
+        ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
+    assert jax_cb_ckpt.all_steps(remote.url) == [300, 400]
+    [(step, name, why)] = storage.set_aside_steps()
+    assert step == 400 and "-damaged-" in name and why
+    moved = _remote.list_keys(f"{remote.url}/{name}")
+    assert bytes(data) == _remote.read(f"{remote.url}/{name}/{big}")[0]  # kept as it was
+    assert ".jax_cb_ckpt-set-aside.json" in moved
+
+
+# -- item 2: a loop whose counter restarts -----------------------------------------------
+
+
+def test_a_counter_that_restarts_after_a_resume_is_named(tmp_path):
+    """The README's first example with restore_or_init added: the resumed run's scan
+    index starts at 0 again. It failed with "already holds step(s) ... resume from the
+    latest step", after the user had just resumed; now the error says so, and the fix."""
+    d = tmp_path / "run"
+    _killed("scan_restarting", d, 22)
+    code, _, err = _worker("scan_restarting", d)
+    assert code == 1, err[-2000:]
+    assert "StepExistsError: saving step 5 " in err, err[-3000:]
+    assert "resumed from step 20" in err and "counter started again" in err
+    assert "start + i + 1" in err and "fori_loop(start, num_updates" in err
+
+
+def test_the_restart_message_in_process(make_ckpt):
+    ckpt = make_ckpt(every=1)
+    ckpt.save(state_at(5), 5)
+    ckpt.wait()
+    state, start = ckpt.restore_or_init(lambda: state_at(0))
+    assert start == 5
+    with pytest.raises(jax.errors.JaxRuntimeError):  # the callback's error, wrapped
+        jax.jit(lambda s: ckpt.save(s, 3))(state)
+    with pytest.raises(StepExistsError, match=r"resumed from step 5.*step 3 is not after it"):
+        ckpt.wait()
+
+
+def test_the_resumable_form_resumes_bit_for_bit(tmp_path, uninterrupted):
+    """The form the README shows next to its first example (fori_loop from the step
+    restore_or_init returns, saving i + 1): killed and run again, as if never killed."""
+    d = tmp_path / "run"
+    _killed("loop", d, 27)
+    code, line, err = _worker("loop", d)
+    assert code == 0 and line["start"] == 25, err[-2000:]
+    assert line["digest"] == uninterrupted("loop")
+
+
+# -- item 3: plain Orbax checkpoints ------------------------------------------------------
+
+
+def test_a_plain_orbax_directory_is_resumed_from(tmp_path, uninterrupted):
+    """A run that saved with Orbax's CheckpointManager until step 20, then switched: it
+    restarted at 0 with no warning. Now it resumes from 20 (said, unverified), saves its
+    own steps beside Orbax's without touching them, and ends as a run that never
+    switched."""
+    d = tmp_path / "run"
+    before = run_child(["python", WORKER, "orbax_run", d], timeout=240)
+    assert json_lines(before.stdout)[-1]["orbax_steps"] == [5, 10, 15, 20], before.stderr
+    orbax_files = {p: (d / p).read_bytes() for p in _files(d)}
+    _killed("orbax", d, 32)
+    code, line, err = _worker("orbax", d)
+    assert code == 0 and line["start"] == 30, err[-2000:]
+    assert line["digest"] == uninterrupted("orbax")
+    assert {p: (d / p).read_bytes() for p in orbax_files} == orbax_files  # untouched
+    assert jax_cb_ckpt.all_steps(d) == [25, 30, 35, 40]
+
+
+def _files(directory):
+    return sorted(
+        os.path.relpath(os.path.join(root, f), directory)
+        for root, _, files in os.walk(directory)
+        for f in files
+    )
+
+
+# -- item 4: a weakly typed leaf of the initial state -------------------------------------
+
+
+@pytest.mark.parametrize("option", ["", "run"])
+def test_a_python_number_in_the_initial_state_resumes(tmp_path, uninterrupted, option):
+    """gymnax's LogWrapper starts `episode_returns` as a Python 0: the loop carries it as
+    float32, and the resume refused the checkpoint ("the checkpoint has float32[], like
+    has int32[]"); `run` refused the state at once without naming the leaf."""
+    d = tmp_path / "run"
+    _killed("weak", d, 22, option)
+    code, line, err = _worker("weak", d, option=option)
+    assert code == 0, err[-3000:]
+    assert line["digest"] == uninterrupted("weak", option)
+
+
+def test_run_names_the_leaf_and_both_dtypes(make_ckpt):
+    ckpt = make_ckpt(every=2)
+    with pytest.raises(jax_cb_ckpt.ConfigError, match=r"leaf init\['n'\] is int32\[\] in init "):
+        ckpt.run(lambda s, i: {"n": s["n"] + 0.5}, {"n": jnp.int32(0)}, 4)
+
+
+def test_a_weak_like_restores_as_stored_and_real_mismatches_are_refused(make_ckpt):
+    ckpt = make_ckpt()
+    ckpt.save({"ret": jnp.float32(1.5)}, 1)
+    ckpt.wait()
+    weak = jax.eval_shape(jax.jit(lambda: {"ret": 0}))
+    restored = jax_cb_ckpt.restore(ckpt.directory, weak)
+    assert restored["ret"].dtype == jnp.float32 and restored["ret"] == 1.5
+    strong = {"ret": jax.ShapeDtypeStruct((), jnp.int32)}
+    with pytest.raises(jax_cb_ckpt.StructureMismatchError, match="float32"):
+        jax_cb_ckpt.restore(ckpt.directory, strong)
+    weak_float = jax.eval_shape(jax.jit(lambda: {"ret": 0.0}))
+    ckpt.save({"ret": jnp.int32(2)}, 2)
+    ckpt.wait()
+    with pytest.raises(jax_cb_ckpt.StructureMismatchError):  # a float never becomes int32
+        jax_cb_ckpt.restore(ckpt.directory, weak_float, step=2)
+
+
+# -- item 5: the final state of a loop of one's own ----------------------------------------
+
+
+def test_last_step_saves_the_final_state_of_a_loop_of_ones_own(tmp_path, uninterrupted):
+    """Saves by the clock alone never saved the final state (the newest step was an
+    older one, silently). With last_step=N the last step is saved, across a kill."""
+    d = tmp_path / "run"
+    _killed("clock", d, 22)
+    assert jax_cb_ckpt.all_steps(d) == [0]  # (initial_save; the clock saved nothing)
+    code, line, err = _worker("clock", d)
+    assert code == 0 and line["start"] == 0, err[-2000:]
+    assert line["latest"] == 40 and line["digest"] == uninterrupted("clock")
+    like = {"w": np.zeros(1000, np.float32), "key": jax.random.key(0)}
+    final = jax_cb_ckpt.restore(d, like)
+    assert line["digest"] == _digest(final)
+
+
+def _digest(state):
+    import restart_worker
+
+    return restart_worker.digest(state)
+
+
+def test_close_says_when_the_loop_went_past_its_newest_checkpoint(tmp_path):
+    code, line, err = _worker("clock", tmp_path / "run", option="unsaid")
+    assert code == 0 and line["latest"] == 0, err
+    assert "CheckpointWarning: close: the loop reached step 40" in err, err[-2000:]
+    assert "last_step=num_steps" in err
+
+
+def test_last_step_in_python_and_traced(make_ckpt):
+    ckpt = make_ckpt(every=100)
+    ckpt.maybe_save(state_at(7), 7, last_step=7)  # decided in Python
+    jax.jit(lambda s, i: ckpt.maybe_save(s, i, last_step=9))(state_at(9), jnp.int32(9))
+    jax.jit(lambda s, i: ckpt.maybe_save(s, i, last_step=9))(state_at(8), jnp.int32(8))
+    ckpt.wait()
+    assert ckpt.all_steps() == [7, 9]
+
+
+# -- item 6: vmap of a while_loop whose members stop at different steps -----------------
+
+
+def test_members_of_a_vmapped_while_loop_resume_each_from_their_own_step(tmp_path, uninterrupted):
+    """Member 0 stops at step 5, the others later; the step-10 checkpoint held member 0
+    after a 6th iteration it never made (the body runs on for finished members). Now
+    the step records each member's own step, the restart resumes member 0 from step 5
+    (the newest it asked for), and every member ends as in the uninterrupted run."""
+    d = tmp_path / "run"
+    _killed("while", d, 12)
+    meta = jax_cb_ckpt.metadata(d, step=10)
+    assert meta["members"] == [False, True, True, True]
+    assert meta["member_steps"] == [6, 10, 10, 10]
+    code, line, err = _worker("while", d)
+    assert code == 0 and line["start"] == [5, 10, 10, 10], err[-2000:]
+    assert line["digest"] == uninterrupted("while")
+
+
+def test_retention_keeps_each_members_newest_step(make_ckpt):
+    """max_to_keep=1 deleted step 5, member 0's only state of its own."""
+    ckpt = make_ckpt(every=5, max_to_keep=1)
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            ckpt.maybe_save(x + 1.0, i + 1)
+            return i + 1, x + 1.0
+
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    jax.jit(jax.vmap(run))(jnp.zeros(3), jnp.asarray([5, 10, 15]))
+    ckpt.wait()
+    assert ckpt.all_steps() == [5, 10, 15]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, start = ckpt.restore_or_init(lambda: jnp.zeros(3))
+    assert np.asarray(start).tolist() == [5, 10, 15]
+    assert np.asarray(state).tolist() == [5.0, 10.0, 15.0]
+
+
+# -- item 7: what a restart says -----------------------------------------------------------
+
+
+def test_a_restart_says_where_it_resumed_from_in_one_info_line(make_ckpt, caplog):
+    ckpt = make_ckpt(every=1)
+    ckpt.save(state_at(5), 5)
+    ckpt.wait()
+    caplog.set_level(logging.INFO, logger="jax_cb_ckpt")
+    ckpt.restore_or_init(lambda: state_at(0))
+    lines = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert lines == [
+        f"restore_or_init: resumed from step 5 of {ckpt.directory} (the newest step that "
+        "passes its checks)"
+    ]
+
+
+def test_saves_are_summed_up_at_info_and_every_one_is_at_debug(make_ckpt, caplog):
+    caplog.set_level(logging.DEBUG, logger="jax_cb_ckpt")
+    ckpt = make_ckpt(max_to_keep=2)
+    for step in range(1, 31):
+        ckpt.save(state_at(step), step, metrics={"loss": 1.0 / step})
+    ckpt.close()
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len([m for m in debug if m.startswith("saved step")]) == 30
+    assert len([m for m in debug if "deleted" in m]) == 28
+    assert info[0].startswith("saved step 1 (") and "loss=1)" in info[0], info
+    # One line per 10 s at most after the first (this run: one more, at close), each
+    # saying how many saves it sums up, the newest with its metrics, and the deletions.
+    counted = sum(
+        1 if m.startswith("saved step") else int(m.split()[1]) for m in info if "saved" in m
+    )
+    assert counted == 30 and len(info) < 10, info
+    assert "the newest step 30 (" in info[-1] and "loss=0.0333333" in info[-1], info
+    assert "retention deleted step(s)" in info[-1] and "28 (" in info[-1], info
+
+
+class _Pair(typing.NamedTuple):
+    a: np.ndarray
+    b: int
+
+
+def _orbax_saved(directory, tree, *, composite=True, extra=None):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(directory) as manager:
+        if composite:
+            items = {"state": ocp.args.StandardSave(tree)}
+            if extra is not None:
+                items |= {"metadata": ocp.args.JsonSave(extra)}
+            manager.save(7, args=ocp.args.Composite(**items))
+        else:
+            manager.save(7, args=ocp.args.PyTreeSave(tree))
+        manager.wait_until_finished()
+
+
+@pytest.mark.parametrize("composite", [True, False])
+def test_plain_orbax_layouts_restore_into_likes_types(tmp_path, composite):
+    """`Composite(state=StandardSave)` with a JSON item beside it, and a single
+    `PyTreeSave` item ('default'): a NamedTuple's fields, a Python int, a typed key's
+    raw data, restored into like's types."""
+    d = tmp_path / "plain"
+    key = jax.random.key(3)
+    saved = {"pair": {"a": np.arange(3.0, dtype=np.float32), "b": 4}, "key": key}
+    _orbax_saved(d, saved, composite=composite, extra={"note": 1})
+    like = {"pair": _Pair(np.zeros(3, np.float32), 0), "key": jax.random.key(0)}
+    restored = jax_cb_ckpt.restore(d, like)
+    assert isinstance(restored["pair"], _Pair) and restored["pair"].b == 4
+    assert type(restored["pair"].b) is int
+    np.testing.assert_array_equal(restored["pair"].a, np.arange(3.0))
+    assert jax_cb_ckpt.same_bits(restored["key"], key)
+
+
+@pytest.mark.parametrize(
+    "like, words",
+    [
+        ({"w": np.zeros(3, np.int32)}, r"leaf like\['w'\] differs: the step holds float32\[3\]"),
+        ({"w": np.zeros(4, np.float32)}, r"holds float32\[3\], like has float32\[4\]"),
+        ({"v": np.zeros(3, np.float32)}, r"leaf like\['v'\] .* is not in it"),
+        ({"w": np.zeros(3, np.float32), "x": 1}, r"leaf like\['x'\]"),
+    ],
+)
+def test_plain_orbax_mismatches_are_refused_not_cast(tmp_path, like, words):
+    """Orbax casts float32 into an int32 target (0.7 -> 0) and checks no shape for a
+    numpy one: neither reaches like."""
+    d = tmp_path / "plain"
+    _orbax_saved(d, {"w": np.full(3, 0.7, np.float32)})
+    with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=words):
+        jax_cb_ckpt.restore(d, like)
+
+
+def test_a_plain_orbax_step_that_cannot_be_resumed_from_is_named(tmp_path):
+    """Two pytree items, neither 'state' nor 'default': which is the state is not
+    known; the restart names it and starts afresh (never silently)."""
+    import orbax.checkpoint as ocp
+
+    d = tmp_path / "plain"
+    with ocp.CheckpointManager(d) as manager:
+        manager.save(
+            3,
+            args=ocp.args.Composite(
+                one=ocp.args.StandardSave({"w": np.ones(2)}),
+                two=ocp.args.StandardSave({"w": np.ones(2)}),
+            ),
+        )
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.warns(DamagedStepWarning, match=r"step 3: .*several pytree items"):
+            state, start = ckpt.restore_or_init(lambda: {"w": np.zeros(2)})
+    assert start == 0
+
+
+def test_restore_or_init_with_like_gives_a_fresh_start_the_loop_s_dtypes(make_ckpt):
+    """A Python number in init: with like= the loop's dtypes, the fresh state has them
+    too (one signature for a fresh and a resumed run); a real mismatch stays as it is."""
+    ckpt = make_ckpt()
+
+    def init():
+        return {"ret": 0, "n": 0, "w": jnp.zeros(2)}
+
+    like = {
+        "ret": jax.ShapeDtypeStruct((), jnp.float32),
+        "n": jax.ShapeDtypeStruct((), jnp.int32),
+        "w": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
+    state, start = ckpt.restore_or_init(jax.jit(init), like=like)
+    assert start == 0 and state["ret"].dtype == jnp.float32 and not state["ret"].weak_type
+    assert not state["n"].weak_type  # like (the loop) has it strongly typed
+    ckpt.save(state, 1)
+    ckpt.wait()
+    resumed, start = ckpt.restore_or_init(jax.jit(init), like=like)
+    assert start == 1
+    assert jax.tree.map(lambda x: (x.dtype, x.weak_type), resumed) == jax.tree.map(
+        lambda x: (x.dtype, x.weak_type), state
+    )
