@@ -459,7 +459,7 @@ class Checkpointer:
                 return True, None
             if clock is None or step_value % check != 0:
                 return False, None
-            return True, clock.traced(jnp.asarray(step_value))  # asked when it runs
+            return True, clock.traced(jnp.asarray(step_value), in_loop=True)  # asked at run
         traced = _traced.traced_step(step, None, where)
         conditions = []
         if every is not None:
@@ -1013,7 +1013,9 @@ class Checkpointer:
         the newest step (its predicate was false there: a finished member of a vmapped
         `while_loop`) is restored from the newest step it asked for, and the step
         returned is then an int array of each member's step (pass it batched: `jax.vmap(
-        train, in_axes=(0, 0))`); docs/transforms.md. Waits for pending saves first;
+        train, in_axes=(0, 0))`;
+        [transforms.md](transforms.md#vmap-of-a-while_loop-whose-members-stop-at-different-steps)).
+        Waits for pending saves first;
         blocks while it restores or initialises.
 
         Example:

@@ -28,8 +28,8 @@ class SaveClock:
     def __init__(self, every_seconds: float, stats: StatsRecorder) -> None:
         self.every_seconds = every_seconds
         self._stats = stats
-        # The highest step the clock was asked at: a loop reached it (for the warning at
-        # close that the loop went on past its newest checkpoint).
+        # The highest step a bare maybe_save asked the clock at: its loop reached it
+        # (for the warning at close that the loop went on past its newest checkpoint).
         self.seen: int | None = None
 
     def due(self) -> bool:
@@ -37,20 +37,25 @@ class SaveClock:
 
     def read(self, step: np.ndarray) -> np.ndarray:
         """The host side of `traced`: `due()` in the shape of `step` (vmap broadcasts)."""
+        return np.full(np.shape(step), self.due(), dtype=bool)
+
+    def _read_in_loop(self, step: np.ndarray) -> np.ndarray:
+        """`read`, asked by a bare `maybe_save` at its loop's step: recorded (`seen`)."""
         if np.size(step):
             highest = int(np.max(step))
             self.seen = highest if self.seen is None else max(self.seen, highest)
-        return np.full(np.shape(step), self.due(), dtype=bool)
+        return self.read(step)
 
-    def traced(self, step: ArrayLike) -> jax.Array:
+    def traced(self, step: ArrayLike, *, in_loop: bool = False) -> jax.Array:
         """A traced bool: is a save due? One host crossing per evaluation; guard it
         (`lax.cond(step % check_every == 0, ...)`). `step` must vary between
-        evaluations (the loop counter), so the read is not hoisted out of the loop."""
+        evaluations (the loop counter), so the read is not hoisted out of the loop.
+        `in_loop`: a bare `maybe_save`'s own question (its step is recorded)."""
         # pure_callback, as StopFlag.traced: no effect to order, and it batches and
         # differentiates; a read nobody uses may be dropped, which is what we want.
         step = jnp.asarray(step)
         return jax.pure_callback(
-            self.read,
+            self._read_in_loop if in_loop else self.read,
             jax.ShapeDtypeStruct(step.shape, jnp.bool_),
             jax.lax.stop_gradient(step),
             vmap_method="broadcast_all",
@@ -69,7 +74,12 @@ class SaveClock:
 
         @jax.custom_batching.custom_vmap
         def ask(flag: jax.Array, step: jax.Array) -> jax.Array:
-            return jax.lax.cond(flag, self.traced, lambda s: jnp.zeros((), bool), step)
+            return jax.lax.cond(
+                flag,
+                functools.partial(self.traced, in_loop=True),
+                lambda s: jnp.zeros((), bool),
+                step,
+            )
 
         @ask.def_vmap
         def batched(

@@ -155,6 +155,10 @@ class Entry:
     # Under vmap: which members asked for the save (bool, the batch shape); None for a
     # plain save, or one every member asked for.
     members: np.ndarray | None = None
+    # The seconds chain's decision recorded when the step was saved (`would_chain`), so
+    # that a restart keeps what the run kept even when the clock jumped meanwhile;
+    # None: not recorded (an older version, or other rules).
+    chained: bool | None = None
 
 
 def _flat(values: np.ndarray | None) -> list[Any]:
@@ -169,10 +173,11 @@ class Keeper:
     `_entries` is a dict in ascending step order (new steps arrive at its end; a
     deletion is O(1)); "latest" is a deque of the newest `max_to_keep` steps; "seconds"
     a set (its last member's time is all an add needs); "best" one min-heap per member
-    of its best set, worst on top, as (goodness, -step), so a newer step ties below an
-    older one; `_unchecked` holds the only steps whose answer may have changed since the
-    last settle (a new newest, a step pushed out of "latest" or a best set, everything
-    after a rebuild), and settle examines only those.
+    of its best set, worst on top, as (goodness, -order), `order` counting the saves (a
+    step saved later ties below one saved earlier, whatever their numbers); `_unchecked`
+    holds the only steps whose answer may have changed since the last settle (a new
+    newest, a step pushed out of "latest" or a best set, everything after a rebuild),
+    and settle examines only those.
     """
 
     def __init__(self, rules: Rules, entries: Iterable[Entry] = ()) -> None:
@@ -183,6 +188,14 @@ class Keeper:
             )
         self._rules = rules
         self._entries: dict[int, Entry] = {entry.step: entry for entry in entries}
+        # The order the steps were saved in: listed steps by their save times (then
+        # step), each one added later after them: {step: order}.
+        listed = sorted(
+            self._entries.values(),
+            key=lambda e: (-math.inf if e.seconds is None else e.seconds, e.step),
+        )
+        self._order = {entry.step: index for index, entry in enumerate(listed)}
+        self._next = len(listed)
         self._rebuild()
 
     def _rebuild(self, *, keep_chain: bool = False) -> None:
@@ -208,32 +221,48 @@ class Keeper:
             self._offer_members(step, entry.members)
         self._heaps: list[list[tuple[Any, int]]] = []
         self._in_best: collections.Counter[int] = collections.Counter()
-        for step, entry in self._entries.items():  # upwards, as if each were just added
-            if rules.keep_best is not None:
-                self._offer_best(step, entry.values)
+        self._stepped = {order: step for step, order in self._order.items()}
+        if rules.keep_best is not None:  # in save order, as if each were just added
+            for step in sorted(self._entries, key=self._order.__getitem__):
+                self._offer_best(step, self._entries[step].values)
         # The chain in the order the steps were saved: a step saved later with a lower
         # number (a restarted counter) must not push out the steps it already kept.
         timed = sorted(
             (e.seconds, step) for step, e in self._entries.items() if e.seconds is not None
         )
         for seconds, step in timed:
-            self._offer_seconds(step, seconds, forced=step in kept)
+            chained = True if step in kept else self._entries[step].chained
+            self._offer_seconds(step, seconds, chained=chained)
 
     def _items(self, step: int, values: np.ndarray | None) -> Iterator[tuple[int, Any]]:
-        """(member, (goodness, -step)) for each member whose value counts (not NaN)."""
+        """(member, (goodness, -order)) for each member whose value counts (not NaN):
+        on a tie, the step saved first ranks higher."""
         sign = 1 if self._rules.mode == "max" else -1
+        order = self._order[step]
         for member, value in enumerate(_flat(values)):
             if value == value:  # NaN never counts as best
-                yield member, (sign * value, -step)
+                yield member, (sign * value, -order)
 
-    def _offer_seconds(self, step: int, seconds: float | None, *, forced: bool = False) -> None:
-        """The seconds chain, for a step saved after every step in it."""
-        every = self._rules.keep_every_seconds
+    def would_chain(self, seconds: float | None) -> bool:
+        """Would a step saved at `seconds` (after every held step) join the seconds
+        chain? The decision the writer records with the step (`Entry.chained`)."""
+        every, last = self._rules.keep_every_seconds, self._chain_last
         if every is None or seconds is None:
+            return False
+        return last is None or seconds >= last + every
+
+    def _offer_seconds(
+        self, step: int, seconds: float | None, *, chained: bool | None = None
+    ) -> None:
+        """The seconds chain, for a step saved after every step in it (`chained`: the
+        decision recorded when it was saved, which stands; None: decided here)."""
+        if self._rules.keep_every_seconds is None or seconds is None:
             return
-        last = self._chain_last
-        if forced or last is None or seconds >= last + every:
+        if chained is None:
+            chained = self.would_chain(seconds)
+        if chained:
             self._chain.add(step)
+            last = self._chain_last
             self._chain_last = seconds if last is None else max(last, seconds)
 
     def _offer_best(self, step: int, values: np.ndarray | None) -> None:
@@ -247,10 +276,11 @@ class Keeper:
                 heapq.heappush(heap, item)
             elif item > heap[0]:  # strictly better than the worst: a tie stays out
                 _, negated = heapq.heapreplace(heap, item)
-                self._in_best[-negated] -= 1
-                if not self._in_best[-negated]:
-                    del self._in_best[-negated]
-                    self._unchecked.add(-negated)
+                out = self._stepped[-negated]
+                self._in_best[out] -= 1
+                if not self._in_best[out]:
+                    del self._in_best[out]
+                    self._unchecked.add(out)
             else:
                 continue
             self._in_best[step] += 1
@@ -289,6 +319,9 @@ class Keeper:
         below the newest, or one already held (its entry is replaced), rebuilds: O(N)."""
         newest = self._newest()
         step = entry.step
+        self._order[step] = self._next  # saved after every held step
+        self._stepped[self._next] = step
+        self._next += 1
         if step in self._entries or (newest is not None and step < newest):
             # A step saved anew replaces the old one, as if removed first; one below the
             # newest (a restarted counter) keeps what the chain kept.
@@ -303,7 +336,7 @@ class Keeper:
             self._latest.append(step)
             if len(self._latest) > self._rules.max_to_keep:
                 self._unchecked.add(self._latest.popleft())
-        self._offer_seconds(step, entry.seconds)
+        self._offer_seconds(step, entry.seconds, chained=entry.chained)
         self._offer_members(step, entry.members)
         if self._rules.keep_best is not None:
             self._offer_best(step, entry.values)
@@ -315,6 +348,7 @@ class Keeper:
             return
         shapes = self.kept_by(step)
         del self._entries[step]
+        self._forget_order(step)
         self._unchecked.discard(step)
         if {"newest", "latest", "seconds", "best"} & set(shapes):
             self._rebuild()
@@ -327,7 +361,14 @@ class Keeper:
         self._unchecked.clear()
         for step in gone:  # in no rule's structure: a plain deletion
             del self._entries[step]
+            self._forget_order(step)
         return gone
+
+    def _forget_order(self, step: int) -> None:
+        """A step no longer held leaves the save order (memory: the held steps only)."""
+        order = self._order.pop(step, None)
+        if order is not None and self._stepped.get(order) == step:
+            del self._stepped[order]
 
     def kept_by(self, step: int) -> tuple[Reason, ...]:
         """The rules that keep `step`, in a fixed order; () if none (it goes at the next
@@ -368,7 +409,7 @@ class Keeper:
                 if index is None or at == index
             )
         top = max(items, default=None)
-        return None if top is None else -top[1]
+        return None if top is None else self._stepped[-top[1]]
 
     @property
     def steps(self) -> list[int]:

@@ -87,7 +87,8 @@ def restore(
     `DamagedStepWarning`, and left where it is (a Checkpointer's restart sets it aside);
     `on_damaged="raise"` raises `DamagedStepError` at it instead. A plain Orbax
     checkpoint (a `CheckpointManager`'s step) is read too, with Orbax, unverified
-    (docs/usage.md). A step named by `step=` never falls back.
+    ([usage.md](usage.md#coming-from-orbaxs-checkpointmanager)). A step named by
+    `step=` never falls back.
 
     `member`: for a checkpoint saved under `vmap` (seeds, say; `metadata()["batch_shape"]`),
     restore one member of the batch: an int for one batch axis, a tuple of ints for

@@ -338,6 +338,7 @@ def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
         step_b, wanted_b, payload_b = in_batched
         in_axes = (
             0 if step_b else None,
@@ -407,6 +408,7 @@ def cross_sharded(
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
         _batched_save(host, signature, by_buffer)(
             *_whole_batch(axis_size, in_batched, step, wanted, payload)
         )
@@ -526,7 +528,22 @@ def _batched_save(
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
         save(*_whole_batch(axis_size, in_batched, step, wanted, payload))
         return (), ()
 
     return save
+
+
+def _check_batched_metrics(signature: Signature) -> None:
+    """Under vmap a metric is one scalar per member (stored in the batch's shape, ranked
+    per member): a 1-D metric, allowed for a batch held without vmap, would be stored
+    with the batch's axes and its own, and rank members that are not there."""
+    for spec in signature.specs[signature.state_leaves :]:
+        if spec.shape != ():
+            raise InvalidStateError(
+                f"maybe_save(metrics=...) under vmap: {spec.path} is {spec.describe()} per "
+                "member; under vmap a metric is one real number per member (it is stored "
+                "with the batch's shape and ranked per member). Fix: reduce it first (e.g. "
+                "jnp.mean), or keep arrays in the state."
+            )

@@ -504,6 +504,9 @@ def test_every_seconds_saves_by_the_clock_asking_every_check_every_steps(make_ck
     assert all(b - a >= 0.045 for a, b in zip(times, times[1:], strict=False))
     # the clock's reads are no saves: one crossing of the state per save
     assert ckpt.stats.crossings == len(steps)
+    if steps[-1] != 300:  # the final state was not saved: close says so (issue 41 item 5)
+        with pytest.warns(jax_cb_ckpt.CheckpointWarning, match=r"loop reached step 300 .*"):
+            ckpt.close()
 
 
 def test_every_seconds_with_every_saves_on_both(make_ckpt):
@@ -688,6 +691,9 @@ def test_the_clock_is_asked_every_check_every_steps_under_vmap_too(make_ckpt):
     jax.jit(jax.vmap(run))(jnp.zeros((2, 3, 2)), jnp.zeros((2, 3), jnp.int32))
     ckpt.wait()
     assert len(reads) == 2 * 1000 // 50
+    # The clock never came due: the loops' final states are not on disk, said at close.
+    with pytest.warns(jax_cb_ckpt.CheckpointWarning, match=r"loop reached step 1000 .* no step"):
+        ckpt.close()
 
 
 # -- a kill during retention ------------------------------------------------------------

@@ -361,9 +361,10 @@ def test_bad_rules_are_refused_when_made():
 # A randomized differential test against two oracles -------------------------------------------
 
 
-def _key(rules, value, step):
-    """Better compares higher; a tie goes to the older step."""
-    return (value if rules.mode == "max" else -value, -step)
+def _key(rules, value, order):
+    """Better compares higher; a tie goes to the step saved first (`order`: the save's
+    place in the order of saves; after a restart, the listing's by save time)."""
+    return (value if rules.mode == "max" else -value, -order)
 
 
 def _counted(entry_, member):
@@ -391,16 +392,18 @@ def _chain(rules, held):
     return chain
 
 
-def _ranked(rules, held, member, leave_out=()):
+def _ranked(rules, held, order, member, leave_out=()):
     """The held steps whose value counts for `member`, best first."""
     steps = [s for s in held if s not in leave_out and _counted(held[s], member) is not None]
-    return sorted(steps, key=lambda s: _key(rules, _counted(held[s], member), s), reverse=True)
+    return sorted(
+        steps, key=lambda s: _key(rules, _counted(held[s], member), order[s]), reverse=True
+    )
 
 
-def _best_sets(rules, held):
+def _best_sets(rules, held, order):
     if rules.keep_best is None:
         return []
-    return [set(_ranked(rules, held, j)[: rules.keep_best]) for j in range(_members(held))]
+    return [set(_ranked(rules, held, order, j)[: rules.keep_best]) for j in range(_members(held))]
 
 
 class ScratchOracle:
@@ -420,21 +423,32 @@ class ScratchOracle:
 
     def __init__(self, rules):
         self.rules, self.held = rules, {}
+        self.order, self.next = {}, 0  # each held step's place in the order of saves
 
     def add(self, entry_):
         self.held[entry_.step] = entry_
+        self.order[entry_.step] = self.next
+        self.next += 1
 
     def remove(self, step):
         self.held.pop(step, None)
+        self.order.pop(step, None)
 
     def restart(self):
-        pass
+        """A Keeper built anew from a listing knows the order of saves by their times
+        (unknown times first), then steps."""
+        listed = sorted(
+            self.held.values(),
+            key=lambda e: (-math.inf if e.seconds is None else e.seconds, e.step),
+        )
+        self.order = {e.step: i for i, e in enumerate(listed)}
+        self.next = len(listed)
 
     def chain(self):
         return _chain(self.rules, self.held)
 
     def best_sets(self):
-        return _best_sets(self.rules, self.held)
+        return _best_sets(self.rules, self.held, self.order)
 
     def kept_by(self):
         """{held step: the names of the rules that keep it}."""
@@ -466,9 +480,9 @@ class ScratchOracle:
     def best_step(self, member):
         members = range(_members(self.held)) if member is None else [member]
         ranked = [
-            (_key(self.rules, _counted(self.held[s], j), s), s)
+            (_key(self.rules, _counted(self.held[s], j), self.order[s]), s)
             for j in members
-            for s in _ranked(self.rules, self.held, j)
+            for s in _ranked(self.rules, self.held, self.order, j)
         ]
         return max(ranked)[1] if ranked else None
 
@@ -485,8 +499,14 @@ class LiteralOracle(ScratchOracle):
         self.restart()
 
     def restart(self):
+        super().restart()
         self._chain = _chain(self.rules, self.held)
-        self._best = _best_sets(self.rules, self.held)
+        self._best = _best_sets(self.rules, self.held, self.order)
+
+    def recompute(self):
+        """Everything anew from the held steps, in the order of saves kept so far."""
+        self._chain = _chain(self.rules, self.held)
+        self._best = _best_sets(self.rules, self.held, self.order)
 
     def chain(self):
         return self._chain
@@ -498,7 +518,7 @@ class LiteralOracle(ScratchOracle):
         step, rules = entry_.step, self.rules
         if step in self.held or (self.held and step < max(self.held)):
             super().add(entry_)
-            self.restart()
+            self.recompute()
             return
         last = max((self.held[s].seconds for s in self._chain), default=None)
         super().add(entry_)
@@ -516,8 +536,13 @@ class LiteralOracle(ScratchOracle):
             if len(best) < rules.keep_best:
                 best.add(step)
                 continue
-            worst = min(best, key=lambda s: _key(rules, _counted(self.held[s], member), s))
-            if _key(rules, value, step) > _key(rules, _counted(self.held[worst], member), worst):
+            order = self.order
+
+            def key(s, member=member, order=order):
+                return _key(rules, _counted(self.held[s], member), order[s])
+
+            worst = min(best, key=key)
+            if key(step) > key(worst):
                 best.remove(worst)
                 best.add(step)
 
@@ -530,7 +555,7 @@ class LiteralOracle(ScratchOracle):
         for member, best in enumerate(self._best):
             if step in best:
                 best.remove(step)
-                best.update(_ranked(self.rules, self.held, member, leave_out=best)[:1])
+                best.update(_ranked(self.rules, self.held, self.order, member, leave_out=best)[:1])
 
 
 def _random_rules(rng):
@@ -586,6 +611,7 @@ def test_the_keeper_agrees_with_plain_oracles_on_random_sequences(seed):
             listed = list(scratch.held.values())
             rng.shuffle(listed)
             keeper = Keeper(rules, listed)
+            scratch.restart()
             literal.restart()
         if rng.random() < 0.7:
             assert keeper.settle() == scratch.settle() == literal.settle(), rules
