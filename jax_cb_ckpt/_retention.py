@@ -38,7 +38,9 @@ class Retention:
         self.rules = rules
         self._storage = storage
         self._note = note  # a warning for the user's thread (`Exchange.note`)
-        self._keeper: Keeper | None = None  # made at the first commit
+        self._keeper: Keeper | None = None  # made at the first commit (or just before)
+        # What changed rules delete, said once the first commit's step is added.
+        self._changed: tuple[Rules | None, list[int], dict[int, _format.StepMeta]] | None = None
         self._put_off: list[int] = []  # steps to set aside that the storage refused
         # Steps whose meta was read and checked (or that this writer committed): the
         # only ones set aside without reading their meta first.
@@ -56,15 +58,22 @@ class Retention:
         # the storage does not answer, retention waits for the next commit.
         seconds = _format.saved_seconds(meta.get("saved_at"))  # (as a later run reads it)
         members = np.asarray(meta.get("members", True), dtype=bool)
+        recorded = meta.get("retention") or {}
         entry = Entry(
-            step, seconds, _best_values(meta, self.rules.best), None if members.all() else members
+            step,
+            seconds,
+            _best_values(meta, self.rules.best),
+            None if members.all() else members,
+            _chained(recorded.get("seconds_chain")),
         )
         self._checked.add(step)
         try:
             if self._keeper is None:
-                self._keeper = self._first(step, entry)  # (None again if this fails)
-            else:
-                self._keeper.add(entry)
+                self._keeper = self._open(step, entry.members is not None)
+            self._keeper.add(entry)
+            changed, self._changed = self._changed, None
+            if changed is not None:
+                self._warn_changed(self._keeper, *changed)
             going = sorted(set(self._put_off) | set(self._keeper.settle()))
         except (_remote.StorageError, ConfigError, OSError) as e:
             self._put_off_warning(e)
@@ -119,17 +128,31 @@ class Retention:
             _remote.scrub(str(e)),
         )
 
-    def _first(self, step: int, entry: Entry) -> Keeper:
-        """The keeper of the first commit: every complete step of the directory, each
-        examined under the rules (changed rules apply from here), and a warning naming
-        what the previous run's rules kept and these delete."""
+    def chain_decision(self, step: int, seconds: float | None, masked: bool) -> bool | None:
+        """Does the step about to be written (at `seconds`) join the seconds chain? The
+        writer records the answer with the step, so that a restart keeps what this run
+        kept, whatever the clock did (set back, say) in between. None: no such rule, or
+        the directory could not be listed (decided at the commit, as before)."""
+        if self.rules.keep_every_seconds is None:
+            return None
+        try:
+            if self._keeper is None:
+                self._keeper = self._open(step, masked)
+        except (_remote.StorageError, ConfigError, OSError):
+            return None
+        return self._keeper.would_chain(seconds)
+
+    def _open(self, step: int, masked: bool) -> Keeper:
+        """The keeper of the first commit (of `step`; `masked`: some of its members did
+        not ask for it), before the step is added: every other complete step of the
+        directory, each examined under the rules (changed rules apply from here); what
+        the previous run's rules kept and these delete is said once the step is added
+        (`_changed`)."""
         steps = [s for s in self._storage.list_steps() if s != step]
         # Every step's meta when a rule ranks them, or when members of this step did not
         # ask for it: each member's newest step is kept (`Keeper`), which needs the masks.
         wanted = (
-            self.rules.keep_best is not None
-            or self.rules.keep_every_seconds is not None
-            or entry.members is not None
+            self.rules.keep_best is not None or self.rules.keep_every_seconds is not None or masked
         )
         metas = _steps.step_metas(self._storage, steps[-1:] if not wanted else steps)
         if wanted:  # a step whose meta cannot be read is neither ranked nor deleted
@@ -138,12 +161,11 @@ class Retention:
                 self._say_left_alone(unread)
             steps = [s for s in steps if s in metas]
         self._checked |= set(metas)
-        entries = [_entry(s, metas.get(s), self.rules.best) for s in steps]
-        keeper = Keeper(self.rules, [*entries, entry])
+        entries = [_entry(s, metas.get(s), self.rules) for s in steps]
         previous = _previous_rules(metas.get(steps[-1]) if steps else None)
         if steps and previous != self.rules:
-            self._warn_changed(keeper, previous, steps, metas)
-        return keeper
+            self._changed = (previous, steps, metas)
+        return Keeper(self.rules, entries)
 
     def _warn_changed(
         self,
@@ -158,11 +180,10 @@ class Retention:
             kept_before = set(steps)  # no record: kept every step (or an older version)
             said = "keep all (no rules recorded)"
         else:
-            best = previous.best
             if previous.keep_best is not None or previous.keep_every_seconds is not None:
                 missing = [s for s in steps if s not in metas]
                 metas = {**metas, **_steps.step_metas(self._storage, missing)}
-            old = Keeper(previous, [_entry(s, metas.get(s), best) for s in steps])
+            old = Keeper(previous, [_entry(s, metas.get(s), previous) for s in steps])
             kept_before = set(steps) - set(old.settle())
             said = previous.describe()
         dropped = sorted(s for s in kept_before if not keeper.kept_by(s))
@@ -179,12 +200,22 @@ class Retention:
             )
 
 
-def _entry(step: int, meta: _format.StepMeta | None, best: str | None) -> Entry:
-    """What retention needs of a step on disk: when it was saved, its `best` metric."""
+def _entry(step: int, meta: _format.StepMeta | None, rules: Rules) -> Entry:
+    """What retention needs of a step on disk, under `rules`: when it was saved, its
+    `best` metric, which members asked for it, and the seconds chain's decision
+    recorded with it (only when it was made under the same interval)."""
     if meta is None:  # removed meanwhile, or damaged since listed
         return Entry(step, None, None)
     members = None if meta.members.all() else meta.members
-    return Entry(step, meta.saved_seconds, meta.best_values(best), members)
+    recorded = meta.retention or {}
+    same = recorded.get("keep_every_seconds") == rules.keep_every_seconds
+    chained = _chained(recorded.get("seconds_chain")) if same else None
+    return Entry(step, meta.saved_seconds, meta.best_values(rules.best), members, chained)
+
+
+def _chained(value: object) -> bool | None:
+    """A recorded chain decision (a JSON bool), or None (absent, or not a bool)."""
+    return value if isinstance(value, bool) else None
 
 
 def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:

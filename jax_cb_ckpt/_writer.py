@@ -208,7 +208,10 @@ class Writer:
         temp = self._storage.temp_path(item.step, round_.temp_name)
         start = time.perf_counter()
         try:
-            step = _Described(item, self._rules)  # (built on first use, within the round)
+            chain = None
+            if self._retention is not None and self._group.primary:
+                chain = self._retention.chain_decision
+            step = _Described(item, self._rules, chain)  # (built on first use, in the round)
             with self._storage.step_sync() as sync:  # before the step's files
                 if round_.primary:
                     checksum_s = self._write_as_primary(item, step, round_, temp, sync)
@@ -469,9 +472,15 @@ class _Described:
     writer thread: off the device's path), on first use: within the round, so a failure
     to build them is reported to the other processes like any failure of the step."""
 
-    def __init__(self, item: SaveItem, rules: Rules | None):
+    def __init__(
+        self,
+        item: SaveItem,
+        rules: Rules | None,
+        chain: Callable[[int, float | None, bool], bool | None] | None = None,
+    ):
         self._item = item
         self._rules = rules
+        self._chain = chain  # the seconds chain's decision, recorded with the rules
 
     @functools.cached_property
     def _built(
@@ -495,6 +504,11 @@ class _Described:
             },
             retention=None if self._rules is None else self._rules.to_json(),
         )
+        if self._chain is not None and meta.get("retention") is not None:
+            seconds = _format.saved_seconds(meta["saved_at"])  # (as a later run reads it)
+            chained = self._chain(item.step, seconds, not item.members.all())
+            if chained is not None:
+                meta["retention"]["seconds_chain"] = chained
         return _tree.stored_leaves(specs, hosts), meta
 
     @property

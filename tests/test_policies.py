@@ -588,6 +588,33 @@ def test_a_step_below_the_newest_never_unkeeps_the_seconds_chain(make_ckpt):
     assert ckpt.all_steps() == [5, 10, 20, 30, 40, 50]
 
 
+def test_a_clock_set_back_never_unkeeps_what_the_seconds_chain_kept(ckpt_dir, monkeypatch):
+    """Issue 42 item 4: keep_every_seconds=3600, steps 1..8 ten minutes apart (the
+    chain keeps 1 and 7), the wall clock set 2 h back for step 9, then a restart that
+    saves step 10: step 1 was deleted (the restart rebuilt the chain by save times,
+    where step 9 now came first). Each step records the chain's decision when it is
+    saved, and a restart keeps it. The clock is the host's `time.time` (what a save is
+    stamped with), set for each save."""
+    t0 = 1_800_000_000.0
+    at = {step: t0 + 600 * (step - 1) for step in range(1, 9)}
+    at |= {9: at[8] + 600 - 7200, 10: at[8] + 900 - 7200}
+    now = [t0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    rules = {"keep_every_seconds": 3600, "max_to_keep": 1}
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, **rules) as ckpt:
+        for step in range(1, 10):
+            now[0] = at[step]
+            ckpt.save({"w": jnp.zeros(3)}, step)
+            ckpt.wait()
+        assert ckpt.all_steps() == [1, 7, 9]
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, **rules) as ckpt:  # the restart
+        now[0] = at[10]
+        ckpt.save({"w": jnp.zeros(3)}, 10)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 7, 10]
+    recorded = [jax_cb_ckpt.metadata(ckpt_dir, step=s)["retention"] for s in (1, 7, 10)]
+    assert [r["seconds_chain"] for r in recorded] == [True, True, False]
+
+
 def _rewrite_meta(step_dir, change):
     """Edit a step's meta item and rewrite its record in Orbax's step file to match (a
     consistent edit that the listing's size and CRC check cannot see)."""
