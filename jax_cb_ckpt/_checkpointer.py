@@ -18,6 +18,7 @@ import numpy as np
 from . import (
     _format,
     _options,
+    _plain,
     _processes,
     _remote,
     _restore,
@@ -226,7 +227,7 @@ class Checkpointer:
         try:
             list_steps = self._storage.list_steps
             self._group = _processes.current(path, options.peer_timeout, list_steps)
-            old_steps = list_steps() if self._group is None else self._group.old_steps
+            old_steps = self._steps_on_disk() if self._group is None else self._group.old_steps
             self._exchange = Exchange(
                 path,
                 queue_size=options.slots,
@@ -944,7 +945,14 @@ class Checkpointer:
         """The run goes on from the restored `step`: every step on disk now belongs to
         the past, and a save at or below one of them is a conflict (see `on_existing`);
         one at or below `step` itself is told that the loop's counter started again."""
-        self._exchange.forget(self._storage.list_steps(), restored=step)
+        self._exchange.forget(self._steps_on_disk(), restored=step)
+
+    def _steps_on_disk(self) -> list[int]:
+        """The steps a save must not mix with: ours, and plain Orbax steps a restart
+        would resume from (a save at or below one is a conflict, as with ours)."""
+        found = self._storage.examine_all()
+        plain = _plain.steps(self._storage, found)
+        return sorted({s for s, f in found.items() if f.kind == "complete"} | set(plain))
 
     def _resume(
         self,
@@ -968,7 +976,7 @@ class Checkpointer:
             if resumed.error is not None and where == "restore":
                 raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
             _resume.report(storage, resumed, where, set_aside=True)  # a fresh start
-            self._exchange.forget(storage.list_steps())
+            self._exchange.forget(self._steps_on_disk())
             return None
         resumed = _resume.report(storage, resumed, where, set_aside=True)
         step = resumed.step

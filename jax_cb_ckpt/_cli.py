@@ -21,7 +21,7 @@ import sys
 import warnings
 from typing import Any, TextIO
 
-from . import _format, _spec, _storage
+from . import _format, _plain, _spec, _storage
 from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
 from ._policy import Entry, Keeper, Rules
 from ._storage import Storage
@@ -115,12 +115,17 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         for step, path in storage.unfinished_steps()
     ]
     others = []
-    for step, found in sorted(storage.examine_all().items()):
+    examined = storage.examine_all()
+    plain = _plain.steps(storage, examined)
+    for step, found in sorted(examined.items()):
         if found.kind != "complete":
-            others.append(
-                {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
-                | {"complete": False, found.kind: found.why}
-            )
+            row = {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
+            if step in plain:  # a restart resumes from it (or names it)
+                problem = plain[step].problem
+                row |= {"complete": False, "plain_orbax": problem or "resumable"}
+            else:
+                row |= {"complete": False, found.kind: found.why}
+            others.append(row)
     for step, name, why in storage.set_aside_steps():
         others.append(
             {"step": step, "saved_at": None, "bytes": storage.entry_bytes(name)}
@@ -150,6 +155,12 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
             state = f"damaged: {r['damaged']} (restore and verify refuse it; never deleted)"
         elif "damaged" in r:
             state = f"damaged: {r['damaged']} (not listed, not restored)"
+        elif r.get("plain_orbax") == "resumable":
+            state = "a plain Orbax step: a restart resumes from it (unverified); never touched"
+        elif "plain_orbax" in r:
+            state = f"a plain Orbax step a restart cannot resume from: {r['plain_orbax']}"
+        elif "unreadable" in r:
+            state = f"unreadable: {r['unreadable']} (not listed; a restart stops here)"
         elif "set_aside" in r:
             state = (
                 f"set aside by a restart as {r['set_aside']}: {r['why']} (not a step; "
@@ -350,7 +361,7 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
 
     directory = storage.path
     found = storage.examine_all()
-    damaged = {step: f.why for step, f in found.items() if f.kind == "damaged"}
+    damaged = {step: f.why for step, f in found.items() if f.kind in ("damaged", "unreadable")}
     if args.step is None:
         steps = sorted(step for step, f in found.items() if f.kind != "foreign")
     else:

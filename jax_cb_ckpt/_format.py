@@ -152,7 +152,7 @@ def is_step_name(name: str) -> bool:
     return _STEP_NAME.fullmatch(name) is not None and int(name) <= MAX_STEP
 
 
-Kind = Literal["complete", "damaged", "foreign"]
+Kind = Literal["complete", "damaged", "foreign", "unreadable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,10 @@ class Examined:
       file) but is not whole: a partial copy, a truncated or edited file, a folder
       renamed to another step. Reported, never listed, restored or deleted;
     - "foreign": not ours (someone's folder, a plain Orbax checkpoint, another
-      version's format): ignored, never deleted.
+      version's format): ignored, never deleted;
+    - "unreadable": this process may not read it (a refused permission), so what it is
+      cannot be told: reported, never listed, restored, deleted or set aside, and a
+      restart stops at it rather than go back past it.
     `why` says what was found, for messages."""
 
     kind: Kind

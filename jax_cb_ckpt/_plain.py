@@ -16,7 +16,8 @@ takes the stored raw key data (Orbax stores typed keys so, and `PRNGKey` data is
 The step is never written, set aside or deleted.
 
 Runs in the caller's thread and blocks it while it reads; imports Orbax (~0.3 s more
-than JAX) only when such a step is there.
+than JAX) only when such a step is read. Recognising one needs numpy alone, so
+`jax-cb-ckpt ls` says which folders a restart would resume from without importing JAX.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _format, _remote, _spec, _tree
+from . import _dtypes, _format, _remote, _spec
 from ._errors import ConfigError, DamagedStepError, RestoreError, StructureMismatchError
 from ._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
 from ._storage import Storage
@@ -63,10 +64,26 @@ def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
             text = storage.step_file(step, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES)
         except (_format.DamagedStep, OSError):
             continue
-        if text is None:
+        if text is not None:
+            plain[step] = _recognised(storage, step, text)
             continue
-        plain[step] = _recognised(storage, step, text)
+        # No step file (an Orbax version that wrote none, or lost): one item folder of a
+        # manager's names with Orbax's description of a tree is a step of Orbax's too.
+        items = [item for item in ("state", "default") if _described(storage, step, item)]
+        if len(items) == 1:
+            path = storage.step_path(step)
+            problem = None
+            if storage.symlinks_inside(step):
+                problem = "it holds symlinks (a read could leave the directory)"
+            plain[step] = PlainStep(step, items[0], path, problem)
     return plain
+
+
+def _described(storage: Storage, step: int, item: str) -> bool:
+    try:
+        return storage.step_file(step, f"{item}/{STATE_METADATA}", SMALL_FILE_MAX_BYTES) is not None
+    except (_format.DamagedStep, OSError):
+        return True  # (there, and larger than a description: its reading says so)
 
 
 def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep:
@@ -141,6 +158,10 @@ def _quiet_orbax() -> Iterator[None]:
 def _restore(found: PlainStep, like: Any, where: str) -> Any:
     import orbax.checkpoint as ocp  # (only when such a step is there: see the module doc)
 
+    # JAX's (`_tree`): only where a step is read; recognising one (`steps`, for
+    # `jax-cb-ckpt ls`) needs numpy alone.
+    from . import _tree
+
     item = f"{found.path}/{found.item}"
     try:
         described = ocp.PyTreeCheckpointer().metadata(item).item_metadata
@@ -210,6 +231,8 @@ def _map(fn: Any, tree: Any) -> Any:
 
 
 def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any], where: str) -> Any:
+    from . import _tree  # (see `_restore`)
+
     """The stored leaf at `spec`'s name described as a `LeafSpec` of the kind `like`
     wants, or a `StructureMismatchError` saying what differs (before any data is read)."""
     meta = stored.get(spec.name)

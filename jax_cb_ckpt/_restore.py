@@ -38,6 +38,7 @@ from ._errors import (
     CheckpointWarning,
     ConfigError,
     DamagedStepError,
+    DamagedStepWarning,
     RestoreError,
     StructureMismatchError,
 )
@@ -144,9 +145,22 @@ def resume(
     a plain Orbax step by `_plain.restore`."""
 
     def ours(step: int) -> Restart:
-        state = read_step(storage, like(), step, verify=verify, member=member, named=False)
-        if member is not None:
+        if member is not None:  # one member: from the newest step it asked for
+            meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+            index = _member_position(member, meta, where)
+            source = step
+            if not meta.members[index]:
+                older = _newest_asked(storage, step, meta.batch_shape, {index}, where)
+                if index not in older:
+                    _member_index(member, meta, where)  # raises: it asked for no step
+                source = older[index]
+            state = read_step(
+                storage, like(), source, verify=verify, member=member, named=False, what=where
+            )
             return Restart(state)
+        state = read_step(
+            storage, like(), step, verify=verify, member=None, named=False, what=where
+        )
         return _each_newest(storage, like(), step, state, verify, where)
 
     return _resume.newest(
@@ -173,50 +187,87 @@ def _each_newest(
     """`state`, read from the batch saved at `step`, with each member that did not ask
     for that step (its predicate was false: a finished member of a vmapped while_loop,
     whose body still ran, holds a state it never had there) taken from the newest older
-    step it asked for, and each member's step. A member that asked for no step at all
-    keeps what `step` holds, said in a warning."""
+    step it asked for that passes its checks, and each member's step. A member that
+    asked for no such step keeps what `step` holds, said in a warning."""
     meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
     batch = meta.batch_shape
     if not batch or meta.members.all():
         return Restart(state)
     missing = {tuple(int(i) for i in index) for index in np.argwhere(~meta.members)}
     starts = np.full(batch, step, np.int64)
-    older = [s for s in storage.list_steps() if s < step]
-    for candidate in reversed(older):
-        if not missing:
+    passed: dict[int, str] = {}
+    while missing:
+        sources = _newest_asked(storage, step, batch, missing, where, passed)
+        if not sources:
             break
-        try:
-            found = _steps.parsed(_steps.open_step(storage, candidate, where)[1], where)
-        except (DamagedStepError, ConfigError, OSError):
-            continue  # (a damaged older step is reported by listings; not one to use)
-        if found.batch_shape != batch:
-            continue
-        for index in sorted(missing):
-            if not found.members[index]:
+        for index, source in sorted(sources.items()):
+            try:
+                one = read_step(
+                    storage,
+                    _one_member(like, meta, index),
+                    source,
+                    verify=verify,
+                    member=index,
+                    named=False,
+                    what=where,
+                )
+            except DamagedStepError as e:  # that step is no source: an older one may be
+                passed[source] = e.why
                 continue
-            one = read_step(
-                storage,
-                _one_member(like, meta, index),
-                candidate,
-                verify=verify,
-                member=index,
-                named=False,
-            )
             state = _with_member(state, index, one, meta)
-            starts[index] = candidate
+            starts[index] = source
             missing.discard(index)
+    if passed:
+        shown = "; ".join(f"step {s}: {why}" for s, why in sorted(passed.items()))
+        _warn.warn(
+            f"{where}: members of the batch saved at step {step} that did not ask for it "
+            f"were read from older steps, passing over damaged ones ({shown}); nothing "
+            "was moved. Fix: `jax-cb-ckpt verify` the directory.",
+            DamagedStepWarning,
+        )
     if missing:
         shown = ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(missing))
         _warn.warn(
             f"{where}: member(s) {shown} of the batch saved at step {step} asked for no "
-            "step at or before it (their maybe_save predicate never held), so the state "
-            f"restored for them is what step {step} holds, at their own step "
+            "readable step at or before it, so the state restored for them is what step "
+            f"{step} holds, at their own step "
             f"({'recorded' if meta.member_steps is not None else 'not recorded'}): under "
             "vmap of a while_loop that a member had left, a state it never had. Fix: "
             "save every member's first state (initial_save, or a save at the loop's start).",
             CheckpointWarning,
         )
     return Restart(state, starts)
+
+
+def _newest_asked(
+    storage: _storage.Storage,
+    step: int,
+    batch: tuple[int, ...],
+    members: set[tuple[int, ...]],
+    where: str,
+    passed: dict[int, str] | None = None,
+) -> dict[tuple[int, ...], int]:
+    """{member: the newest step below `step` it asked for} for each of `members` that
+    has one: steps of the same batch shape whose description passes its checks, and
+    not in `passed` ({step: why}, which collects the ones passed over)."""
+    passed = {} if passed is None else passed
+    found: dict[tuple[int, ...], int] = {}
+    for candidate in reversed([s for s in storage.list_steps() if s < step]):
+        if len(found) == len(members):
+            break
+        if candidate in passed:
+            continue
+        try:
+            meta = _steps.parsed(_steps.open_step(storage, candidate, where)[1], where)
+        except DamagedStepError as e:
+            passed[candidate] = e.why
+            continue
+        if meta.batch_shape != batch:
+            continue
+        for index in members:
+            if index not in found and meta.members[index]:
+                found[index] = candidate
+    return found
 
 
 def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> Any:
@@ -263,9 +314,11 @@ def read_step(
     verify: bool,
     member: int | tuple[int, ...] | None,
     named: bool,
+    what: str = "restore",
 ) -> Any:
-    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`."""
-    where = f"restore(step={step}) from {storage.path!r}"
+    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`
+    (`what`: the caller's name, for messages)."""
+    where = f"{what}(step={step}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _tree.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
@@ -332,6 +385,19 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> _read.Box:
 def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
     """`member` as an index into the batch axes, checked (and saved: a member whose
     `maybe_save` predicate was false at this step holds no state of its own)."""
+    index = _member_position(member, meta, where)
+    if not meta.members[index]:
+        raise RestoreError(
+            f"{where}: member {index} did not save at step {meta.step} (its "
+            "maybe_save predicate was false), so the step holds no state of its own for "
+            "it. Fix: restore without step= (each member from the newest step it saved "
+            "at), another step, or another member."
+        )
+    return index
+
+
+def _member_position(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+    """`member` as an index into the batch axes of `meta`'s step, checked."""
     batch = meta.batch_shape
     if not batch:
         raise ConfigError(
@@ -350,12 +416,6 @@ def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[i
         raise ConfigError(
             f"{where}: member={member!r} is not a member of the checkpoint's batch of "
             f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
-        )
-    if not meta.members[index]:
-        raise RestoreError(
-            f"{where}: member {index} did not save at step {meta.step} (its "
-            "maybe_save predicate was false), so the step holds no state of its own for "
-            "it. Fix: restore another step, or another member."
         )
     return index
 

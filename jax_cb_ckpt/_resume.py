@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
 from . import _plain, _warn
-from ._errors import DamagedStepError, DamagedStepWarning
+from ._errors import DamagedStepError, DamagedStepWarning, RestoreError
 from ._storage import Storage
 from ._types import OnDamaged
 
@@ -95,6 +95,13 @@ def newest(
     first: DamagedStepError | None = None
     for step in candidates:
         examined = found.get(step)
+        if examined is not None and examined.kind == "unreadable":
+            raise RestoreError(
+                f"{where}: step {step} of {storage.path!r}, newer than every step read so "
+                f"far, cannot be read: {examined.why}. A restart does not go back past a "
+                "step it may not read (it may be the newest state). Fix: give this process "
+                "read access to the folder, or move it out of the directory."
+            )
         if examined is not None and examined.kind == "damaged":
             error = DamagedStepError(
                 f"{where}: step {step} in {storage.path!r} is damaged ({examined.why}); "
@@ -180,7 +187,7 @@ def _say(storage: Storage, result: Resumed[T], where: str, set_aside: bool) -> N
     if parts:
         said += f", passing over {len(parts)} newer step(s): " + "; ".join(parts)
         said += ". Nothing was deleted."
-        if set_aside:
+        if any(one.set_aside is not None for one in result.passed):
             said += (
                 " A step set aside is no longer a step: the run can write that step number "
                 "again, and `jax-cb-ckpt ls` shows it."

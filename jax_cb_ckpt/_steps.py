@@ -89,7 +89,9 @@ def _listed(storage: Storage, what: str) -> list[int]:
     """The complete steps of `storage`; a `DamagedStepWarning` naming the damaged ones,
     so that a run never silently goes back to an older step."""
     path, found = storage.path, storage.examine_all()
-    damaged = {step: f.why for step, f in sorted(found.items()) if f.kind == "damaged"}
+    damaged = {
+        step: f.why for step, f in sorted(found.items()) if f.kind in ("damaged", "unreadable")
+    }
     if damaged:
         listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
         _warn.warn(

@@ -206,10 +206,14 @@ class Local(_Steps):
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return GONE
+        except PermissionError as e:
+            return _unreadable(e)
         except OSError:
             return Examined("foreign", "not a directory")
         try:
             return _examine_dir(path, step, fd)
+        except PermissionError as e:  # (a folder or file inside it this process may not read)
+            return _unreadable(e)
         finally:
             os.close(fd)
 
@@ -462,8 +466,11 @@ class Local(_Steps):
         fsync_dir(self.path)
         _TAGS.pop(os.path.join(path, META_ITEM, META_FILE), None)
         note = os.path.join(self.path, name, _format.SET_ASIDE_NOTE)
-        with open(note, "xb") as f:
-            f.write(_format.set_aside_note(step, why))
+        try:  # (moved already: a note that cannot be written does not undo that)
+            with open(note, "wb") as f:
+                f.write(_format.set_aside_note(step, why))
+        except OSError:
+            pass
         return name
 
     def step_file(self, step: int, name: str, limit: int) -> bytes | None:
@@ -590,10 +597,19 @@ def _examine_dir(path: str, step: int, fd: int) -> Examined:
 
 
 def _lstat_in(fd: int, name: str) -> os.stat_result | None:
+    """`name`'s lstat in the directory open as `fd`; None when it is not there (a
+    refused permission is raised: what is there cannot be told)."""
     try:
         return os.lstat(name, dir_fd=fd)
+    except PermissionError:
+        raise
     except OSError:
         return None
+
+
+def _unreadable(e: PermissionError) -> Examined:
+    where = f" ({e.filename})" if e.filename else ""
+    return Examined("unreadable", f"this process may not read it: {e.strerror}{where}")
 
 
 def _still_at(path: str, fd: int) -> bool:
@@ -632,6 +648,8 @@ def _examine_files(
     if st_step is not None and stat.S_ISREG(st_step.st_mode):
         try:
             record = _format.record_of(_read_in(fd, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES))
+        except PermissionError:
+            raise  # (`examine`: unreadable, not damaged)
         except (OSError, ValueError):
             record = None
     if st_meta is None and record is None:
@@ -650,6 +668,8 @@ def _examine_files(
         _format.check_meta_bytes(text, step, record)
     except DamagedStep as e:
         return Examined(e.kind, str(e))
+    except PermissionError:
+        raise  # (`examine`: unreadable, not damaged)
     except OSError as e:
         return Examined("damaged", f"'{META_ITEM}/{META_FILE}' cannot be read ({e.strerror})")
     return COMPLETE
@@ -985,7 +1005,7 @@ class Bucket(_Steps):
                 _remote.write(f"{self.path}/{name}/{key}", data)
         _remote.write(
             f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}", _format.set_aside_note(step, why)
-        )
+        )  # (before the step goes: a failure up to here leaves it as it was)
         _remote.delete(f"{url}/{COMMIT_NAME}")
         _remove_step_objects(url)
         return name

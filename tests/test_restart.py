@@ -495,3 +495,134 @@ def test_restore_or_init_with_like_gives_a_fresh_start_the_loop_s_dtypes(make_ck
     assert jax.tree.map(lambda x: (x.dtype, x.weak_type), resumed) == jax.tree.map(
         lambda x: (x.dtype, x.weak_type), state
     )
+
+
+# -- what an adversarial pass found (issue 41), each seen failing before its fix --------
+
+
+def _while_batch(ckpt, ns):
+    """Members counting to `ns` in one vmapped while_loop, saving every 5."""
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            ckpt.maybe_save(x + 1.0, i + 1)
+            return i + 1, x + 1.0
+
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    jax.jit(jax.vmap(run))(jnp.zeros(len(ns)), jnp.asarray(ns))
+    ckpt.wait()
+
+
+def test_damage_in_a_members_older_step_does_not_pass_over_the_newest(make_ckpt):
+    """A bit of step 5 (member 0's newest own step) flipped: the restart blamed step 10
+    (intact), set both aside and started from 0. Now step 10 is read, member 0 is said
+    to have no readable step of its own, and nothing is moved."""
+    ckpt = make_ckpt(every=5)
+    _while_batch(ckpt, [5, 10, 10, 10])
+    _flip_step(ckpt.directory, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, start = ckpt.restore_or_init(lambda: jnp.zeros(4))
+    said = " ".join(str(w.message) for w in caught)
+    assert "passing over damaged ones (step 5: " in said and "no readable step" in said
+    assert np.asarray(start).tolist() == [10, 10, 10, 10]
+    assert np.asarray(state).tolist()[1:] == [10.0, 10.0, 10.0]
+    assert sorted(n for n in os.listdir(ckpt.directory) if n[0].isdigit()) == ["10", "5"]
+
+
+def test_one_member_without_step_comes_from_its_newest_own_step(make_ckpt):
+    """restore(member=0) without step= refused "member (0,) did not save at step 10";
+    a restart reads each member from the newest step it asked for, one member too."""
+    ckpt = make_ckpt(every=5)
+    _while_batch(ckpt, [5, 10, 10, 10])
+    one = jax.ShapeDtypeStruct((), jnp.float32)
+    assert float(jax_cb_ckpt.restore(ckpt.directory, one, member=0)) == 5.0
+    assert float(jax_cb_ckpt.restore(ckpt.directory, one, member=1)) == 10.0
+    with pytest.raises(jax_cb_ckpt.RestoreError, match=r"member \(0,\) did not save at step 10"):
+        jax_cb_ckpt.restore(ckpt.directory, one, member=0, step=10)
+
+
+_UNREADABLE = """
+import os, sys, warnings
+import numpy as np, jax_cb_ckpt
+warnings.simplefilter("error")
+d, what = sys.argv[1], sys.argv[2]
+with jax_cb_ckpt.Checkpointer(d) as ckpt:
+    for step in (1, 2, 3):
+        ckpt.save({"w": np.full(4, float(step), np.float32)}, step)
+os.chmod({"meta": f"{d}/3/meta/metadata", "dir": f"{d}/3", "item": f"{d}/3/meta"}[what], 0)
+try:
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.restore_or_init(lambda: {"w": np.zeros(4, np.float32)})
+except jax_cb_ckpt.RestoreError as e:
+    print(type(e).__name__, e)
+print(sorted(os.listdir(d)))
+"""
+
+
+@pytest.mark.parametrize("what", ["meta", "dir", "item"])
+def test_a_refused_permission_stops_a_restart_and_moves_nothing(tmp_path, what):
+    """chmod 000 on the newest step (its folder, an item, its meta file): a restart
+    set it aside as damaged, or went back to step 2 in silence. A refused permission
+    is raised as it is; nothing moves. (Run without root's CAP_DAC_OVERRIDE, so that
+    permissions apply.)"""
+    script = tmp_path / "unreadable.py"
+    script.write_text(_UNREADABLE)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    if run_child(drop + ["true"]).returncode != 0:
+        pytest.skip("setpriv cannot drop capabilities here")
+    result = run_child(drop + [sys.executable, script, tmp_path / "d", what])
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = result.stdout
+    assert "RestoreError" in printed and "step 3" in printed and "cannot be read" in printed, (
+        printed
+    )
+    assert "'1', '2', '3']" in printed and "damaged" not in printed.splitlines()[-1]
+
+
+def test_a_plain_orbax_step_counts_as_another_runs_step(tmp_path):
+    """Orbax saved step 30; a Checkpointer that did not resume saved step 20, and the
+    next restart took Orbax's 30, dropping 20. A save at or below it is refused."""
+    d = tmp_path / "mixed"
+    _orbax_saved(d, {"w": np.zeros(3, np.float32)}, composite=False)  # (step 7)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.raises(StepExistsError, match=r"step\(s\) 7 >= 5"):
+            ckpt.save({"w": np.ones(3, np.float32)}, 5)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save({"w": np.ones(3, np.float32)}, 8)  # after it: fine
+    assert jax_cb_ckpt.all_steps(d) == [8]
+
+
+def test_a_step_renamed_back_after_being_set_aside_is_set_aside_again_and_said(tmp_path):
+    """The note of an earlier set-aside was in the way: the step was moved, and the
+    warning said it "stays where it is"."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    _flip_step(d, 400)
+    for _ in range(2):
+        with jax_cb_ckpt.Checkpointer(d) as ckpt:
+            with pytest.warns(DamagedStepWarning, match=r"step 400: .*\(set aside as "):
+                ckpt.restore_or_init(lambda: LIKE)
+        [aside] = [n for n in os.listdir(d) if "-damaged-" in n]
+        os.rename(d / aside, d / "400")  # "renamed back by the user"
+    assert "400" in os.listdir(d)
+
+
+def test_ls_shows_which_folders_are_plain_orbax_steps_a_restart_reads(tmp_path):
+    d = tmp_path / "plain"
+    _orbax_saved(d, {"w": np.zeros(3, np.float32)})
+    ls = run_child([SCRIPT, "ls", d], timeout=120)
+    assert "a plain Orbax step: a restart resumes from it (unverified)" in ls.stdout, ls.stdout
+    os.remove(d / "7" / "_CHECKPOINT_METADATA")  # an Orbax step without its step file
+    restored = jax_cb_ckpt.restore(d, {"w": np.zeros(3, np.float32)})  # still read
+    np.testing.assert_array_equal(restored["w"], 0.0)
+
+
+def test_a_restart_s_errors_name_the_call_that_was_made(tmp_path):
+    d = tmp_path / "ckpt"
+    _saved(d, (300,))
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=r"^restore_or_init\(step=300"):
+            ckpt.restore_or_init(lambda: {"w": np.zeros(9, np.float32)})
