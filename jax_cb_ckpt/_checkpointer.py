@@ -901,7 +901,9 @@ class Checkpointer:
                 "keep_best=N, best='<metric name>' (and mode='max' or 'min'), or use "
                 "jax_cb_ckpt.best_step(directory, best=..., mode=...)."
             )
-        return _steps.best_step(self.directory, best=rules.best, mode=rules.mode, member=member)
+        return _steps.best_step(
+            self.directory, best=rules.best, mode=rules.mode, member=member, ignore_recorded=True
+        )
 
     def metrics(self, step: int | None = None) -> dict[str, Any]:
         """The metrics saved with `step` (default: the latest): {name: value}, a Python

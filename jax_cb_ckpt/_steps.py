@@ -300,33 +300,96 @@ def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> di
 def best_step(
     directory: str | os.PathLike[str],
     *,
-    best: str,
-    mode: BestMode = "max",
+    best: str | None = None,
+    mode: BestMode | None = None,
     member: int | tuple[int, ...] | None = None,
+    ignore_recorded: bool = False,
 ) -> int | None:
-    """The complete step of `directory` with the best value of the metric `best`
-    (`mode="max"`: the highest; `"min"`: the lowest), or None when no step has a valid
-    one (a step without it, or with NaN, never counts). For saves under vmap:
-    `member=k` (an int, or an index into the batch shape) ranks member k's values;
-    without it, the step holding the best value of any member. Reads each step's
-    meta; does not wait for pending saves."""
+    """The complete step of `directory` with the best value of a metric, or None when no
+    step has a valid one (a step without it, or with NaN, never counts).
+
+    By default the rule the steps were kept by, as the newest step records it (a
+    Checkpointer with `keep_best=2, best="eval_loss", mode="min"`): nothing to repeat,
+    and an evaluation process beside the training (which holds the writer's lock) reads
+    it without a Checkpointer. `best=` names another metric (then `mode=` is needed:
+    `"max"`, the highest, or `"min"`, the lowest); a `mode=` that contradicts the
+    recorded one for the same metric is refused, unless `ignore_recorded=True`. For
+    saves under vmap: `member=k` (an int, or an index into the batch shape) ranks
+    member k's values; without it, the step holding the best value of any member.
+    Reads each step's meta; does not wait for pending saves."""
     where = "best_step"
     storage = _storage.at(_format.resolve(directory, where))
-    if not isinstance(best, str) or not best:
+    if best is not None and (not isinstance(best, str) or not best):
         raise ConfigError(f"{where}(best={best!r}): best must name a metric (a str).")
-    if mode not in ("max", "min"):
+    if mode not in (None, "max", "min"):
         raise ConfigError(f"{where}(mode={mode!r}): mode must be 'max' or 'min'.")
+    metas = step_metas(storage, _listed(storage, where))
+    recorded = _recorded_best(metas)
+    best, mode = _best_rule(best, mode, recorded, ignore_recorded, storage.path)
     try:
         rules = _policy.Rules(keep_best=1, best=best, mode=mode)
     except ValueError as e:
         raise ConfigError(f"{where}(best={best!r}): {e}") from None
-    metas = step_metas(storage, _listed(storage, where))
     entries = [_policy.Entry(s, m.saved_seconds, m.best_values(best)) for s, m in metas.items()]
     keeper = _policy.Keeper(rules, entries)
     try:
         return keeper.best_step(member)
     except ValueError as e:
         raise ConfigError(f"{where}(member={member!r}) in {storage.path!r}: {e}") from None
+
+
+def _recorded_best(metas: dict[int, _format.StepMeta]) -> _policy.Rules | None:
+    """The rules the newest step was saved with, when they rank a metric."""
+    newest = metas[max(metas)] if metas else None
+    if newest is None or newest.retention is None:
+        return None
+    try:
+        rules = _policy.Rules.from_json(newest.retention)
+    except ValueError:
+        return None
+    return rules if rules.best is not None else None
+
+
+def _best_rule(
+    best: str | None,
+    mode: BestMode | None,
+    recorded: _policy.Rules | None,
+    ignore_recorded: bool,
+    path: str,
+) -> tuple[str, BestMode]:
+    """The metric and mode `best_step` ranks by: the ones given, checked against the
+    rule the steps record, or that rule."""
+    where = f"best_step in {path!r}"
+    said = (
+        "no rule ranking a metric"
+        if recorded is None
+        else f"keep_best by {recorded.best!r} ({recorded.mode})"
+    )
+    if best is None:
+        if recorded is None or recorded.best is None:
+            raise ConfigError(
+                f"{where}: the steps record {said}, so which metric is best is not known. "
+                "Fix: pass best='<metric name>' and mode='max' (higher is better) or "
+                "mode='min'."
+            )
+        best = recorded.best
+    same = recorded is not None and recorded.best == best
+    if mode is None:
+        if recorded is None or not same:
+            raise ConfigError(
+                f"{where}(best={best!r}): the steps record {said}, not whether a higher or "
+                f"a lower {best!r} is better. Fix: pass mode='max' (higher is better) or "
+                "mode='min'."
+            )
+        return best, recorded.mode
+    if same and recorded is not None and mode != recorded.mode and not ignore_recorded:
+        raise ConfigError(
+            f"{where}(best={best!r}, mode={mode!r}): the steps were kept by {best!r} with "
+            f"mode={recorded.mode!r}; mode={mode!r} ranks them the other way (the worst "
+            "would come back as the best). Fix: leave mode out, or pass "
+            "ignore_recorded=True to rank by it anyway."
+        )
+    return best, mode
 
 
 def step_metas(storage: Storage, steps: list[int]) -> dict[int, _format.StepMeta]:

@@ -437,7 +437,7 @@ def test_rules_on_a_bucket(remote):
         saved = _save_all(ckpt, [2.0, 5.0, 1.0, 4.0, 0.0, 3.0, 1.0])
     expected = _kept(saved, max_to_keep=1, keep_every=3, best=1)
     assert jax_cb_ckpt.all_steps(remote.url) == expected == [2, 3, 6, 7]
-    assert jax_cb_ckpt.best_step(remote.url, best="return") == 2
+    assert jax_cb_ckpt.best_step(remote.url) == 2  # by the rule the steps record
     assert jax_cb_ckpt.metrics(remote.url, step=2) == {"return": 5.0}
     # across a restart on the bucket: the rules go on from what is there
     with jax_cb_ckpt.Checkpointer(remote.url, **rules) as ckpt:
@@ -586,6 +586,39 @@ def test_a_step_below_the_newest_never_unkeeps_the_seconds_chain(make_ckpt):
         ckpt.save({"w": jnp.zeros(3)}, 5)
         ckpt.wait()
     assert ckpt.all_steps() == [5, 10, 20, 30, 40, 50]
+
+
+def test_best_step_of_a_directory_ranks_by_the_rule_its_steps_record(make_ckpt, ckpt_dir):
+    """Issue 42 item 1: `jax_cb_ckpt.best_step(d, best="eval_loss")` ranked by the
+    default mode "max" and returned the worst step, where every step records that it
+    was kept by 'eval_loss' (min). The recorded rule is the default; a mode that
+    contradicts it is refused unless asked for; another metric needs a mode."""
+    ckpt = make_ckpt(keep_best=2, best="eval_loss", mode="min")
+    for step, loss in ((100, 0.021), (200, 0.5), (6000, 0.0077)):
+        ckpt.save({"w": jnp.zeros(2)}, step, metrics={"eval_loss": loss, "ret": step})
+    ckpt.wait()
+    assert jax_cb_ckpt.best_step(ckpt_dir) == 6000
+    assert jax_cb_ckpt.best_step(ckpt_dir, best="eval_loss") == 6000
+    assert jax_cb_ckpt.best_step(ckpt_dir, best="eval_loss", mode="min") == 6000
+    with pytest.raises(ConfigError, match=r"kept by 'eval_loss' with mode='min'.*ignore_recorded"):
+        jax_cb_ckpt.best_step(ckpt_dir, best="eval_loss", mode="max")
+    # (200 went: keep_best=2 kept 100 and 6000; by "max" the worst of them is 100)
+    worst = jax_cb_ckpt.best_step(ckpt_dir, best="eval_loss", mode="max", ignore_recorded=True)
+    assert worst == 100
+    with pytest.raises(ConfigError, match=r"not whether a higher or a lower 'ret' is better"):
+        jax_cb_ckpt.best_step(ckpt_dir, best="ret")
+    assert jax_cb_ckpt.best_step(ckpt_dir, best="ret", mode="max") == 6000
+    assert ckpt.best_step() == 6000
+
+
+def test_best_step_without_a_recorded_rule_needs_the_metric_and_mode(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt()
+    ckpt.save({"w": jnp.zeros(2)}, 1, metrics={"r": 1.0})
+    ckpt.wait()
+    with pytest.raises(ConfigError, match=r"record no rule ranking a metric.*pass best="):
+        jax_cb_ckpt.best_step(ckpt_dir)
+    with pytest.raises(ConfigError, match=r"pass mode='max'"):
+        jax_cb_ckpt.best_step(ckpt_dir, best="r")
 
 
 def test_a_clock_set_back_never_unkeeps_what_the_seconds_chain_kept(ckpt_dir, monkeypatch):
