@@ -105,6 +105,10 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     metas: dict[int, _format.StepMeta] = {}
     rows = [_listed(storage, step, metas) for step in storage.list_steps()]
     rules = _kept_by(rows, metas)
+    stuck = _undeletable(storage)
+    for r in rows:
+        if r is not None and str(r["step"]) in stuck:
+            r["undeletable"] = stuck[str(r["step"])]
     rows += [
         {
             "step": step,
@@ -168,6 +172,8 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
             )
         elif "foreign" in r:
             state = f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
+        elif r["complete"] and "undeletable" in r:
+            state = f"complete; retention cannot delete it: {r['undeletable']}"
         elif r["complete"]:
             state = "complete"
         else:
@@ -178,6 +184,19 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         )
         _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {cells}{state}")
     return 0
+
+
+def _undeletable(storage: Storage) -> dict[str, str]:
+    """{step: why} of the steps the writer's retention could not delete (its report,
+    `_format.STUCK_NAME`, read within bounds; {} when there is none or it is torn)."""
+    try:
+        data = storage.read_file(_format.STUCK_NAME, _format.SMALL_FILE_MAX_BYTES)
+        record = json.loads(data) if data else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {str(k): str(v)[:300] for k, v in record.items() if isinstance(v, str)}
 
 
 def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> Rules | None:

@@ -109,6 +109,9 @@ LEGACY_DELETED = "_jax_cb_ckpt_deleted"
 # ls` shows it with the reason recorded in its `SET_ASIDE_NOTE`.
 SET_ASIDE_PATTERN = re.compile(r"(0|[1-9][0-9]*)\.jax_cb_ckpt-damaged-[0-9a-f]{32}", re.ASCII)
 SET_ASIDE_NOTE = ".jax_cb_ckpt-set-aside.json"
+# The steps retention could not delete ({step: the error}), written by the writer while
+# there are any, read by `jax-cb-ckpt ls`.
+STUCK_NAME = ".jax_cb_ckpt-undeletable.json"
 
 
 def resolve(directory: object, where: str) -> str:

@@ -15,6 +15,7 @@ rules do not are deleted then, and named in a warning log first.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ class Retention:
         # What changed rules delete, said once the first commit's step is added.
         self._changed: tuple[Rules | None, list[int], dict[int, _format.StepMeta]] | None = None
         self._put_off: list[int] = []  # steps to set aside that the storage refused
+        self._stuck: dict[int, str] = {}  # steps that refused their deletion: why
         # Steps whose meta was read and checked (or that this writer committed): the
         # only ones set aside without reading their meta first.
         self._checked: set[int] = set()
@@ -94,13 +96,64 @@ class Retention:
             try:
                 aside = self._storage.set_aside(old)
             except (_remote.StorageError, ConfigError, OSError) as e:
-                self._put_off = going[index:]
-                self._put_off_warning(e)
-                break
+                if isinstance(e, ConfigError) or _remote.out_of_reach(e):
+                    self._put_off = going[index:]  # the storage, not the step: all wait
+                    self._put_off_warning(e)
+                    break
+                self._put_off.append(old)  # this step refused: the others go on
+                self._refused(old, e)
+                continue
             self._checked.discard(old)
+            if self._stuck.pop(old, None) is not None:
+                self._say_stuck()
             if aside is not None:
                 asides.append(aside)
         return asides
+
+    def _refused(self, step: int, e: OSError) -> None:
+        """A step retention cannot delete (`chattr +i`, a read-only folder, a bucket
+        that refuses): passed over, retried at every commit, said once (a warning with
+        its path and the error) and recorded where `jax-cb-ckpt ls` finds it."""
+        if step in self._stuck:
+            return
+        self._stuck[step] = f"{type(e).__name__}: {_remote.scrub(str(e))}"
+        self._note(
+            CheckpointWarning,
+            f"jax_cb_ckpt: retention cannot delete step {step} "
+            f"({self._storage.step_path(step)}): {self._stuck[step]}. The other steps are "
+            "deleted as the rules say; this one stays (retried at each save) until it can "
+            "be. Fix: make it deletable (chattr -i, permissions), or remove it yourself.",
+        )
+        self._say_stuck()
+
+    def _recall_stuck(self, steps: set[int]) -> None:
+        """The report an earlier run left of the steps it could not delete, kept for
+        those still here (the rules decide whether they go; one removed by hand leaves
+        the report)."""
+        try:
+            data = self._storage.read_file(_format.STUCK_NAME, _format.SMALL_FILE_MAX_BYTES)
+            record = json.loads(data) if data else {}
+        except (OSError, ValueError):
+            data, record = b"?", {}  # (torn or unreadable: written anew, or removed)
+        if not data:
+            return
+        if not isinstance(record, dict):
+            record = {}
+        old = {int(k): v for k, v in record.items() if str(k).isdigit() and isinstance(v, str)}
+        self._stuck = {s: why for s, why in old.items() if s in steps}  # (the rules decide)
+        if self._stuck != old or not old:
+            self._say_stuck()
+
+    def _say_stuck(self) -> None:
+        """The steps retention cannot delete, in the directory's `STUCK_NAME` file."""
+        try:
+            if self._stuck:
+                record = {str(step): why for step, why in sorted(self._stuck.items())}
+                self._storage.put_file(_format.STUCK_NAME, json.dumps(record).encode())
+            elif self._storage.exists(_format.STUCK_NAME):
+                self._storage.remove_file(_format.STUCK_NAME)
+        except OSError:
+            pass  # (a report: the warning said it already)
 
     def _still_ours(self, step: int) -> bool:
         """A step listed at the opening whose meta was not read yet: read and checked now,
@@ -148,7 +201,12 @@ class Retention:
         directory, each examined under the rules (changed rules apply from here); what
         the previous run's rules kept and these delete is said once the step is added
         (`_changed`)."""
-        steps = [s for s in self._storage.list_steps() if s != step]
+        found = self._storage.examine_all()
+        steps = sorted(s for s, f in found.items() if f.kind == "complete" and s != step)
+        damaged = sorted(s for s, f in found.items() if f.kind in ("damaged", "unreadable"))
+        if damaged:  # listed apart: never ranked or deleted, and said
+            self._say_left_alone(damaged)
+        self._recall_stuck(set(steps))
         # Every step's meta when a rule ranks them, or when members of this step did not
         # ask for it: each member's newest step is kept (`Keeper`), which needs the masks.
         wanted = (

@@ -422,6 +422,17 @@ class Local(_Steps):
         finally:
             os.close(fd)
 
+    def put_file(self, name: str, data: bytes) -> None:
+        """The file `name` of the directory now holds `data` (never through a link; a
+        report, read by `jax-cb-ckpt ls`: a torn write is an unreadable report, not a
+        step)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(os.path.join(self.path, name), flags, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
     def read_file(self, name: str, limit: int) -> bytes | None:
         """Up to `limit` bytes of the file `name` (None when there is none)."""
         try:
@@ -963,6 +974,9 @@ class Bucket(_Steps):
         return [n for n in _remote.list_keys(self.path) if n.startswith(prefix) and "/" not in n]
 
     def create_file(self, name: str, data: bytes) -> None:
+        _remote.write(f"{self.path}/{name}", data)
+
+    def put_file(self, name: str, data: bytes) -> None:
         _remote.write(f"{self.path}/{name}", data)
 
     def read_file(self, name: str, limit: int) -> bytes | None:

@@ -8,7 +8,10 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,8 @@ from helpers import kill_group, run_child, start_script
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, InvalidStateError
+
+SCRIPT_LS = Path(sys.executable).with_name("jax-cb-ckpt")
 
 
 def _kept(saved, *, max_to_keep=None, keep_every=None, seconds=None, best=None, mode="max"):
@@ -791,3 +796,55 @@ def test_a_kill_during_retention_leaves_every_kept_step_whole(tmp_path):
         assert not missing, f"round {round_}: kept steps {missing} are gone (on disk: {steps})"
         assert jax_cb_ckpt.verify(directory) == steps
         directory = tmp_path / f"ckpt{round_ + 1}"  # a fresh run each round
+
+
+def test_one_step_that_cannot_be_deleted_stops_no_other_deletion(tmp_path, capsys):
+    """Issue 42 item 3: saves 1..6, step 4 made undeletable (chattr +i), max_to_keep=2,
+    saves 7..12: every later deletion stopped (4..12 all stayed, a log warning per
+    save). Now retention passes over step 4, deletes the rest as the rules say (the set
+    stays bounded), says it once (the path and the OS error), and `ls` shows it."""
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        for step in range(1, 7):
+            ckpt.save({"w": jnp.zeros(2)}, step)
+    if run_child(["chattr", "+i", d / "4"]).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with jax_cb_ckpt.Checkpointer(d, max_to_keep=2) as ckpt:
+                for step in range(7, 13):
+                    ckpt.save({"w": jnp.zeros(2)}, step)
+                    ckpt.wait()
+        said = [str(w.message) for w in caught if "cannot delete" in str(w.message)]
+        assert len(said) == 1 and f"step 4 ({d}/4)" in said[0], said
+        assert "PermissionError" in said[0] or "Operation not permitted" in said[0], said
+        assert jax_cb_ckpt.all_steps(d) == [4, 11, 12]
+        ls = run_child([SCRIPT_LS, "ls", d])
+        assert "retention cannot delete it: " in ls.stdout, ls.stdout
+    finally:
+        run_child(["chattr", "-i", d / "4"])
+    with jax_cb_ckpt.Checkpointer(d, max_to_keep=2) as ckpt:  # deletable again: it goes
+        ckpt.save({"w": jnp.zeros(2)}, 13)
+    assert jax_cb_ckpt.all_steps(d) == [12, 13]
+    assert not (d / ".jax_cb_ckpt-undeletable.json").exists()
+
+
+def test_a_step_whose_meta_was_edited_is_named_at_wait_when_retention_passes_it(make_ckpt):
+    """Issue 42 item 6: a step whose meta was edited (a damaged step: its record does
+    not match) was left alone in silence: retention listed the steps with a listing
+    that leaves damaged ones out. It is said at the next wait()/close()."""
+    ckpt = make_ckpt()
+    for step in (1, 2, 3):
+        ckpt.save({"w": jnp.zeros(2)}, step)
+    ckpt.close()
+    meta = os.path.join(ckpt.directory, "2", "meta", "metadata")
+    with open(meta, "ab") as f:
+        f.write(b" ")  # edited: its size no longer matches the record
+    again = make_ckpt(max_to_keep=1)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"left step\(s\) 2 alone"):
+        again.save({"w": jnp.zeros(2)}, 4)
+        again.wait()
+    assert os.path.isdir(os.path.join(ckpt.directory, "2"))  # neither ranked nor deleted
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+        assert jax_cb_ckpt.all_steps(ckpt.directory) == [4]
