@@ -537,11 +537,34 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     memory, one at a time, once its stored layout is the described one. A step written
     without checksums (an older version) is read whole too, so a cut or missing file
     fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
-    the steps checked; raises `RestoreError` naming the first corrupted leaf (its step,
-    region and directory), or a damaged step named by `step=`. Blocks while reading."""
+    the steps checked. Raises what the CLI fails on, so a script's `verify(d)` passes
+    exactly what `jax-cb-ckpt verify d` passes: `DamagedStepError` naming the first
+    corrupted leaf (its step, region and directory) or the first damaged step folder
+    (a description cut or edited: not listed, and so never read), `RestoreError` for
+    a step this process may not read, `NoCheckpointError` for a directory without a
+    step of ours (a wrong path). Blocks while reading."""
     storage = _storage.at(_format.resolve(directory, "verify"))
     named = check_step_arg(step, "verify")
-    steps = storage.list_steps() if named is None else [pick_step(storage, named, "verify")]
+    if named is None:
+        found = storage.examine_all()
+        steps = sorted(s for s, f in found.items() if f.kind == "complete")
+        for bad, f in sorted(found.items()):
+            if f.kind == "unreadable":
+                raise RestoreError(f"verify: step {bad} of {storage.path!r} {f.why}.")
+            if f.kind == "damaged":
+                raise DamagedStepError(
+                    f"verify: step {bad} of {storage.path!r} is damaged ({f.why}): it is "
+                    "not listed or restored. Fix: restore the folder from a good copy, or "
+                    "move it out of the directory.",
+                    f.why,
+                )
+        if not steps:
+            raise NoCheckpointError(
+                f"verify: no checkpoint in {storage.path!r}, so nothing was verified (is it "
+                "the run's own directory?)."
+            )
+    else:
+        steps = [pick_step(storage, named, "verify")]
     for one in steps:
         where = f"verify(step={one}) of {storage.path!r}"
         seen, described = open_step(storage, one, where, None if named is None else "verify")

@@ -2,13 +2,15 @@
 naming the leaf and step (restore, and jax_cb_ckpt.verify), never wrong numbers."""
 
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import data_files, flip, flip_stored
+from helpers import data_files, flip, flip_stored, run_child
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -112,3 +114,23 @@ def test_a_truncated_file_with_a_sharded_like_is_a_readable_error(make_ckpt):
         ckpt.restore(like)
     message = str(caught.value)
     assert "restore(step=1)" in message and "bound method" not in message, message
+
+
+def test_verify_fails_what_the_cli_fails(tmp_path):
+    """Issue 42 item 7: `verify(d)` of a directory whose only step is damaged returned []
+    (no error, no warning) where `jax-cb-ckpt verify d` exits 1; of an empty directory,
+    [] where the CLI exits 2. `verify(d) and deploy()` must be as safe as the CLI."""
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        ckpt.save({"w": np.ones(3, np.float32)}, 1)
+    with open(d / "1" / "meta" / "metadata", "ab") as f:
+        f.write(b" ")  # edited
+    with pytest.raises(jax_cb_ckpt.DamagedStepError, match=r"step 1 .* is damaged"):
+        jax_cb_ckpt.verify(d)
+    cli = Path(sys.executable).with_name("jax-cb-ckpt")
+    assert run_child([cli, "verify", d]).returncode == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(jax_cb_ckpt.NoCheckpointError, match="nothing was verified"):
+        jax_cb_ckpt.verify(empty)
+    assert run_child([cli, "verify", empty]).returncode == 2
