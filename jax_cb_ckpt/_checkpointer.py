@@ -953,8 +953,8 @@ class Checkpointer:
         """The steps a save must not mix with: ours, and plain Orbax steps a restart
         would resume from (a save at or below one is a conflict, as with ours)."""
         found = self._storage.examine_all()
-        plain = _plain.steps(self._storage, found)
-        return sorted({s for s, f in found.items() if f.kind == "complete"} | set(plain))
+        plain = {s for s, p in _plain.steps(self._storage, found).items() if p.problem is None}
+        return sorted({s for s, f in found.items() if f.kind == "complete"} | plain)
 
     def _resume(
         self,

@@ -65,7 +65,9 @@ def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
         except (_format.DamagedStep, OSError):
             continue
         if text is not None:
-            plain[step] = _recognised(storage, step, text)
+            recognised = _recognised(storage, step, text)
+            if recognised is not None:
+                plain[step] = recognised
             continue
         # No step file (an Orbax version that wrote none, or lost): one item folder of a
         # manager's names with Orbax's description of a tree is a step of Orbax's too.
@@ -86,15 +88,19 @@ def _described(storage: Storage, step: int, item: str) -> bool:
         return True  # (there, and larger than a description: its reading says so)
 
 
-def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep:
+def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep | None:
+    """What the step folder whose Orbax step file holds `text` is: None when it is not
+    a step of Orbax's (the file is not Orbax's JSON naming item handlers, or it carries
+    our record: a step of ours, uncommitted or copied without its marker)."""
     path = storage.step_path(step)
     try:
         record = json.loads(text)
-    except ValueError:
-        record = None
+        ours = _format.record_of(text) is not None
+    except (ValueError, RecursionError):
+        return None
     handlers = record.get("item_handlers") if isinstance(record, dict) else None
-    if not isinstance(handlers, dict):
-        return PlainStep(step, "", path, f"Orbax's {ORBAX_STEP_FILE} names no item handlers")
+    if not isinstance(handlers, dict) or ours:
+        return None
     items = sorted(
         name
         for name, handler in handlers.items()

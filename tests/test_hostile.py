@@ -256,11 +256,13 @@ def test_verify_reads_every_byte_of_a_step_without_checksums(tmp_path):
     assert "step 1: readable, NOT verified" in run.stdout
     data = max((d / "1" / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
     os.truncate(data, data.stat().st_size // 2)
-    # The cut takes the step's index (written after the values) with it: it is read
-    # first (`_ocdbt`), before any leaf.
-    with pytest.raises(RestoreError, match=r"cannot read the checkpoint's arrays.*cut"):
+    # The cut takes the step's index with it when TensorStore wrote the index after the
+    # values in that file (it is then read first, `_ocdbt`, before any leaf); else the
+    # leaf's own bytes are found short. Either way: a cut file, no numbers.
+    cut = r"cannot read (the checkpoint's arrays|leaf state\['big'\]).*cut"
+    with pytest.raises(RestoreError, match=cut):
         jax_cb_ckpt.verify(d, step=1)
-    with pytest.raises(RestoreError, match=r"cannot read the checkpoint's arrays.*cut"):
+    with pytest.raises(RestoreError, match=cut):
         jax_cb_ckpt.restore(d, _big_state(), step=1)
     run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
