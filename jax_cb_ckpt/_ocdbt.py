@@ -101,8 +101,8 @@ class Database:
         self._key_bytes_left = _MAX_KEY_TOTAL
         path, base = latest.root
         self._node(path, base, latest.offset, latest.length, latest.height, b"", b"", None)
-        if len(self.values) != latest.keys:
-            raise Damaged(
+        if len(self.values) != latest.keys:  # (statistics TensorStore does not check)
+            raise Unsupported(
                 f"{named} counts {latest.keys} keys where its B-tree holds {len(self.values)}"
             )
 
@@ -147,8 +147,8 @@ class Database:
             raise Unsupported(f"{where}, reached twice")
         self._seen[(path, offset, length)] = height
         self._tree_left -= length
-        if self._tree_left < 0:
-            raise Damaged(f"{where} makes the B-tree larger than its manifest says")
+        if self._tree_left < 0:  # the walk's bound: past it, TensorStore decides
+            raise Unsupported(f"{where} makes the B-tree larger than its manifest says")
         if length > _MAX_NODE_BYTES:
             raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
         encoded = self._read_exact(path, offset, length)
@@ -231,8 +231,8 @@ class Database:
             raise Damaged(f"{where} repeats key {key!r}")
         self._keys_left -= 1
         self._key_bytes_left -= len(key)
-        if self._keys_left < 0:
-            raise Damaged(f"{where} holds more keys than its manifest counts")
+        if self._keys_left < 0:  # the walk's bound: past it, TensorStore decides
+            raise Unsupported(f"{where} holds more keys than its manifest counts")
         if self._key_bytes_left < 0:
             raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
         self.values[key] = value
@@ -305,15 +305,95 @@ def _latest(manifest: bytes, named: str) -> _Version:
     keys = [reader.varint() for _ in range(count)]
     tree_bytes = [reader.varint() for _ in range(count)]
     value_bytes = [reader.varint() for _ in range(count)]
-    reader.take(8 * count)  # commit times
+    times = [int.from_bytes(reader.take(8), "little") for _ in range(count)]
     if count == 0:
         raise Damaged(f"{named} lists no version")
-    if any(a >= b for a, b in zip(generations, generations[1:], strict=False)):
-        raise Damaged(f"{named} has its versions out of order")
-    root = files[ids[-1]] if ids[-1] < len(files) else None
+    # What TensorStore checks of the versions (its ValidateVersionTreeLeafNodeEntries,
+    # and the references to version tree nodes that follow, ValidateManifestVersion-
+    # TreeNodes). A manifest whose CRC-32C holds but that breaks one of them is not
+    # one this reader understands: TensorStore, the authority, decides (`Unsupported`),
+    # so verify and restore accept and refuse the same steps.
+    arity = 1 << arity_log2
+    _check(count <= arity, f"{named} lists {count} versions inline, more than 2**{arity_log2}")
+    _check(all(generations), f"{named} has a version numbered 0")
+    _check(
+        all(a < b for a, b in zip(generations, generations[1:], strict=False)),
+        f"{named} has its versions out of order",
+    )
+    _check(
+        all(a < b for a, b in zip(times, times[1:], strict=False)),
+        f"{named} has its versions' commit times out of order",
+    )
+    last = generations[-1]
+    _check(
+        generations[0] >= last - (last - 1) % arity,
+        f"{named} lists versions of more than one version tree leaf",
+    )
+    for i in range(count):
+        _check(ids[i] < len(files), f"{named} names a data file it does not list")
+        if offsets[i] == lengths[i] == _MISSING:  # no B-tree (an empty version)
+            _check(
+                heights[i] == 0 and keys[i] == tree_bytes[i] == value_bytes[i] == 0,
+                f"{named} gives an empty version a height or statistics",
+            )
+        else:
+            _check(offsets[i] + lengths[i] < 1 << 64, f"{named}: an offset/length overflows")
+    _version_tree_nodes(reader, arity_log2, len(files), last, named)
+    reader.end()
+    root = None if offsets[-1] == lengths[-1] == _MISSING else files[ids[-1]]
     return _Version(
         root, heights[-1], offsets[-1], lengths[-1], keys[-1], tree_bytes[-1], value_bytes[-1]
     )
+
+
+_MISSING = (1 << 64) - 1  # offset and length of an empty version's (absent) root
+
+
+def _check(holds: bool, what: str) -> None:
+    """A rule TensorStore holds a manifest to: when it does not hold, TensorStore reads
+    the step and says what is wrong with it (`Unsupported` here)."""
+    if not holds:
+        raise Unsupported(what)
+
+
+def _version_tree_nodes(
+    reader: _Reader, arity_log2: int, files: int, last: int, named: str
+) -> None:
+    """The references to version tree nodes after a manifest's inline versions (older
+    versions: never read), checked as TensorStore checks them."""
+    most = 63 // arity_log2 - 1
+    count = reader.count(12, "version tree nodes")  # (>= 12 bytes each: 8 of them a time)
+    _check(count <= most, f"{named} references {count} version tree nodes, more than {most}")
+    generations = [reader.varint() for _ in range(count)]
+    ids = [reader.varint() for _ in range(count)]
+    for _ in range(2 * count):  # offsets, lengths
+        reader.varint()
+    for _ in range(count):  # generations each holds
+        reader.varint()
+    reader.take(8 * count)  # commit times
+    heights = [reader.byte() for _ in range(count)]
+    _check(all(i < files for i in ids), f"{named} names a data file it does not list")
+    _check(all(generations) and all(1 <= h <= most for h in heights), f"{named}: version nodes")
+    for i in range(1, count):
+        _check(
+            generations[i] > generations[i - 1] and heights[i] < heights[i - 1],
+            f"{named} has its version tree nodes out of order",
+        )
+    # Each height the manifest may reference holds generations of one range.
+    expected: list[tuple[int, int, int]] = []
+    generation, height = (last - 1) >> arity_log2 << arity_log2, 1
+    while generation:
+        shift = (height + 1) * arity_log2
+        below = (generation - 1) >> shift << shift
+        expected.append((below + 1, generation, height))
+        height, generation = height + 1, below
+    index = count
+    for low, high, at in expected:
+        if index == 0 or heights[index - 1] != at:
+            continue
+        index -= 1
+        _check(low <= generations[index] <= high, f"{named}: a version tree node out of range")
+    _check(index == 0, f"{named} references a version tree node it cannot hold")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +417,14 @@ class Files(Protocol):
     def read(self, relative: str, offset: int, length: int) -> bytes: ...
 
 
+def _no_nul(path: str) -> str:
+    """`path`, or `FileNotFoundError` for one no file can have (a NUL in a name the
+    index gives: such a file is missing, as it is for TensorStore)."""
+    if "\0" in path:
+        raise FileNotFoundError(f"no file can be named {path!r}")
+    return path
+
+
 class Folder:
     """A database's files in a local folder."""
 
@@ -345,14 +433,14 @@ class Folder:
 
     def size(self, relative: str) -> int:
         path = os.path.join(self.root, relative)
-        info = os.lstat(path)
+        info = os.lstat(_no_nul(path))
         if not stat.S_ISREG(info.st_mode):  # a FIFO's size is 0, and opening it blocks
             raise Damaged(f"'{path}' is not a regular file")
         return info.st_size
 
     def read(self, relative: str, offset: int, length: int) -> bytes:
         path = os.path.join(self.root, relative)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(_no_nul(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise Damaged(f"'{path}' is not a regular file")
@@ -445,10 +533,11 @@ def _file_table(reader: _Reader, transitive: str) -> list[tuple[str, str]]:
         path = previous[:keep] + reader.take(suffixes[i])
         if len(path) > _MAX_KEY_BYTES or bases[i] > len(path):
             raise Damaged(f"{reader.where} has a data file table that does not decode")
-        try:
-            text, base = path.decode(), path[: bases[i]].decode()
-        except UnicodeDecodeError:
-            raise Damaged(f"{reader.where} names a data file that is not UTF-8") from None
+        # Bytes that are not UTF-8 name no file the writer makes, but only a file that is
+        # read matters (TensorStore reads a database whose older versions name such
+        # files): kept as the OS would take them, and found missing if read.
+        text = path.decode(errors="surrogateescape")
+        base = path[: bases[i]].decode(errors="surrogateescape")
         files.append((transitive + text, transitive + base))
         previous = path
     return files
