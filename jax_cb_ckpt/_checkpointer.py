@@ -410,8 +410,11 @@ class Checkpointer:
                 the same hand-off as the state (no other transfer), are stored in the
                 step's `meta` item as JSON (NaN and inf as they are), and are read by
                 `metrics(step)`, shown by `jax-cb-ckpt ls` and ranked by `keep_best`.
-                Named by their keys (`{"eval": {"return": r}}` is `"eval/return"`);
-                under vmap each has one value per member.
+                Named by their keys joined with "/" (`{"eval": {"return": r}}` and
+                `{"eval/return": r}` are `"eval/return"`); under vmap each has one value
+                per member. A function of the state (`metrics=lambda s: {"eval": ...}`)
+                is computed on the device only at the steps that save (inside the
+                save's `cond`), as `run` and `scan` compute theirs.
             last_step: the loop's last step (an int, or a traced integer scalar such
                 as `num_updates`): that step is saved whatever `every`,
                 `every_seconds` or `when` say, so the final state of a loop of your own
@@ -431,6 +434,10 @@ class Checkpointer:
             wanted, condition = True, _traced.check_when(when, where)
         if last_step is not None:
             wanted, condition = _or_last(step, step_value, last_step, wanted, condition, where)
+        if callable(metrics) and wanted:  # computed only where a save is made
+            metrics = _scan.metrics_at_save(metrics, state, condition)
+        elif callable(metrics):
+            metrics = None
         self._check_best(metrics, where)
         if not wanted:
             _tree.describe_state(state, where)  # still check the state
@@ -481,12 +488,14 @@ class Checkpointer:
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
-        Same hand-off, blocking behaviour and arguments (`metrics=` included) as
-        `maybe_save`.
+        Same hand-off, blocking behaviour and arguments (`metrics=` included, a
+        function of the state too) as `maybe_save`.
         """
         where = "save"
         self._check_usable(where)
         step_value = _traced.check_step(step, where)
+        if callable(metrics):
+            metrics = metrics(state)
         self._check_best(metrics, where)
         self._cross(
             _route.Request(

@@ -35,8 +35,9 @@ _PY_SCALARS = (bool, int, float, complex)
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
 
 
-def _key_name(entry: Any, where: str, path: str) -> str:
-    """One component of a leaf's stored name, from one entry of its key path."""
+def _key_name(entry: Any, where: str, path: str, *, free: bool = False) -> str:
+    """One component of a leaf's stored name, from one entry of its key path (`free`:
+    a metric's, which may hold '.' and '/': it names a JSON entry, not an array)."""
     if isinstance(entry, jax.tree_util.DictKey):
         key = entry.key
         if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -54,7 +55,7 @@ def _key_name(entry: Any, where: str, path: str) -> str:
         name = str(entry.key)
     else:  # a custom key type of a user-registered pytree node
         name = str(entry)
-    if not name or "." in name or "/" in name:
+    if not name or (not free and ("." in name or "/" in name)):
         raise InvalidStateError(
             f"{where}: leaf {path} sits under the key {name!r}; keys stored in a "
             "checkpoint must be non-empty and contain neither '.' nor '/' (Orbax joins "
@@ -165,7 +166,12 @@ def _abstract_impl(leaf: Any) -> str | None:
 
 
 def describe_state(
-    tree: PyTree, where: str, *, prefix: str = "state", abstract_ok: bool = False
+    tree: PyTree,
+    where: str,
+    *,
+    prefix: str = "state",
+    abstract_ok: bool = False,
+    free_names: bool = False,
 ) -> tuple[Any, tuple[LeafSpec, ...], list[Any]]:
     """Flatten `tree` into (treedef, specs, leaves), checking every leaf.
 
@@ -188,7 +194,7 @@ def describe_state(
     leaf_keys = tuple(_leaf_key(leaf) for leaf in leaves)
     key = None
     if None not in leaf_keys and not any(None in path for path in paths):
-        key = (treedef, prefix, abstract_ok, paths, leaf_keys)
+        key = (treedef, prefix, abstract_ok, free_names, paths, leaf_keys)
         try:
             hash(key)
         except TypeError:  # a custom node's unhashable data: never remembered
@@ -199,7 +205,7 @@ def describe_state(
             if specs is not None:
                 _DESCRIBED.move_to_end(key)
                 return treedef, specs, leaves
-    specs = _describe(tree, flat, where, prefix, abstract_ok)
+    specs = _describe(tree, flat, where, prefix, abstract_ok, free_names)
     if key is not None:
         with _DESCRIBED_LOCK:
             _DESCRIBED[key] = specs
@@ -223,7 +229,20 @@ def describe_metrics(
             f"{where}(metrics=...): {_shown(metrics)} holds no values. Fix: pass a dict of "
             "scalars, e.g. metrics={'return': ret}, or leave metrics= out."
         )
-    _, specs, leaves = describe_state(metrics, f"{where}(metrics=...)", prefix="metrics")
+    # A metric's name is its key path joined with "/" (TensorBoard's "eval/return" is
+    # `{"eval/return": r}` or `{"eval": {"return": r}}`: one name, refused when both).
+    _, specs, leaves = describe_state(
+        metrics, f"{where}(metrics=...)", prefix="metrics", free_names=True
+    )
+    named: dict[str, str] = {}
+    for spec in specs:
+        other = named.setdefault("/".join(spec.name), spec.path)
+        if other != spec.path:
+            raise InvalidStateError(
+                f"{where}(metrics=...): {other} and {spec.path} are both named "
+                f"{'/'.join(spec.name)!r} (a metric's name is its keys joined with '/'). "
+                "Fix: give them distinct names."
+            )
     if len(specs) > _format.MAX_METRICS:
         raise InvalidStateError(
             f"{where}(metrics=...): {len(specs)} metrics, more than the {_format.MAX_METRICS} a "
@@ -290,7 +309,12 @@ def _leaf_key(leaf: Any) -> Any:
 
 
 def _describe(
-    tree: PyTree, flat: list[tuple[Any, Any]], where: str, prefix: str, abstract_ok: bool
+    tree: PyTree,
+    flat: list[tuple[Any, Any]],
+    where: str,
+    prefix: str,
+    abstract_ok: bool,
+    free_names: bool = False,
 ) -> tuple[LeafSpec, ...]:
     """The checked specs of `tree`, flattened as `flat` (key path, leaf)."""
     if not flat:
@@ -308,7 +332,8 @@ def _describe(
     seen: dict[str, str] = {}
     for key_path, leaf in flat:
         path = prefix + jax.tree_util.keystr(key_path)
-        name = tuple(_key_name(e, where, path) for e in key_path) or (_ROOT_NAME,)
+        name = tuple(_key_name(e, where, path, free=free_names) for e in key_path)
+        name = name or (_ROOT_NAME,)
         joined = ".".join(name)
         if joined in seen:
             raise InvalidStateError(

@@ -848,3 +848,63 @@ def test_a_step_whose_meta_was_edited_is_named_at_wait_when_retention_passes_it(
     assert os.path.isdir(os.path.join(ckpt.directory, "2"))  # neither ranked nor deleted
     with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
         assert jax_cb_ckpt.all_steps(ckpt.directory) == [4]
+
+
+def test_metric_names_as_tensorboard_writes_them(make_ckpt, ckpt_dir):
+    """Issue 42 item 9: `metrics={"eval/loss": ...}` was refused ("keys must contain
+    neither '.' nor '/'") where the docs name nested metrics "eval/return". A flat key
+    with '/' or '.' is its name; a nested one joins its keys with '/'; two of one name
+    are refused; keep_best ranks by such a name."""
+    ckpt = make_ckpt(keep_best=1, best="eval/loss", mode="min")
+    ckpt.save({"w": jnp.zeros(2)}, 1, metrics={"eval/loss": 0.5, "train.loss": 1.0})
+    ckpt.save({"w": jnp.zeros(2)}, 2, metrics={"eval": {"loss": 0.25}, "train.loss": 2.0})
+    ckpt.wait()
+    assert jax_cb_ckpt.metrics(ckpt_dir, step=2) == {"eval/loss": 0.25, "train.loss": 2.0}
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [2]  # (step 1 was the worse 'eval/loss')
+    assert jax_cb_ckpt.best_step(ckpt_dir) == 2
+    with pytest.raises(InvalidStateError, match=r"are both named 'eval/loss'"):
+        ckpt.save({"w": jnp.zeros(2)}, 3, metrics={"eval/loss": 1.0, "eval": {"loss": 2.0}})
+    ls = run_child([SCRIPT_LS, "ls", ckpt_dir])
+    assert "eval/loss" in ls.stdout and "train.loss" in ls.stdout, ls.stdout
+
+
+def test_maybe_save_takes_a_metrics_function_computed_only_at_saves(make_ckpt, ckpt_dir):
+    """Issue 42 item 10: `run` and `scan` take `metrics=lambda state: ...`, maybe_save
+    refused it (with a fix about equinox Modules), so a loop of one's own computed its
+    eval metric at every step. It is computed inside the save's cond only."""
+    ckpt = make_ckpt(every=5)
+    computed = []
+
+    def metrics(state):
+        jax.debug.callback(lambda: computed.append(1))  # once per evaluation
+        return {"eval/loss": jnp.sum(state)}
+
+    def body(i, s):
+        s = s + 1.0
+        ckpt.maybe_save(s, i + 1, metrics=metrics)
+        return s
+
+    jax.jit(lambda s: jax.lax.fori_loop(0, 20, body, s))(jnp.zeros(2))
+    ckpt.save(jnp.zeros(2), 21, metrics=metrics)  # eagerly, too
+    ckpt.wait()
+    jax.effects_barrier()
+    assert ckpt.all_steps() == [5, 10, 15, 20, 21]
+    assert [jax_cb_ckpt.metrics(ckpt_dir, step=s)["eval/loss"] for s in (5, 20)] == [10.0, 40.0]
+    assert len(computed) == 5  # at the saves only, not at each of the 20 steps
+
+
+def test_an_array_metric_per_member_under_vmap_is_refused_at_the_call(make_ckpt):
+    """Issue 42 item 5: a (3,) metric per member was stored as (4, 3) under vmap of 4
+    seeds (the docs say arrays are refused), and `best_step(member=11)` was accepted."""
+    ckpt = make_ckpt(every=1)
+
+    def one(x, i):
+        ckpt.maybe_save(x, i, metrics={"r": jnp.full(3, 1.0) * x[0]})
+        return x
+
+    with pytest.raises(InvalidStateError, match=r"metrics\['r'\] is float32\[3\] per member"):
+        jax.jit(jax.vmap(one, in_axes=(0, None)))(jnp.ones((4, 2)), jnp.int32(1))
+    ckpt.maybe_save(jnp.ones((4, 2)), 2, metrics={"r": jnp.arange(4.0)})  # a batch held
+    ckpt.wait()  # without vmap: 1-D, one value per member
+    with pytest.raises(ConfigError, match=r"member=11"):
+        jax_cb_ckpt.best_step(ckpt.directory, best="r", mode="max", member=11)
