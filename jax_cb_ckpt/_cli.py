@@ -29,6 +29,13 @@ from ._storage import Storage
 _FAILED = 1
 _UNUSABLE = 2
 _UNCHECKED = 3
+# One rule for every command (docs/cli.md has the same table; tests/test_cli.py checks).
+_EXIT_CODES = """exit codes (every command):
+  0  done; verify: every step's bytes match their checksums
+  1  verify: a step is corrupted, unreadable or damaged
+  2  the command could not run: no such directory, no checkpoints in it (a wrong
+     path, or one step's folder), no such step, bad arguments
+  3  verify: every step is readable, but some were written without checksums"""
 
 
 def _safe(text: object) -> str:
@@ -69,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jax-cb-ckpt",
         description="Look into jax_cb_ckpt checkpoint directories (read only).",
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, run, text, has_step in (
@@ -88,7 +97,13 @@ def _parser() -> argparse.ArgumentParser:
             True,
         ),
     ):
-        command = commands.add_parser(name, help=text, description=text)
+        command = commands.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=_EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         command.add_argument("directory", metavar="DIRECTORY")
         if has_step:
             command.add_argument("--step", type=int, default=None)
@@ -138,12 +153,11 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     rows = sorted(
         (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
     )
+    if not rows:  # a wrong path, by the exit codes' one rule (2)
+        raise NoCheckpointError(f"no checkpoints in {directory}{_step_folder_hint(storage)}")
     if args.json:
         retention = None if rules is None else rules.to_json()
         _print_json({"directory": directory, "retention": retention, "steps": rows})
-        return 0
-    if not rows:
-        _say(f"no checkpoints in {directory}")
         return 0
     names = sorted({name for meta in metas.values() for name in meta.metrics})
     columns = [(name, [_metric_text(metas, r["step"], name) for r in rows]) for name in names]
@@ -197,6 +211,16 @@ def _undeletable(storage: Storage) -> dict[str, str]:
     if not isinstance(record, dict):
         return {}
     return {str(k): str(v)[:300] for k, v in record.items() if isinstance(v, str)}
+
+
+def _step_folder_hint(storage: Storage) -> str:
+    """A hint when the directory given is one step's folder, not the directory of steps."""
+    if _format.is_step_name(os.path.basename(storage.path)) and storage.exists(
+        _format.ORBAX_STEP_FILE
+    ):
+        parent = os.path.dirname(storage.path)
+        return f"; it looks like one step's folder: pass the directory that holds it, {parent}"
+    return ""
 
 
 def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> Rules | None:
@@ -387,8 +411,11 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
         steps = [args.step]
     if not steps:
         raise NoCheckpointError(
-            f"no checkpoints in {directory} (nothing to verify: is it the run's own directory?)"
+            f"no checkpoints in {directory} (nothing to verify: is it the run's own "
+            f"directory?){_step_folder_hint(storage)}"
         )
+    if args.step is not None and args.step not in found:
+        raise NoCheckpointError(f"no step {args.step} in {directory}")
     results = []
     for step in steps:
         result: dict[str, Any] = {"step": step, "checksums": False}

@@ -150,7 +150,36 @@ def test_what_cannot_run_exits_2_saying_why(saved, tmp_path):
     assert usage.returncode == 2 and "invalid choice" in usage.stderr, usage
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli("ls", empty).stdout.startswith("no checkpoints in"), cli("ls", empty)
+    listed = cli("ls", empty)  # no checkpoints: 2, as the table says (was 0)
+    assert listed.returncode == 2 and "no checkpoints in" in listed.stderr, listed
+
+
+def test_exit_codes_follow_one_rule_and_help_says_it(saved, tmp_path):
+    """Issue 42 item 11: `ls` of an empty directory or of one step's folder printed "no
+    checkpoints" and exited 0 where the table says 2; `verify --step 7` of a missing
+    step exited 1 where `show --step 7` exits 2. One rule, in `--help` too, and the
+    same table in docs/cli.md."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    step_folder = saved / "1"
+    for args in (
+        ("ls", empty),
+        ("ls", "--json", empty),
+        ("ls", step_folder),
+        ("show", saved, "--step", 7),
+        ("verify", saved, "--step", 7),
+        ("verify", empty),
+    ):
+        run = cli(*args)
+        assert run.returncode == 2, (args, run.returncode, run.stdout, run.stderr)
+    assert "one step's folder: pass the directory that holds it" in cli("ls", step_folder).stderr
+    helped = cli("--help").stdout
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")) as f:
+        table = f.read()
+    for code in ("0", "1", "2", "3"):
+        assert f"\n  {code}  " in helped, helped
+        assert f"| {code} |" in table
+    assert "exit codes (every command)" in cli("verify", "--help").stdout
 
 
 def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
