@@ -908,3 +908,17 @@ def test_an_array_metric_per_member_under_vmap_is_refused_at_the_call(make_ckpt)
     ckpt.wait()  # without vmap: 1-D, one value per member
     with pytest.raises(ConfigError, match=r"member=11"):
         jax_cb_ckpt.best_step(ckpt.directory, best="r", mode="max", member=11)
+
+
+def test_a_tie_keeps_the_step_saved_first(make_ckpt):
+    """Issue 42 item 2: keep_best=1 by 'r', saves of steps 10 (r=5), 11 (r=1) and 3
+    (r=5): step 10 was deleted and step 3 kept (ranked by step number, not by the order
+    of saves). The docs: a new step enters a best set only when strictly better."""
+    ckpt = make_ckpt(keep_best=1, best="r")
+    ckpt.save({"w": jnp.zeros(2)}, 10, metrics={"r": 5.0})
+    ckpt.save({"w": jnp.zeros(2)}, 11, metrics={"r": 1.0})
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning):
+        ckpt.save({"w": jnp.zeros(2)}, 3, metrics={"r": 5.0})
+        ckpt.wait()
+    assert ckpt.all_steps() == [10, 11]  # 10: the best (first); 11: the newest
+    assert ckpt.best_step() == 10

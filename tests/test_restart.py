@@ -1,8 +1,9 @@
 """A restart always resumes (issue 41): from the newest intact step, in the shapes users
 write, from plain Orbax too. One kill-and-resume test per item, each a real child
 process SIGKILLed mid-run and started again (tests/restart_worker.py), its final state
-compared bit for bit with an uninterrupted run's; and the rules around them.
-Each test was seen failing on the code before the issue."""
+compared bit for bit with an uninterrupted run's (items 1 and 6 by default, the others
+with `-m slow`: each item also has quick tests in this process), and the rules around
+them. Each test was seen failing on the code before the issue."""
 
 import json
 import logging
@@ -86,6 +87,7 @@ def test_a_flipped_bit_in_the_newest_step_resumes_from_the_one_before(tmp_path, 
     assert ls.returncode == 0 and f"set aside by a restart as {aside}" in ls.stdout, ls.stdout
 
 
+@pytest.mark.slow
 def test_on_damaged_raise_stops_and_touches_nothing(tmp_path):
     d = tmp_path / "run"
     _killed("loop", d, 22)
@@ -181,6 +183,7 @@ def test_a_damaged_bucket_step_is_set_aside_whole(remote):
 # -- item 2: a loop whose counter restarts -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_counter_that_restarts_after_a_resume_is_named(tmp_path):
     """The README's first example with restore_or_init added: the resumed run's scan
     index starts at 0 again. It failed with "already holds step(s) ... resume from the
@@ -206,6 +209,7 @@ def test_the_restart_message_in_process(make_ckpt):
         ckpt.wait()
 
 
+@pytest.mark.slow
 def test_the_resumable_form_resumes_bit_for_bit(tmp_path, uninterrupted):
     """The form the README shows next to its first example (fori_loop from the step
     restore_or_init returns, saving i + 1): killed and run again, as if never killed."""
@@ -219,6 +223,7 @@ def test_the_resumable_form_resumes_bit_for_bit(tmp_path, uninterrupted):
 # -- item 3: plain Orbax checkpoints ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_plain_orbax_directory_is_resumed_from(tmp_path, uninterrupted):
     """A run that saved with Orbax's CheckpointManager until step 20, then switched: it
     restarted at 0 with no warning. Now it resumes from 20 (said, unverified), saves its
@@ -247,6 +252,7 @@ def _files(directory):
 # -- item 4: a weakly typed leaf of the initial state -------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["", "run"])
 def test_a_python_number_in_the_initial_state_resumes(tmp_path, uninterrupted, option):
     """gymnax's LogWrapper starts `episode_returns` as a Python 0: the loop carries it as
@@ -285,6 +291,7 @@ def test_a_weak_like_restores_as_stored_and_real_mismatches_are_refused(make_ckp
 # -- item 5: the final state of a loop of one's own ----------------------------------------
 
 
+@pytest.mark.slow
 def test_last_step_saves_the_final_state_of_a_loop_of_ones_own(tmp_path, uninterrupted):
     """Saves by the clock alone never saved the final state (the newest step was an
     older one, silently). With last_step=N the last step is saved, across a kill."""
@@ -305,6 +312,7 @@ def _digest(state):
     return restart_worker.digest(state)
 
 
+@pytest.mark.slow
 def test_close_says_when_the_loop_went_past_its_newest_checkpoint(tmp_path):
     code, line, err = _worker("clock", tmp_path / "run", option="unsaid")
     assert code == 0 and line["latest"] == 0, err
