@@ -44,7 +44,12 @@ _MAX_KEY_BYTES = 65535  # the format's own limit on keys and data file paths
 # A larger index is read by TensorStore, which looks keys up one by one (ours: ~1 MiB
 # and ~100 bytes of keys per 10,000 leaves).
 _MAX_TREE_BYTES = 64 << 20
-_MAX_KEY_TOTAL = 64 << 20
+# What a walk may build, checked before anything of it is built: the bytes of every key
+# it expands (a node's prefix-compressed keys included), and the entries of every node
+# (each a few Python objects, ~250 bytes with its value: 2**17 entries are ~32 MiB,
+# the keys of ~60,000 leaves). A larger index is TensorStore's to read.
+_MAX_KEY_TOTAL = 16 << 20
+_MAX_ENTRIES = 1 << 17
 _MAX_PREAD = 1 << 30
 
 
@@ -99,6 +104,7 @@ class Database:
         self._seen: dict[tuple[str, int, int], int] = {}  # node -> its height
         self._tree_left, self._keys_left = latest.tree_bytes, latest.keys
         self._key_bytes_left = _MAX_KEY_TOTAL
+        self._entries_left = _MAX_ENTRIES
         path, base = latest.root
         self._node(path, base, latest.offset, latest.length, latest.height, b"", b"", None)
         if len(self.values) != latest.keys:  # (statistics TensorStore does not check)
@@ -159,13 +165,25 @@ class Database:
         count = reader.count(1, "entries")
         if count == 0:
             raise Damaged(f"{where} is empty")
+        self._entries_left -= count  # (before the lists of its fields are made)
+        if self._entries_left < 0:
+            raise Unsupported(f"an index of more than {_MAX_ENTRIES} entries")
         prefix_lengths = [0] + [reader.varint() for _ in range(count - 1)]
         suffix_lengths = [reader.varint() for _ in range(count)]
         common = [reader.varint() for _ in range(count)] if height > 0 else []
         keys: list[bytes] = []
         for i in range(count):
+            # Each key's length, and the walk's running total, checked before it is built
+            # (a key shares up to all of the one before it: 4,500 keys of a 65,000-byte
+            # prefix in a 216 KiB node would expand to ~280 MiB).
             if i and prefix_lengths[i] > len(keys[-1]):
                 raise Damaged(f"{where} has a key prefix longer than the key before it")
+            size = prefix_lengths[i] + suffix_lengths[i]
+            if len(prefix) + size > _MAX_KEY_BYTES:
+                raise Damaged(f"{where} has a key longer than {_MAX_KEY_BYTES} bytes")
+            self._key_bytes_left -= len(prefix) + size
+            if self._key_bytes_left < 0:
+                raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
             key = (keys[-1][: prefix_lengths[i]] if i else b"") + reader.take(suffix_lengths[i])
             if keys and key <= keys[-1]:
                 raise Damaged(f"{where} has keys out of order")
@@ -174,8 +192,6 @@ class Database:
             raise Damaged(f"{where} begins below the key its parent gives")
         if upper is not None and prefix + keys[-1] >= upper:
             raise Damaged(f"{where} ends above the key its parent gives")
-        if len(prefix) + max(map(len, keys)) > _MAX_KEY_BYTES:
-            raise Damaged(f"{where} has a key longer than {_MAX_KEY_BYTES} bytes")
         if height == 0:
             self._leaf(reader, keys, files, prefix, where)
         else:
@@ -229,12 +245,9 @@ class Database:
     def _add(self, key: bytes, value: Value, where: str) -> None:
         if key in self.values:
             raise Damaged(f"{where} repeats key {key!r}")
-        self._keys_left -= 1
-        self._key_bytes_left -= len(key)
+        self._keys_left -= 1  # (the key's bytes were counted as its node's key was built)
         if self._keys_left < 0:  # the walk's bound: past it, TensorStore decides
             raise Unsupported(f"{where} holds more keys than its manifest counts")
-        if self._key_bytes_left < 0:
-            raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
         self.values[key] = value
 
     # -- files --------------------------------------------------------------------------

@@ -834,8 +834,8 @@ class Bucket(_Steps):
         total, root, root_end = _ocdbt.indexed_bytes(
             manifest, f"the manifest '{state}/{_MANIFEST}'"
         )
-        if total > HELD_BYTES:
-            raise _ocdbt.Unsupported(f"a step of {total} bytes")
+        if total > HELD_BYTES or root_end > HELD_BYTES:  # (claims: bounded before a read)
+            raise _ocdbt.Unsupported(f"a step of {max(total, root_end)} bytes")
         if f"{STATE_ITEM}/{root}" not in keys:
             raise _ocdbt.Unsupported("a step whose objects are not what its manifest says")
         try:

@@ -497,6 +497,12 @@ def test_a_bfloat16_step_verifies_from_the_command_line(tmp_path):
 
 
 def _manifest(root, versions, *, arity_log2=4, files=("d/x",), nodes=b"\0"):
+    """A manifest of `versions` written in the database folder `root` (`_manifest_bytes`)."""
+    (root / "manifest.ocdbt").write_bytes(_manifest_bytes(versions, arity_log2, files, nodes))
+    return root
+
+
+def _manifest_bytes(versions, arity_log2=4, files=("d/x",), nodes=b"\0"):
     """A manifest of `versions`: (generation, commit time, (height, offset, length,
     keys, tree bytes) or None for an empty version), the version tree node references
     `nodes` after them (encoded; default none)."""
@@ -512,8 +518,7 @@ def _manifest(root, versions, *, arity_log2=4, files=("d/x",), nodes=b"\0"):
         body += b"".join(_varint(0 if v[2] is None else v[2][field]) for v in versions)
     body += b"".join(_varint(0) for _ in versions)  # out-of-line value bytes
     body += b"".join(struct.pack("<Q", v[1]) for v in versions)
-    (root / "manifest.ocdbt").write_bytes(_wrap(0x0CDB3A2A, body + nodes))
-    return root
+    return _wrap(0x0CDB3A2A, body + nodes)
 
 
 def _outcomes(root):
@@ -630,3 +635,81 @@ def test_verify_and_restore_agree_on_a_step_whose_manifest_breaks_tensorstore_s_
         jax_cb_ckpt.restore(d, state, step=1)
     with pytest.raises(jax_cb_ckpt.DamagedStepError):
         jax_cb_ckpt.verify(d, step=1)
+
+
+# -- bounded before it allocates (issue 43 items 1-3) -------------------------------------
+
+_PEAK = """
+import resource, sys
+sys.path.insert(0, sys.argv[2])
+from jax_cb_ckpt import _ocdbt
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    _ocdbt.Database(sys.argv[1])
+    outcome = "read"
+except (_ocdbt.Unsupported, _ocdbt.Damaged) as e:
+    outcome = type(e).__name__
+print(outcome, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def _shared_leaf(first, suffixes, shared):
+    """A leaf node whose keys after `first` share its first `shared` bytes, each with
+    one of `suffixes`, every value one inline byte."""
+    count = 1 + len(suffixes)
+    body = bytes([0]) + _files(["d/x"]) + _varint(count)
+    body += b"".join(_varint(shared) for _ in suffixes)
+    body += _varint(len(first)) + b"".join(_varint(len(s)) for s in suffixes)
+    body += first + b"".join(suffixes)
+    body += _varint(1) * count + bytes(count) + b"v" * count
+    return _wrap(0x0CDB20DE, body)
+
+
+@pytest.mark.parametrize("case", ["long shared prefixes", "millions of short keys"])
+def test_a_crafted_index_is_refused_within_64_mib_before_it_is_built(tmp_path, case):
+    """A 216 KiB leaf of 4,500 keys sharing a 65,000-byte prefix expanded them all
+    before any bound (+279 MiB); a 10 MiB node of 1.6 M three-byte keys became 1.6 M
+    Python objects (+256 MiB, 3.5 s). Each key's length and the running total, and a
+    node's entries, are now checked before they are built: refused (TensorStore's to
+    read) within 64 MiB of the process's peak, measured in a child process."""
+    if case == "long shared prefixes":
+        first = b"p" * 65_000 + bytes(4)
+        suffixes = [i.to_bytes(4, "big") for i in range(1, 4_500)]
+        node = _shared_leaf(first, suffixes, 65_000)
+        keys = 4_500
+    else:
+        first = b"\0\0\0"
+        suffixes = [i.to_bytes(3, "big") for i in range(1, 1_600_000)]
+        node = _shared_leaf(first, suffixes, 0)
+        keys = 1_600_000
+    root = _database(tmp_path / "db", node, keys=keys)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
+    result = run_child(["python", "-c", _PEAK, root, package], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcome, grown_kib = result.stdout.split()
+    assert outcome == "Unsupported", result.stdout
+    assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
+
+
+def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote, monkeypatch):
+    """Bucket.index read bytes [0, root_end) of an object, root_end from the manifest and
+    never compared with what a small step may hold: a manifest claiming its root at 1
+    TiB into its data object made it fetch that prefix. Such a claim is not read at
+    once (it is TensorStore's to read, range by range), and nothing is fetched on it."""
+    from jax_cb_ckpt import _remote, _storage
+
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save({"w": np.ones(4, np.float32)}, 1)
+    url = f"{remote.url}/1/state/manifest.ocdbt"
+    manifest, _ = _remote.read(url)
+    latest = _ocdbt._latest(manifest, url)
+    root = (latest.height, 1 << 40, latest.length, latest.keys, latest.tree_bytes)
+    crafted = _manifest_bytes([(1, 1, root)], files=(latest.root[0],))
+    _remote.write(url, crafted)
+    fetched = []
+    monkeypatch.setattr(_remote, "read_ranges", lambda ranges: fetched.append(ranges) or [])
+    storage = _storage.at(remote.url)
+    storage.open_step(1)
+    with pytest.raises(_ocdbt.Unsupported, match=r"a step of \d+ bytes"):
+        storage.index(1)
+    assert fetched == []
