@@ -54,13 +54,16 @@ _MAX_PREAD = 1 << 30
 
 
 class Unsupported(Exception):
-    """A database this reader does not read (compressed nodes, a numbered manifest);
-    read it with TensorStore."""
+    """A database this reader does not read: compressed nodes, a numbered manifest, a
+    field or format version it does not know (a newer TensorStore's), an index larger
+    than it builds, or one that breaks a rule TensorStore holds it to. Read it with
+    TensorStore, the authority, which says what (if anything) is wrong with it."""
 
 
 class Damaged(ValueError):
-    """A database's index is not what its format says: a file was cut, changed or
-    replaced by another."""
+    """A database's index is provably not what was written: a CRC-32C that does not
+    match, a file cut, missing or not a regular file, a length or count its bytes
+    cannot hold, a path outside the database's folder, keys out of order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +231,7 @@ class Database:
         lengths = [reader.varint() for _ in range(count)]
         kinds = [reader.byte() for _ in range(count)]
         if any(k > 1 for k in kinds):
-            raise Damaged(f"{where} has a value of an unknown kind")
+            raise Unsupported(f"{where} has a value of a kind this reader does not know")
         indirect = [i for i in range(count) if kinds[i] == 1]
         ids = [reader.varint() for _ in indirect]
         offsets = [reader.varint() for _ in indirect]
@@ -522,12 +525,12 @@ def _unwrap(encoded: bytes, magic: int, where: str) -> bytes:
         raise Damaged(f"{where} does not match its CRC-32C")
     reader = _Reader(encoded[12:-4], where)
     if reader.varint() != 0:
-        raise Damaged(f"{where} is of an unknown format version")
+        raise Unsupported(f"{where} is of a format version this reader does not know")
     compression = reader.varint()
     if compression == 1:
         raise Unsupported(f"{where} is compressed (zstd)")
     if compression != 0:
-        raise Damaged(f"{where} has an unknown compression format {compression}")
+        raise Unsupported(f"{where} has a compression format this reader does not know")
     return reader.rest()
 
 
@@ -596,7 +599,11 @@ class _Reader:
 
     def end(self) -> None:
         if self.pos != len(self.data):
-            raise Damaged(f"{self.where} has {len(self.data) - self.pos} bytes after its fields")
+            # A field a newer TensorStore writes after the ones read here (its CRC holds):
+            # not damage, and TensorStore's to read.
+            raise Unsupported(
+                f"{self.where} has {len(self.data) - self.pos} bytes after its fields"
+            )
 
 
 def _crc32c_table() -> list[int]:

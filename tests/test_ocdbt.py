@@ -713,3 +713,29 @@ def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote
     with pytest.raises(_ocdbt.Unsupported, match=r"a step of \d+ bytes"):
         storage.index(1)
     assert fetched == []
+
+
+@pytest.mark.parametrize("variant", ["a field after the node's", "a newer format version"])
+def test_a_crc_valid_variant_the_reader_does_not_know_goes_to_tensorstore(tmp_path, variant):
+    """Issue 43 item 4: a node whose CRC-32C holds but whose body is not what this reader
+    parses (a field a newer TensorStore adds after the known ones, a newer format
+    version) was 'damaged', and a restore of a valid step failed with "a file was
+    changed". It is TensorStore's to read (`Unsupported`); only a failed checksum (and
+    what bytes cannot hold) is damage."""
+    if variant == "a field after the node's":
+        node = _leaf([b"a"], [b"1"])
+        node = _wrap(0x0CDB20DE, node[14:-4] + b"\x05newfield")
+    else:
+        node = _leaf([b"a"], [b"1"])
+        head = struct.pack(">I", 0x0CDB20DE)
+        body = node[14:-4]
+        encoded = head + struct.pack("<Q", 4 + 8 + 2 + len(body) + 4) + b"\x01\0" + body
+        node = encoded + struct.pack("<I", _ocdbt.crc32c(encoded))
+    root = _database(tmp_path, node)
+    with pytest.raises(_ocdbt.Unsupported):
+        _ocdbt.Database(str(root))
+    flipped = bytearray(node)
+    flipped[20] ^= 1  # one bit of its body: the CRC-32C no longer holds
+    _database(tmp_path, bytes(flipped))
+    with pytest.raises(_ocdbt.Damaged, match="does not match its CRC-32C"):
+        _ocdbt.Database(str(root))
