@@ -115,3 +115,12 @@ class ForeignStepWarning(CheckpointWarning):
     """In object storage, an uncommitted step prefix holding a whole step that this
     library did not provably begin (a step copied there without its commit marker) was
     found when a Checkpointer opened the location; it was left untouched."""
+
+
+# Tracebacks and reprs name the classes where users import them from
+# (`jax_cb_ckpt.StepExistsError`, not `jax_cb_ckpt._errors.StepExistsError`), as JAX and
+# Equinox name theirs; `tests/test_public_api.py` checks every public class.
+for _public in list(globals().values()):
+    if isinstance(_public, type) and issubclass(_public, CheckpointError | CheckpointWarning):
+        _public.__module__ = "jax_cb_ckpt"
+del _public

@@ -50,6 +50,9 @@ class Preempted(SystemExit):
         return self.message
 
 
+Preempted.__module__ = "jax_cb_ckpt"  # (where users import it from: `_errors`)
+
+
 class StopFlag:
     """Thread-safe record of a stop request (and which signal asked)."""
 

@@ -56,3 +56,18 @@ def test_errors_have_useful_bases():
     assert issubclass(jax_cb_ckpt.NoCheckpointError, FileNotFoundError)
     for name in ["SaveError", "RestoreError", "InvalidStateError", "ConfigError"]:
         assert issubclass(getattr(jax_cb_ckpt, name), jax_cb_ckpt.CheckpointError)
+
+
+def test_exceptions_and_warnings_are_named_where_users_import_them():
+    """Issue 44 item 3: tracebacks printed `jax_cb_ckpt._errors.StepExistsError`."""
+    import traceback
+
+    for name in PUBLIC:
+        value = getattr(jax_cb_ckpt, name)
+        if isinstance(value, type) and issubclass(value, BaseException | Warning):
+            assert value.__module__ == "jax_cb_ckpt", name
+    try:
+        raise jax_cb_ckpt.StepExistsError("saving step 3: ...")
+    except jax_cb_ckpt.StepExistsError as e:
+        shown = "".join(traceback.format_exception(e))
+    assert shown.rstrip().endswith("jax_cb_ckpt.StepExistsError: saving step 3: ...")
