@@ -158,6 +158,7 @@ class Checkpointer:
     See [usage.md](usage.md#what-is-kept).
     """
 
+    @_options.orbax_names
     def __init__(
         self,
         directory: str | os.PathLike[str],

@@ -8,9 +8,12 @@ changes it afterwards.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import typing
+from collections.abc import Callable
 
 import jax
 
@@ -235,3 +238,55 @@ def check_on_damaged(on_damaged: object, where: str) -> None:
             "checks, naming each newer step passed over (DamagedStepWarning); 'raise' "
             "stops at a damaged newest step (DamagedStepError)."
         )
+
+
+# Orbax's `CheckpointManagerOptions` names, answered with ours (docs/usage.md's table):
+# a user coming from Orbax guesses them, and Python's own answer is a bare TypeError.
+ORBAX_NAMES = {
+    "save_interval_steps": "every=N (maybe_save's default predicate: step % N == 0)",
+    "save_on_steps": "when= on maybe_save (a bool), or last_step= for the loop's last step",
+    "should_save_fn": "when= on maybe_save (any bool, traced or not)",
+    "save_decision_policy": "every=N and/or every_seconds=T",
+    "keep_period": "keep_every=K (every step that is a multiple of K, kept forever)",
+    "keep_time_interval": "keep_every_seconds=T",
+    "preservation_policy": "max_to_keep=, keep_every=, keep_every_seconds=, keep_best= (a union)",
+    "best_fn": (
+        "best='<metric name>', with metrics={name: value} passed to each save (Orbax's "
+        "best_fn computes the value from the metrics; here the metric is named)"
+    ),
+    "best_mode": "mode='max' or mode='min'",
+    "keep_checkpoints_without_metrics": (
+        "nothing: a step without the metric never counts as best, and max_to_keep or "
+        "keep_every keep it as they keep any step"
+    ),
+    "enable_async_checkpointing": "nothing: saves are always written in the background",
+    "async_options": "queue_size= and on_full=",
+    "create": "nothing: the directory is always created",
+    "cleanup_tmp_directories": (
+        "nothing: what a killed writer left is removed when a Checkpointer opens the directory"
+    ),
+    "step_prefix": "nothing: steps are folders named by the step in plain decimal",
+    "step_format_fixed_length": "nothing: steps are folders named by the step in plain decimal",
+    "multiprocessing_options": (
+        "peer_timeout= (every process makes a Checkpointer: docs/multiprocess.md)"
+    ),
+}
+
+
+def orbax_names(init: Callable[..., None]) -> Callable[..., None]:
+    """`Checkpointer.__init__`, with a keyword of Orbax's options answered by ours (a
+    `ConfigError` naming both) instead of Python's bare "unexpected keyword argument"."""
+    known = set(inspect.signature(init).parameters)
+
+    @functools.wraps(init)
+    def checked_init(self: object, *args: object, **kwargs: object) -> None:
+        for name in kwargs:
+            if name not in known and name in ORBAX_NAMES:
+                raise ConfigError(
+                    f"Checkpointer({name}=...): {name} is Orbax's CheckpointManagerOptions "
+                    f"name; here it is {ORBAX_NAMES[name]}. See docs/usage.md (each "
+                    "option's Orbax name)."
+                )
+        init(self, *args, **kwargs)
+
+    return checked_init

@@ -3,6 +3,7 @@ failures reach the user's thread with the step, the directory and the cause."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -495,3 +496,22 @@ def test_a_damaged_database_says_what_which_file_and_what_to_do(make_ckpt, ckpt_
         assert outcome in text and "Fix: restore another step" in text, text
         assert "tensorstore_spec" not in text and "{" not in text, text
     assert "Nothing was returned" not in str(verifying.value)
+
+
+@pytest.mark.parametrize(
+    "orbax, ours",
+    [
+        ("keep_period", "keep_every=K"),
+        ("best_mode", "mode='max'"),
+        ("save_interval_steps", "every=N"),
+        ("best_fn", "best='<metric name>'"),
+        ("keep_time_interval", "keep_every_seconds=T"),
+        ("enable_async_checkpointing", "always written in the background"),
+    ],
+)
+def test_orbax_option_names_are_answered_with_ours(ckpt_dir, orbax, ours):
+    """Issue 44 item 4: Orbax's option names got a bare `TypeError: unexpected keyword`."""
+    with pytest.raises(ConfigError, match=rf"{orbax} is Orbax's .* here it is .*{re.escape(ours)}"):
+        jax_cb_ckpt.Checkpointer(ckpt_dir, **{orbax: 3})
+    with pytest.raises(TypeError, match="unexpected keyword"):  # any other name: Python's
+        jax_cb_ckpt.Checkpointer(ckpt_dir, no_such_option=3)
