@@ -3,6 +3,7 @@ mismatch errors that name the leaf."""
 
 import dataclasses
 import logging
+import os
 import re
 import threading
 import time
@@ -358,3 +359,19 @@ def test_failed_restores_print_nothing(tmp_path):
     assert result.stdout.startswith("DamagedStepError: restore(step=1) from "), result.stdout
     assert "Event loop is closed" not in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_orbax_v1_loads_a_step(make_ckpt, ckpt_dir):
+    """Issue 44 item 7: Orbax's next API (`experimental.v1.load`) reads our steps: the
+    state item's arrays, typed keys as their key data."""
+    import orbax.checkpoint.experimental.v1 as ocp_v1
+
+    key = jax.random.key(7)
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "k": key, "n": np.int32(4)}
+    ckpt = make_ckpt()
+    ckpt.save(state, 3)
+    ckpt.close()
+    loaded = ocp_v1.load(os.path.join(ckpt_dir, "3"))
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), state["w"])
+    np.testing.assert_array_equal(np.asarray(loaded["k"]), np.asarray(jax.random.key_data(key)))
+    assert int(np.asarray(loaded["n"])) == 4
