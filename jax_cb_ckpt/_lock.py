@@ -110,8 +110,10 @@ class DirectoryLock:
                 f"Checkpointer({directory!r}): another live writer holds this directory "
                 f"({holder}); two writers on one directory would race on steps and "
                 "retention. Fix: stop the other run, or point this run at another "
-                "directory. (The lock is released automatically when its holder exits or "
-                "is killed.)"
+                "directory; in a multi-process run, call jax.distributed.initialize(...) "
+                "in every process before creating its Checkpointer (each process then "
+                "writes its own part). (The lock is released automatically when its "
+                "holder exits or is killed.)"
             ) from e
         self.identity = st.st_ino
         since = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -139,7 +139,13 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
         what = "cannot be restored into: `like` must have the structure of the saved state"
     else:
         what = "cannot be saved: only arrays (jax or numpy) and Python numbers can be leaves"
-    if callable(leaf):
+    if any(c.__module__.startswith("flax.nnx") for c in type(leaf).__mro__):
+        fix = (
+            "Fix: this Flax NNX module is not a pytree (declared pytree=False, or an "
+            "older flax): save `nnx.state(model)` and rebuild with "
+            "`nnx.merge(graphdef, restored)` (docs/frameworks.md)."
+        )
+    elif callable(leaf):
         fix = (
             "Fix: a model object that holds functions next to its arrays (an "
             "equinox Module) must be split first: save `eqx.filter(model, "

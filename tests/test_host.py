@@ -36,7 +36,9 @@ def expected_x():
 
 @pytest.mark.parametrize("owned", [True, False], ids=["keep-jax-copies", "staging-copy"])
 def test_snapshots_are_exact(make_ckpt, monkeypatch, owned):
-    ckpt = make_ckpt(queue_size=2)  # small queue: staging buffers are reused many times
+    # The callback crossing (the one that reads _OWNED: the buffer crossing always copies
+    # into staging); a small queue: staging buffers are reused many times.
+    ckpt = make_ckpt(queue_size=2, crossing="callback")
     if owned and not _host.probe_callback_arrays():
         pytest.skip("this JAX aliases callback arguments; only the staging path applies")
     monkeypatch.setattr(_host, "_OWNED", owned)
