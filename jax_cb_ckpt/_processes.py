@@ -205,7 +205,11 @@ class Group:
         try:
             for i in range(1, self.count):
                 found = self._get(
-                    f"{key}/sees/{i}", f"process {i} to check the directory", None, ""
+                    f"{key}/sees/{i}",
+                    f"process {i} to check the directory",
+                    None,
+                    "Every process must create its Checkpointer on the same directory "
+                    "path, in the same order.",
                 )
                 if found != OK:
                     blind.append(f"process {i} {found}")

@@ -267,9 +267,7 @@ def test_sigquit_quits_at_once_without_saving(tmp_path):
 # -- transforms.md --------------------------------------------------------------------------
 
 
-def test_a_step_handed_over_again_by_one_crossing_is_dropped_counted_and_said(
-    make_ckpt, ckpt_dir
-):
+def test_a_step_handed_over_again_by_one_crossing_is_dropped_counted_and_said(make_ckpt, ckpt_dir):
     """What a remat recomputation would do (JAX 0.10 does not recompute the crossing:
     tests/test_transforms.py), with either crossing: the same crossing hands the same
     step over again; the first save is kept, the repeat dropped, counted, and said."""
@@ -493,3 +491,61 @@ def test_a_second_process_without_jax_distributed_is_told_to_initialize_it(tmp_p
             jax_cb_ckpt.Checkpointer(tmp_path / "ckpt")
     finally:
         kill_group(holder)
+
+
+# -- README.md, handoff.md: a GPU, and what the hand-off never calls -----------------------
+
+_ON_GPU = """
+import sys, jax, jax.numpy as jnp, numpy as np, jax_cb_ckpt
+from jax_cb_ckpt import _traced
+if not any(d.platform == "gpu" for d in jax.devices()):
+    print("no gpu"); sys.exit(0)
+assert _traced.buffer_by_default(), "auto is not the buffer crossing on this GPU"
+n = 16 << 20  # 64 MiB of float32
+with jax_cb_ckpt.Checkpointer(sys.argv[1], every=2) as ckpt:
+    def body(x, i):
+        x = x * 0.5 + i.astype(jnp.float32)
+        ckpt.maybe_save(x, i + 1)
+        return x, None
+    train = jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(6))[0])
+    train(jnp.arange(n, dtype=jnp.float32))
+x = np.arange(n, dtype=np.float32)
+for i in range(6):
+    x = x * np.float32(0.5) + np.float32(i)
+    if (i + 1) % 2 == 0:
+        got = jax_cb_ckpt.restore(sys.argv[1], np.zeros(n, np.float32), step=i + 1)
+        assert got.tobytes() == x.tobytes(), i + 1
+print("exact")
+"""
+
+
+def test_on_a_cuda_gpu_the_auto_crossing_saves_bit_for_bit(tmp_path):
+    """On a CUDA GPU, crossing='auto' is the buffer crossing (copies into pinned memory
+    on XLA's stream, the writer waiting for them) and every saved step restores bit for
+    bit. Run in a child with the GPU backend; skipped where there is none (CPU CI)."""
+    script = tmp_path / "on_gpu.py"
+    script.write_text(_ON_GPU)
+    # (the tests' children run on the CPU backend: this one takes JAX's default)
+    result = run_child(["python", script, tmp_path / "ckpt"], env={"JAX_PLATFORMS": ""})
+    if "no gpu" in result.stdout or "Unable to initialize backend" in result.stderr:
+        pytest.skip("no CUDA GPU here")
+    assert result.returncode == 0 and "exact" in result.stdout, result.stderr[-3000:]
+
+
+_NO_ORBAX = """
+import sys, jax, jax.numpy as jnp, jax_cb_ckpt
+with jax_cb_ckpt.Checkpointer(sys.argv[1], every=2) as ckpt:
+    jax.jit(lambda s: jax.lax.fori_loop(
+        0, 6, lambda i, s: (ckpt.maybe_save(s, i + 1), s + 1.0)[1], s))(jnp.zeros(3))
+    ckpt.save(jnp.ones(3), 10)
+    ckpt.restore(jnp.zeros(3))
+print(sorted(m for m in sys.modules if m.split(".")[0] == "orbax"))
+"""
+
+
+def test_saving_and_restoring_never_call_orbax(tmp_path):
+    """The hand-off never calls Orbax (nor does the writer, nor restore of the
+    library's own steps): a run that saves and restores never even imports it."""
+    result = run_script(tmp_path, _NO_ORBAX, tmp_path / "ckpt")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

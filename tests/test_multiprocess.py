@@ -41,10 +41,20 @@ class Group(ProcessGroup):
     """The processes of one run of tests/multiprocess_worker.py in `mode`."""
 
     def __init__(
-        self, tmp_path, mode, directory, nproc=2, devices=4, victim=1, prefix=None, env=None
+        self,
+        tmp_path,
+        mode,
+        directory,
+        nproc=2,
+        devices=4,
+        victim=1,
+        prefix=None,
+        env=None,
+        directories=None,
     ):
         """`prefix`: {process id: argv to run that process's command under}; `env`:
-        variables added to the processes' environment."""
+        variables added to the processes' environment; `directories`: {process id: the
+        directory that process is given instead of `directory`}."""
         port = free_port()
         env = dict(
             env or {},
@@ -56,7 +66,7 @@ class Group(ProcessGroup):
             [
                 *(prefix or {}).get(pid, []),
                 *[sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port)],
-                str(directory),
+                str((directories or {}).get(pid, directory)),
             ]
             for pid in range(nproc)
         ]
@@ -342,3 +352,21 @@ def test_a_directory_that_is_not_shared_is_refused_at_opening(tmp_path):
     # Nothing listed, and the check file is gone (process 0 removes it).
     assert jax_cb_ckpt.all_steps(directory) == []
     assert [n for n in os.listdir(directory) if "nonce" in n] == []
+
+
+@pytest.mark.slow
+def test_a_process_given_another_path_is_refused_at_opening(tmp_path):
+    """docs/multiprocess.md: the same directory path in every process. Process 1 given
+    another path (a typo in its launch line) waits for process 0 to open it, and
+    process 0 for process 1 to check its directory: both fail within peer_timeout,
+    saying what every process must do; nothing is listed."""
+    directory = tmp_path / "ckpt"
+    other = tmp_path / "ckpt-typo"
+    results = run_group(tmp_path, "unshared", directory, directories={1: other})
+    for pid, (rc, found) in enumerate(results):
+        assert rc == 0 and found is not None, results
+        opening = found["opening"]
+        waited = "process 1 to check" if pid == 0 else "process 0 to open"
+        assert opening.startswith(f"SaveError: process {pid} waited for {waited}"), found
+        assert "on the same directory path, in the same order" in opening, found
+    assert jax_cb_ckpt.all_steps(directory) == [] and jax_cb_ckpt.all_steps(other) == []

@@ -27,6 +27,7 @@ from helpers import (
     run_child,
     start_process,
     start_script,
+    state_at,
     toy_reference,
     toy_state,
     toy_update,
@@ -1086,3 +1087,32 @@ def test_the_page_s_local_server_steps_run_as_written(tmp_path, scheme, port):
         kill_group(child)
     assert child.returncode == 0, err.read_text()[-3000:]
     assert "recipe ok" in out.read_text(), out.read_text()
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_a_step_out_of_reach_at_a_restart_is_raised_scrubbed_and_nothing_moves(
+    remote, tmp_path, monkeypatch
+):
+    """A restart whose newest step cannot be read (the server refuses its objects, a
+    403 that echoes the credentials) raises, saying so, and does not go back to an
+    older step nor set anything aside: only damage is passed over (docs/resume.md). The
+    read side's errors are scrubbed as the write side's are (docs/storage.md)."""
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state_at(step), step)
+    keys = sorted(_remote.list_keys(remote.url))
+    proxy, log, env = _denying(remote, tmp_path, monkeypatch, "/3/state/")
+    try:
+        with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+            with pytest.raises(jax_cb_ckpt.CheckpointError) as raised:
+                ckpt.restore_or_init(lambda: state_at(0))
+        with pytest.raises(jax_cb_ckpt.CheckpointError) as read:
+            jax_cb_ckpt.verify(remote.url, step=3)
+        left = sorted(_remote.list_keys(remote.url))  # (listings are not refused)
+    finally:
+        proxy.kill()
+    for error in (raised.value, read.value):
+        text = _full_text(error)
+        assert "403" in text and not isinstance(error, jax_cb_ckpt.DamagedStepError), text
+        assert not [s for s in _secrets(log, env) if s in text], text
+    assert [k for k in left if "lock" not in k] == [k for k in keys if "lock" not in k]

@@ -114,6 +114,17 @@ def run_case(case, ckpt):
         clean = jax.grad(float_loss(make_train(None)))(toy_state()["x"])
         assert np.asarray(g).tobytes() == np.asarray(clean).tobytes()  # gradient unchanged
         return "single", None
+    if case in ("value_and_grad", "linearize"):
+        x = toy_state()["x"]
+        loss, clean = float_loss(make_train(ckpt)), float_loss(make_train(None))
+        if case == "value_and_grad":
+            got, want = jax.jit(jax.value_and_grad(loss))(x), jax.value_and_grad(clean)(x)
+        else:
+            (y, f), (y0, f0) = jax.linearize(loss, x), jax.linearize(clean, x)
+            got, want = (y, f(jnp.ones_like(x))), (y0, f0(jnp.ones_like(x)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # unchanged
+        return "single", None
     if case in ("jvp", "vjp"):
         x = toy_state()["x"]
         loss = float_loss(make_train(ckpt))
@@ -170,6 +181,8 @@ CASES = [
     "unroll",
     "donation",
     "grad",
+    "value_and_grad",
+    "linearize",
     "jvp",
     "vjp",
     "remat",
