@@ -13,7 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE = os.path.join(ROOT, "docs", "promises.md")
 _ROW = re.compile(r"^\|\s*(P-[a-z]+-\d+)\s*\|(.*)\|(.*)\|(.*)\|\s*$")
-_LINK = re.compile(r"^\[[^\]]*\]\(([^)#]+)(?:#([^)]*))?\)$")
+# A page of the site as a link; the README (not a page of the site) as `README.md#anchor`.
+_LINK = re.compile(r"^\[[^\]]*\]\(([^)#]+)(?:#([^)]*))?\)$|^`(README\.md)(?:#([^`]*))?`$")
 _TEST = re.compile(r"`(tests/[\w/]+\.py)::([\w:]+)`")
 
 
@@ -65,15 +66,17 @@ def test_the_table_has_rows_with_unique_ids():
     assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
 
 
-def test_every_promise_points_at_a_heading_that_exists():
+def _missing_headings(rows):
     anchors = {}
     bad = []
-    for pid, _promise, where, _tests in _rows():
+    for pid, _promise, where, _tests in rows:
         match = _LINK.match(where.strip())
         if match is None:
             bad.append((pid, where, "not a link"))
             continue
-        page, anchor = match.groups()
+        page, anchor, readme, readme_anchor = match.groups()
+        if readme:
+            page, anchor = os.path.join("..", readme), readme_anchor
         path = os.path.normpath(os.path.join(ROOT, "docs", page))
         if not os.path.isfile(path):
             bad.append((pid, page, "no such page"))
@@ -82,13 +85,13 @@ def test_every_promise_points_at_a_heading_that_exists():
             known = anchors.setdefault(path, _anchors(path))
             if anchor not in known:
                 bad.append((pid, f"{page}#{anchor}", "no such heading"))
-    assert not bad, bad
+    return bad
 
 
-def test_every_promise_names_tests_that_exist():
+def _missing_tests(rows):
     functions = {}
     bad = []
-    for pid, _promise, _where, tests in _rows():
+    for pid, _promise, _where, tests in rows:
         found = _TEST.findall(tests)
         if not found:
             bad.append((pid, "names no test"))
@@ -101,7 +104,33 @@ def test_every_promise_names_tests_that_exist():
                 bad.append((pid, f"{path}::{name}", "no such test"))
             elif not name.split("::")[-1].startswith("test"):
                 bad.append((pid, f"{path}::{name}", "not a test"))
+    return bad
+
+
+def test_every_promise_points_at_a_heading_that_exists():
+    bad = _missing_headings(_rows())
     assert not bad, bad
+
+
+def test_every_promise_names_tests_that_exist():
+    bad = _missing_tests(_rows())
+    assert not bad, bad
+
+
+def test_the_checks_find_a_row_that_is_not_true():
+    """(The checks themselves can fail.)"""
+    rows = [
+        (
+            "P-x-1",
+            "a promise",
+            "[usage.md](usage.md#no-such-heading)",
+            "`tests/test_restart.py::test_gone`",
+        ),
+        ("P-x-2", "a promise", "`README.md#no-such-heading`", "MISSING"),
+        ("P-x-3", "a promise", "[nowhere.md](nowhere.md)", "`tests/test_nowhere.py::test_a`"),
+    ]
+    assert [b[0] for b in _missing_headings(rows)] == ["P-x-1", "P-x-2", "P-x-3"]
+    assert [b[0] for b in _missing_tests(rows)] == ["P-x-1", "P-x-2", "P-x-3"]
 
 
 @pytest.mark.parametrize(
