@@ -148,6 +148,7 @@ with jax_cb_ckpt.Checkpointer(sys.argv[1], max_to_keep=5) as ckpt:
 """
 
 
+@pytest.mark.slow
 def test_a_step_is_synced_before_it_is_renamed_and_the_directory_after(tmp_path):
     """When wait() returns the step survives a crash: its files reached the disk (a
     syncfs of their file system, or an fsync of each) before the rename that lists it,
@@ -216,6 +217,7 @@ print("exiting", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_write_that_fails_at_exit_is_reported_as_a_warning(tmp_path):
     result = run_script(tmp_path, _UNCLOSED_FAILING, tmp_path / "ckpt")
     assert result.returncode == 0 and "exiting" in result.stdout, result.stderr[-2000:]
@@ -399,6 +401,7 @@ def test_resaving_another_run_s_bucket_step_is_refused(remote):
     assert after == before
 
 
+@pytest.mark.slow
 def test_the_cli_shows_no_sizes_for_a_bucket(remote):
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save(state_at(1), 1)
@@ -480,6 +483,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_without_jax_distributed_is_told_to_initialize_it(tmp_path):
     """Two processes of one run that did not call jax.distributed.initialize each think
     they are alone: the second one's Checkpointer is refused, naming the fix."""
@@ -523,6 +527,8 @@ def test_on_a_cuda_gpu_the_auto_crossing_saves_bit_for_bit(tmp_path):
     """On a CUDA GPU, crossing='auto' is the buffer crossing (copies into pinned memory
     on XLA's stream, the writer waiting for them) and every saved step restores bit for
     bit. Run in a child with the GPU backend; skipped where there is none (CPU CI)."""
+    if not os.path.exists("/dev/nvidiactl"):  # (no NVIDIA driver: no child to start)
+        pytest.skip("no CUDA GPU here")
     script = tmp_path / "on_gpu.py"
     script.write_text(_ON_GPU)
     # (the tests' children run on the CPU backend: this one takes JAX's default)
@@ -543,6 +549,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "orbax"))
 """
 
 
+@pytest.mark.slow
 def test_saving_and_restoring_never_call_orbax(tmp_path):
     """The hand-off never calls Orbax (nor does the writer, nor restore of the
     library's own steps): a run that saves and restores never even imports it."""

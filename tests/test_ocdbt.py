@@ -665,7 +665,9 @@ def _shared_leaf(first, suffixes, shared):
     return _wrap(0x0CDB20DE, body)
 
 
-@pytest.mark.parametrize("case", ["long shared prefixes", "millions of short keys"])
+@pytest.mark.parametrize(
+    "case", ["long shared prefixes", pytest.param("millions of short keys", marks=pytest.mark.slow)]
+)
 def test_a_crafted_index_is_refused_within_64_mib_before_it_is_built(tmp_path, case):
     """A 216 KiB leaf of 4,500 keys sharing a 65,000-byte prefix expanded them all
     before any bound (+279 MiB); a 10 MiB node of 1.6 M three-byte keys became 1.6 M

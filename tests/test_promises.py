@@ -82,7 +82,9 @@ def _missing_headings(rows):
             bad.append((pid, page, "no such page"))
             continue
         if anchor:
-            known = anchors.setdefault(path, _anchors(path))
+            if path not in anchors:
+                anchors[path] = _anchors(path)
+            known = anchors[path]
             if anchor not in known:
                 bad.append((pid, f"{page}#{anchor}", "no such heading"))
     return bad
@@ -100,7 +102,9 @@ def _missing_tests(rows):
             if not os.path.isfile(full):
                 bad.append((pid, path, "no such file"))
                 continue
-            if name not in functions.setdefault(full, _functions(full)):
+            if full not in functions:
+                functions[full] = _functions(full)
+            if name not in functions[full]:
                 bad.append((pid, f"{path}::{name}", "no such test"))
             elif not name.split("::")[-1].startswith("test"):
                 bad.append((pid, f"{path}::{name}", "not a test"))

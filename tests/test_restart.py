@@ -1,8 +1,8 @@
 """A restart always resumes (issue 41): from the newest intact step, in the shapes users
 write, from plain Orbax too. One kill-and-resume test per item, each a real child
 process SIGKILLed mid-run and started again (tests/restart_worker.py), its final state
-compared bit for bit with an uninterrupted run's (items 1 and 6 by default, the others
-with `-m slow`: each item also has quick tests in this process), and the rules around
+compared bit for bit with an uninterrupted run's (with `-m slow`, as CI runs them:
+each item also has quick tests in this process, run by default), and the rules around
 them. Each test was seen failing on the code before the issue."""
 
 import json
@@ -66,6 +66,7 @@ def _flip_newest(directory):
     return newest
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_the_newest_step_resumes_from_the_one_before(tmp_path, uninterrupted):
     """Steps 5..20 on disk, one bit of step 20 flipped: every restart raised "leaf
     state['w'] is corrupted" (a scheduler restarts it forever). Now it resumes from 15,
@@ -332,6 +333,7 @@ def test_last_step_in_python_and_traced(make_ckpt):
 # -- item 6: vmap of a while_loop whose members stop at different steps -----------------
 
 
+@pytest.mark.slow
 def test_members_of_a_vmapped_while_loop_resume_each_from_their_own_step(tmp_path, uninterrupted):
     """Member 0 stops at step 5, the others later; the step-10 checkpoint held member 0
     after a 6th iteration it never made (the body runs on for finished members). Now
@@ -570,7 +572,14 @@ print(sorted(os.listdir(d)))
 """
 
 
-@pytest.mark.parametrize("what", ["meta", "dir", "item"])
+@pytest.mark.parametrize(
+    "what",
+    [
+        pytest.param("meta", marks=pytest.mark.slow),
+        "dir",
+        pytest.param("item", marks=pytest.mark.slow),
+    ],
+)
 def test_a_refused_permission_stops_a_restart_and_moves_nothing(tmp_path, what):
     """chmod 000 on the newest step (its folder, an item, its meta file): a restart
     set it aside as damaged, or went back to step 2 in silence. A refused permission
