@@ -12,6 +12,8 @@ repetitions (the order rotating per repetition, harness.rotated), reads it back 
 - `restore, verify=False`: the same without the checksums;
 - `restore, jax.Arrays`: into a `like` of `jax.ShapeDtypeStruct`s (the result on the
   default device, as a resumed run's state usually is);
+- `restore, like jax.Arrays`: into a `like` of concrete jax.Arrays on the default
+  device (what `restore_or_init(like=init())` passes: each leaf placed as its like);
 - `plain Orbax`: `CheckpointManager(directory).restore(step, args=Composite(state=
   StandardRestore()))` of the same step (what Orbax alone costs on our layout);
 - `plain read`: every file of the step read into memory (`f.read`), the storage's own
@@ -110,11 +112,15 @@ def _methods(directory: str, like: Any) -> dict[str, Callable[[], Any]]:
     import jax
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+    placed = jax.device_put(like)
     return {
         "restore": lambda: jax_cb_ckpt.restore(directory, like, step=1),
         "restore, verify=False": lambda: jax_cb_ckpt.restore(directory, like, step=1, verify=False),
         "restore, jax.Arrays": lambda: jax.block_until_ready(
             jax_cb_ckpt.restore(directory, abstract, step=1)
+        ),
+        "restore, like jax.Arrays": lambda: jax.block_until_ready(
+            jax_cb_ckpt.restore(directory, placed, step=1)
         ),
         "plain Orbax": orbax,
         "plain read": lambda: plain_read(os.path.join(directory, "1")),
@@ -261,9 +267,10 @@ def _servers_installed() -> bool:
 
 def _table(results: list[dict], cold: bool) -> str:
     lines = [
-        "| dir | state | mode | restore | verify=False | into jax.Arrays | plain Orbax | "
+        "| dir | state | mode | restore | verify=False | into jax.Arrays | like jax.Arrays | "
+        "plain Orbax | "
         "plain read | x Orbax | x read | verify | verify, TensorStore | x TensorStore |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ms = r["ms"]
@@ -274,7 +281,8 @@ def _table(results: list[dict], cold: bool) -> str:
             lines.append(
                 f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | "
                 f"{ms[f'restore, verify=False {mode}']:.2f} | "
-                f"{ms[f'restore, jax.Arrays {mode}']:.2f} | {orbax:.2f} | {read:.2f} | "
+                f"{ms[f'restore, jax.Arrays {mode}']:.2f} | "
+                f"{ms[f'restore, like jax.Arrays {mode}']:.2f} | {orbax:.2f} | {read:.2f} | "
                 f"{ours / orbax:.2f} | {ours / read:.1f} | {ms[f'verify {mode}']:.2f} | "
                 f"{ms[f'verify, TensorStore {mode}']:.2f} | "
                 f"{ms[f'verify {mode}'] / ms[f'verify, TensorStore {mode}']:.2f} |"

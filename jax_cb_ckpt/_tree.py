@@ -571,6 +571,14 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
         return np.dtype(spec.dtype).type(array.item() if array.shape == () else array)
     if isinstance(like_leaf, np.ndarray):
         return np.asarray(array, dtype=spec.dtype)
+    weak = getattr(like_leaf, "weak_type", False)
+    if (
+        isinstance(array, jax.Array)
+        and not weak
+        and array.dtype == np.dtype(spec.dtype)
+        and array.sharding == getattr(like_leaf, "sharding", None)
+    ):
+        return array  # placed already, as like wants it (`_restore`)
     # A weakly typed leaf the loop carried in another dtype comes back as stored, as
     # the loop carries it (strongly typed); one stored in its own dtype stays weak.
     carried = carried_as(spec, saved)
@@ -582,7 +590,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
         value = jax.device_put(np.asarray(array, dtype=dtype))
     else:
         value = jnp.asarray(array, dtype=dtype)
-    if getattr(like_leaf, "weak_type", False) and not carried:
+    if weak and not carried:
         value = _weakly_typed(value)
     return _place(value, getattr(like_leaf, "sharding", None))
 
