@@ -137,7 +137,7 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     examined = storage.examine_all()
     plain = _plain.steps(storage, examined)
     for step, found in sorted(examined.items()):
-        if found.kind != "complete":
+        if found.kind != "complete" and found != _format.UNFINISHED:  # (listed above)
             row = {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
             if step in plain:  # a restart resumes from it (or names it)
                 problem = plain[step].problem

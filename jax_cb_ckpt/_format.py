@@ -182,6 +182,9 @@ COMPLETE = Examined("complete")
 # A step-named entry that went away (renamed aside or deleted) while it was examined:
 # `examine_all` leaves it out, as a listing made a moment later would.
 GONE = Examined("foreign", "removed while it was being examined")
+# A bucket step of ours without its commit marker (written in place: being written, or
+# left by a killed writer): not a step, and never taken for a plain Orbax one.
+UNFINISHED = Examined("foreign", "a step of ours being written, or left by a killed writer")
 # Bounds on what a step's description files may hold: nothing is read (or parsed)
 # beyond them. A meta item is ~150 B per leaf and ~30 B per checksummed chunk: 64 MiB
 # is ~400,000 leaves. The writer refuses to write more (`meta_files`).

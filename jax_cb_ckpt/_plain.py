@@ -58,8 +58,8 @@ def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
     names none, one item folder with Orbax's `_METADATA`)."""
     plain = {}
     for step, examined in found.items():
-        if examined.kind != "foreign":
-            continue
+        if examined.kind != "foreign" or examined == _format.UNFINISHED:
+            continue  # (a bucket step of ours cut short holds Orbax's item files too)
         try:
             text = storage.step_file(step, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES)
         except (_format.DamagedStep, OSError):

@@ -1117,6 +1117,8 @@ def _examine_keys(keys: set[str]) -> Examined:
     if OURS_NAME in keys and COMMIT_NAME in keys:
         missing = sorted(_format.COMPLETE_KEYS - keys)
         return Examined("damaged", f"committed, but {', '.join(missing)} missing")
+    if OURS_NAME in keys:
+        return _format.UNFINISHED
     return Examined("foreign", "not a complete jax_cb_ckpt checkpoint")
 
 

@@ -337,6 +337,34 @@ def test_a_named_step_committed_while_it_is_opened_is_read(remote, monkeypatch):
         jax_cb_ckpt.restore(url, states[2], step=2)
 
 
+def test_a_bucket_step_cut_short_is_neither_a_step_nor_a_plain_orbax_one(remote, capsys):
+    """A writer stopped in the middle of step 2 leaves our marker and the state item
+    (Orbax's `_METADATA` in it) but neither the step file nor the commit marker: that
+    looked like a plain Orbax step without its step file, so a restart tried to resume
+    from it and a new writer's save of step 2 was refused as another run's (found by
+    the slow test of a writer paused past the stale time). It is an unfinished step of
+    ours: the restart resumes from step 1, step 2 is written anew, `ls` shows it once."""
+    from jax_cb_ckpt import _cli
+
+    url = remote.url
+    states = {step: {"x": jnp.arange(3.0) * step} for step in (1, 2)}
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        for step, state in states.items():
+            ckpt.save(state, step)
+    for name in ("commit_success.txt", "_CHECKPOINT_METADATA", "meta/metadata"):
+        _remote.delete(f"{url}/2/{name}")
+    assert "2/state/_METADATA" in keys(url) and _unfinished(url) == [(2, f"{url}/2")]
+    assert _cli.main(["ls", url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    assert [(r["step"], r["complete"]) for r in rows] == [(1, True), (2, False)]
+    assert set(rows[1]) == {"step", "saved_at", "bytes", "complete"}  # incomplete, once
+    with jax_cb_ckpt.Checkpointer(url) as ckpt:
+        state, start = ckpt.restore_or_init(lambda: states[1])
+        assert start == 1
+        ckpt.save(states[2], 2)  # the new writer writes step 2 over the cut-short one
+    assert_same_state(jax_cb_ckpt.restore(url, states[2], step=2), states[2])
+
+
 def test_a_step_missing_its_manifest_or_data_is_reported_with_a_fix(remote):
     """The database's manifest or data object deleted from a committed step: restore
     says the step was damaged and what to do (it was "... does not exist" alone)."""
