@@ -41,6 +41,7 @@ if _TYPE_CHECKING:
     from ._steps import latest_step as latest_step
     from ._steps import metadata as metadata
     from ._steps import metrics as metrics
+    from ._steps import metrics_table as metrics_table
     from ._steps import verify as verify
     from ._tree import same_bits as same_bits
 
@@ -53,6 +54,7 @@ _LAZY = {
     "latest_step": "_steps",
     "metadata": "_steps",
     "metrics": "_steps",
+    "metrics_table": "_steps",
     "restore": "_restore",
     "verify": "_steps",
     "SaveRecord": "_stats",

@@ -922,6 +922,13 @@ class Checkpointer:
         wait for pending saves."""
         return _steps.metrics(self.directory, step=step)
 
+    def metrics_table(self) -> list[dict[str, Any]]:
+        """The metrics of every complete step on disk as one table (a row per step, and
+        under vmap per member: step, member, metrics, which rules keep it), as
+        `jax_cb_ckpt.metrics_table(directory)` gives it. Does not wait for pending
+        saves."""
+        return _steps.metrics_table(self.directory)
+
     @_steps.step_by_keyword
     def restore(
         self,

@@ -21,9 +21,15 @@ import sys
 import warnings
 from typing import Any, TextIO
 
-from . import _format, _plain, _spec, _storage
-from ._errors import CheckpointError, DamagedStepWarning, NoCheckpointError, RestoreError
-from ._policy import Entry, Keeper, Rules
+from . import _format, _plain, _policy, _spec, _storage
+from ._errors import (
+    CheckpointError,
+    ConfigError,
+    DamagedStepWarning,
+    NoCheckpointError,
+    RestoreError,
+)
+from ._policy import Rules
 from ._storage import Storage
 
 _FAILED = 1
@@ -107,12 +113,40 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("directory", metavar="DIRECTORY")
         if has_step:
             command.add_argument("--step", type=int, default=None)
+        if name == "ls":
+            _ranking_arguments(command)
         command.add_argument("--json", action="store_true", help="one JSON object")
         command.set_defaults(run=run)
     return parser
 
 
 # -- ls ----------------------------------------------------------------------------------
+
+
+def _ranking_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--best",
+        metavar="NAME",
+        default=None,
+        help="only the complete steps that recorded metric NAME (not NaN), best first",
+    )
+    command.add_argument(
+        "--mode",
+        choices=("max", "min"),
+        default=None,
+        help="with --best: higher (max) or lower (min) is better; default: the mode the "
+        "steps were kept by, when they were kept by NAME",
+    )
+    command.add_argument(
+        "--member",
+        type=int,
+        default=None,
+        help="with --best, for steps saved under vmap: rank by member K's value (its "
+        "flat index); default: each step's best member",
+    )
+    command.add_argument(
+        "--top", type=int, default=None, metavar="N", help="with --best: the best N only"
+    )
 
 
 def _ls(storage: Storage, args: argparse.Namespace) -> int:
@@ -155,6 +189,10 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     )
     if not rows:  # a wrong path, by the exit codes' one rule (2)
         raise NoCheckpointError(f"no checkpoints in {directory}{_step_folder_hint(storage)}")
+    if args.best is not None:
+        rows = _ranked(rows, metas, rules, args, directory)
+    elif (args.mode, args.member, args.top) != (None, None, None):
+        raise ConfigError("--mode, --member and --top rank by a metric: pass --best NAME too.")
     if args.json:
         retention = None if rules is None else rules.to_json()
         _print_json({"directory": directory, "retention": retention, "steps": rows})
@@ -200,6 +238,65 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranked(
+    rows: list[dict[str, Any]],
+    metas: dict[int, _format.StepMeta],
+    rules: Rules | None,
+    args: argparse.Namespace,
+    directory: str,
+) -> list[dict[str, Any]]:
+    """`ls --best NAME`: the complete steps with a value of NAME (NaN and a missing
+    value never count, as in `best_step`), best first; on a tie the step saved first
+    (as retention keeps it). Under vmap a step's value is its best member's, or member
+    `--member`'s. The mode: `--mode`, else the one the steps were kept by for NAME."""
+    import numpy as np  # (already imported by _format: no start-up cost)
+
+    name, mode = args.best, args.mode
+    kept_by_it = rules is not None and rules.best == name
+    if mode is None:
+        if rules is None or not kept_by_it:
+            said = (
+                "no keep_best rule"
+                if rules is None or rules.best is None
+                else (f"keep_best by {rules.best!r}")
+            )
+            raise ConfigError(
+                f"--best {name!r}: the steps record {said}, not whether a higher or a lower "
+                f"{name!r} is better. Fix: add --mode max (higher is better) or --mode min."
+            )
+        mode = rules.mode
+    if args.top is not None and args.top <= 0:
+        raise ConfigError(f"--top {args.top}: pass a positive number of steps.")
+    ranked = []
+    for r in rows:
+        meta = metas.get(r["step"]) if r["complete"] else None
+        if meta is None or (value := meta.metrics.get(name)) is None:
+            continue
+        values = np.asarray(value, dtype=np.float64)
+        if args.member is not None:
+            if values.ndim == 0 or not 0 <= args.member < values.size:
+                shape = values.shape
+                raise ConfigError(
+                    f"--member {args.member}: step {r['step']} holds {name!r} for a batch of "
+                    f"shape {shape} (flat indices 0..{values.size - 1}). Fix: a flat index in "
+                    "that range, or no --member for a plain save."
+                    if values.ndim
+                    else f"--member {args.member}: step {r['step']} is a plain save (no "
+                    "members). Fix: leave --member out."
+                )
+            values = values.ravel()[args.member : args.member + 1]
+        counted = values[~np.isnan(values)]
+        if counted.size == 0:
+            continue
+        best = float(counted.max() if mode == "max" else counted.min())
+        order = -best if mode == "max" else best
+        ranked.append((order, meta.saved_seconds or 0.0, r["step"], r))
+    ranked.sort(key=lambda item: item[:3])
+    if not ranked:
+        raise NoCheckpointError(f"no complete step in {directory} recorded {name!r} (not NaN)")
+    return [r for *_, r in ranked][: args.top]
+
+
 def _undeletable(storage: Storage) -> dict[str, str]:
     """{step: why} of the steps the writer's retention could not delete (its report,
     `_format.STUCK_NAME`, read within bounds; {} when there is none or it is torn)."""
@@ -226,28 +323,10 @@ def _step_folder_hint(storage: Storage) -> str:
 def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> Rules | None:
     """The retention rules the newest step was saved with (None: none recorded), and in
     each complete step's row, which of them keep it (`kept_by`)."""
-    newest = metas[max(metas)] if metas else None
-    if newest is None or newest.retention is None:
-        return None
-    try:
-        rules = Rules.from_json(newest.retention)
-    except ValueError:
-        return None
-    if not rules.any:  # (a record of no rule: every step is kept)
-        return None
-    entries = [
-        Entry(
-            step,
-            meta.saved_seconds,
-            meta.best_values(rules.best),
-            None if meta.members.all() else meta.members,
-        )
-        for step, meta in metas.items()
-    ]
-    keeper = Keeper(rules, entries)
+    rules, kept = _policy.kept_by_each(metas)
     for r in rows:
-        if r is not None and r["step"] in metas:
-            r["kept_by"] = list(keeper.kept_by(r["step"]))
+        if r is not None and r["step"] in kept:
+            r["kept_by"] = list(kept[r["step"]])
     return rules
 
 

@@ -42,9 +42,12 @@ import heapq
 import math
 import reprlib
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._format import StepMeta
 
 Mode = Literal["max", "min"]  # "max": a higher metric is better; "min": a lower one
 Reason = Literal["newest", "latest", "every", "seconds", "best"]  # names in `kept_by`
@@ -436,3 +439,46 @@ def _member_index(member: object, shape: tuple[int, ...]) -> int:
         f"{shape}. Fix: a flat index in range({size}), or a tuple of {len(shape)} "
         f"indices, each below {shape}."
     )
+
+
+def recorded_rules(meta: StepMeta | None) -> Rules | None:
+    """The rules a step was saved with, as its meta records them (None: none recorded,
+    no rule set, or a record that does not read)."""
+    if meta is None or meta.retention is None:
+        return None
+    try:
+        rules = Rules.from_json(meta.retention)
+    except ValueError:
+        return None
+    return rules if rules.any else None
+
+
+def entry_of(step: int, meta: StepMeta | None, rules: Rules) -> Entry:
+    """What retention needs of a step on disk, under `rules`: when it was saved, its
+    `best` metric, which members asked for it, and the seconds chain's decision
+    recorded with it (only when it was made under the same interval)."""
+    if meta is None:  # removed meanwhile, or damaged since listed
+        return Entry(step, None, None)
+    members = None if meta.members.all() else meta.members
+    recorded = meta.retention if isinstance(meta.retention, dict) else {}
+    same = recorded.get("keep_every_seconds") == rules.keep_every_seconds
+    chained = recorded_chain(recorded) if same else None
+    return Entry(step, meta.saved_seconds, meta.best_values(rules.best), members, chained)
+
+
+def recorded_chain(record: dict[str, Any]) -> bool | None:
+    """The seconds chain's decision in a step's retention record (a JSON bool), or
+    None (absent, or not a bool)."""
+    value = record.get("seconds_chain")
+    return value if isinstance(value, bool) else None
+
+
+def kept_by_each(metas: dict[int, StepMeta]) -> tuple[Rules | None, dict[int, tuple[Reason, ...]]]:
+    """The rules the newest of `metas` was saved with (None: none), and which of them
+    keep each step: what the writer's next settle would answer, for `jax-cb-ckpt ls`
+    and `metrics_table` ({} when no rule is recorded)."""
+    rules = recorded_rules(metas[max(metas)]) if metas else None
+    if rules is None:
+        return None, {}
+    keeper = Keeper(rules, [entry_of(step, meta, rules) for step, meta in metas.items()])
+    return rules, {step: keeper.kept_by(step) for step in metas}

@@ -66,7 +66,7 @@ class Retention:
             seconds,
             _best_values(meta, self.rules.best),
             None if members.all() else members,
-            _chained(recorded.get("seconds_chain")),
+            _policy.recorded_chain(recorded),
         )
         self._checked.add(step)
         try:
@@ -219,8 +219,8 @@ class Retention:
                 self._say_left_alone(unread)
             steps = [s for s in steps if s in metas]
         self._checked |= set(metas)
-        entries = [_entry(s, metas.get(s), self.rules) for s in steps]
-        previous = _previous_rules(metas.get(steps[-1]) if steps else None)
+        entries = [_policy.entry_of(s, metas.get(s), self.rules) for s in steps]
+        previous = _policy.recorded_rules(metas.get(steps[-1]) if steps else None)
         if steps and previous != self.rules:
             self._changed = (previous, steps, metas)
         return Keeper(self.rules, entries)
@@ -241,7 +241,7 @@ class Retention:
             if previous.keep_best is not None or previous.keep_every_seconds is not None:
                 missing = [s for s in steps if s not in metas]
                 metas = {**metas, **_steps.step_metas(self._storage, missing)}
-            old = Keeper(previous, [_entry(s, metas.get(s), previous) for s in steps])
+            old = Keeper(previous, [_policy.entry_of(s, metas.get(s), previous) for s in steps])
             kept_before = set(steps) - set(old.settle())
             said = previous.describe()
         dropped = sorted(s for s in kept_before if not keeper.kept_by(s))
@@ -258,38 +258,9 @@ class Retention:
             )
 
 
-def _entry(step: int, meta: _format.StepMeta | None, rules: Rules) -> Entry:
-    """What retention needs of a step on disk, under `rules`: when it was saved, its
-    `best` metric, which members asked for it, and the seconds chain's decision
-    recorded with it (only when it was made under the same interval)."""
-    if meta is None:  # removed meanwhile, or damaged since listed
-        return Entry(step, None, None)
-    members = None if meta.members.all() else meta.members
-    recorded = meta.retention or {}
-    same = recorded.get("keep_every_seconds") == rules.keep_every_seconds
-    chained = _chained(recorded.get("seconds_chain")) if same else None
-    return Entry(step, meta.saved_seconds, meta.best_values(rules.best), members, chained)
-
-
-def _chained(value: object) -> bool | None:
-    """A recorded chain decision (a JSON bool), or None (absent, or not a bool)."""
-    return value if isinstance(value, bool) else None
-
-
 def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:
     """The `best` metric of a step being written (its meta record), as float64."""
     if best is None:
         return None
     value = (meta.get("metrics") or {}).get(best)
     return None if value is None else np.asarray(value, dtype=np.float64)
-
-
-def _previous_rules(meta: _format.StepMeta | None) -> Rules | None:
-    """The rules recorded with a step (None: none recorded, none set, or unreadable)."""
-    if meta is None or meta.retention is None:
-        return None
-    try:
-        rules = _policy.Rules.from_json(meta.retention)
-    except ValueError:
-        return None
-    return rules if rules.any else None

@@ -297,6 +297,50 @@ def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> di
     }
 
 
+def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The metrics of every complete step of `directory` (local or a bucket) as one
+    table: a list of rows, oldest step first, each a dict
+
+        {"step": 500, "member": None, "saved_at": "2026-...+00:00",
+         "metrics": {"return": 1.5, ...}, "kept_by": ["latest", "best"]}
+
+    `metrics` holds Python numbers ({} for a step saved without `metrics=`); `kept_by`
+    names the retention rules that keep the step, by the rules the newest step was
+    saved with (what `jax-cb-ckpt ls` shows; [] when no rule is recorded). A step saved
+    under vmap has one row per member: `member` is its flat index (as in
+    `best_step(member=)` and `restore(member=)`), `member_index` its index in the batch
+    shape, `asked` whether it asked for the save and `member_step` its own step (a
+    vmapped while_loop's members may differ). `pandas.json_normalize(rows)` makes it a
+    DataFrame. Reads each step's meta (a bucket's 16 at a time, one round trip each);
+    a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
+    saves; blocks the caller while it reads."""
+    where = "metrics_table"
+    storage = _storage.at(_format.resolve(directory, where))
+    metas = step_metas(storage, _listed(storage, where), concurrent_reads=True)
+    kept = _policy.kept_by_each(metas)[1]
+    rows: list[dict[str, Any]] = []
+    for step, meta in metas.items():
+        shared = {"saved_at": meta.saved_at, "kept_by": list(kept.get(step, ()))}
+        if meta.batch_shape == ():
+            values = {name: value.item() for name, value in meta.metrics.items()}
+            rows.append({"step": step, "member": None, **shared, "metrics": values})
+            continue
+        own = meta.member_steps
+        for flat, index in enumerate(np.ndindex(meta.batch_shape)):
+            rows.append(
+                {
+                    "step": step,
+                    "member": flat,
+                    "member_index": index,
+                    "asked": bool(meta.members[index]),
+                    "member_step": step if own is None else int(own[index]),
+                    **shared,
+                    "metrics": {name: v[index].item() for name, v in meta.metrics.items()},
+                }
+            )
+    return rows
+
+
 def best_step(
     directory: str | os.PathLike[str],
     *,
@@ -340,14 +384,8 @@ def best_step(
 
 def _recorded_best(metas: dict[int, _format.StepMeta]) -> _policy.Rules | None:
     """The rules the newest step was saved with, when they rank a metric."""
-    newest = metas[max(metas)] if metas else None
-    if newest is None or newest.retention is None:
-        return None
-    try:
-        rules = _policy.Rules.from_json(newest.retention)
-    except ValueError:
-        return None
-    return rules if rules.best is not None else None
+    rules = _policy.recorded_rules(metas[max(metas)]) if metas else None
+    return rules if rules is not None and rules.best is not None else None
 
 
 def _best_rule(
@@ -392,10 +430,12 @@ def _best_rule(
     return best, mode
 
 
-def step_metas(storage: Storage, steps: list[int]) -> dict[int, _format.StepMeta]:
+def step_metas(
+    storage: Storage, steps: list[int], *, concurrent_reads: bool = False
+) -> dict[int, _format.StepMeta]:
     """The checked meta of each of `steps`; a step removed meanwhile or whose meta is
-    damaged is left out (a listing reports damaged steps). From a bucket, 16 steps are
-    read at a time (each is one round trip)."""
+    damaged is left out (a listing reports damaged steps). From a bucket (or with
+    `concurrent_reads`), 16 steps are read at a time (each is one round trip)."""
 
     def one(step: int) -> _format.StepMeta | None:
         try:
@@ -403,7 +443,7 @@ def step_metas(storage: Storage, steps: list[int]) -> dict[int, _format.StepMeta
         except Exception:  # removed by retention meanwhile, or damaged since listed
             return None
 
-    if storage.open_checks_step and len(steps) > 1:  # a bucket
+    if (storage.open_checks_step or concurrent_reads) and len(steps) > 1:  # a bucket
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             found = list(pool.map(one, steps))
     else:

@@ -444,6 +444,14 @@ def test_rules_on_a_bucket(remote):
     assert jax_cb_ckpt.all_steps(remote.url) == expected == [2, 3, 6, 7]
     assert jax_cb_ckpt.best_step(remote.url) == 2  # by the rule the steps record
     assert jax_cb_ckpt.metrics(remote.url, step=2) == {"return": 5.0}
+    table = jax_cb_ckpt.metrics_table(remote.url)
+    assert [(r["step"], r["metrics"]["return"]) for r in table] == [
+        (2, 5.0),
+        (3, 1.0),
+        (6, 3.0),
+        (7, 1.0),
+    ]
+    assert [r["kept_by"] for r in table] == [["best"], ["every"], ["every"], ["newest", "latest"]]
     # across a restart on the bucket: the rules go on from what is there
     with jax_cb_ckpt.Checkpointer(remote.url, **rules) as ckpt:
         ckpt.save({"w": jnp.zeros(3)}, 8, metrics={"return": 9.0})
@@ -482,6 +490,144 @@ def test_ls_shows_metrics_and_which_rule_keeps_each_step(make_ckpt, ckpt_dir):
     shown = run_child(["python", "-m", "jax_cb_ckpt", "show", "--step", "4", ckpt_dir])
     assert "metrics       return=0.5" in shown.stdout
     assert "retention     max_to_keep=1, keep_every=2" in shown.stdout
+
+
+def _ls(*args, capsys):
+    """`jax-cb-ckpt ls ARGS` in this process: (exit code, stdout, stderr)."""
+    from jax_cb_ckpt import _cli
+
+    code = _cli.main(["ls", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_metrics_table_gives_every_step_s_metrics_and_what_keeps_it(make_ckpt, ckpt_dir):
+    """Issue 44 item 6: per-step metrics came only from `ls --json` or a loop over
+    metrics(step=). One call returns the table; `kept_by` is what `ls` shows."""
+    ckpt = make_ckpt(max_to_keep=2, keep_best=2, best="return")
+    _save_all(ckpt, [5.0, 1.0, 5.0, np.nan, 2.0, None])
+    rows = jax_cb_ckpt.metrics_table(ckpt_dir)
+    assert [(r["step"], r["member"], r["kept_by"]) for r in rows] == [
+        (1, None, ["best"]),
+        (3, None, ["best"]),
+        (5, None, ["latest"]),
+        (6, None, ["newest", "latest"]),
+    ]
+    assert [r["metrics"] for r in rows] == [{"return": 5.0}, {"return": 5.0}, {"return": 2.0}, {}]
+    assert all(isinstance(r["metrics"].get("return", 0.0), float) for r in rows)
+    assert [r["saved_at"] for r in rows] == [
+        jax_cb_ckpt.metadata(ckpt_dir, step=r["step"])["saved_at"] for r in rows
+    ]
+    assert ckpt.metrics_table() == rows
+    ckpt.close()
+    listed = json.loads(run_child(["python", "-m", "jax_cb_ckpt", "ls", "--json", ckpt_dir]).stdout)
+    assert [row["kept_by"] for row in listed["steps"]] == [r["kept_by"] for r in rows]
+    # no rule recorded: kept_by is [] for every step; an empty directory: no rows
+    plain = ckpt_dir.parent / "plain"
+    with jax_cb_ckpt.Checkpointer(plain) as other:
+        other.save({"w": jnp.zeros(2)}, 7, metrics={"loss": 3})
+    assert jax_cb_ckpt.metrics_table(plain) == [
+        {
+            "step": 7,
+            "member": None,
+            "saved_at": jax_cb_ckpt.metadata(plain, step=7)["saved_at"],
+            "kept_by": [],
+            "metrics": {"loss": 3},
+        }
+    ]
+    (ckpt_dir.parent / "empty").mkdir()
+    assert jax_cb_ckpt.metrics_table(ckpt_dir.parent / "empty") == []
+
+
+def test_metrics_table_under_vmap_has_a_row_per_member(make_ckpt):
+    """One row per member: its flat index (as best_step(member=) takes it), its index
+    in the batch, whether it asked for the save, its value."""
+    ckpt = make_ckpt(keep_best=1, best="r", mode="max")
+
+    def save(x, asked, step):
+        ckpt.maybe_save({"x": x}, step, when=asked, metrics={"r": x.sum()})
+        return x
+
+    batched = jax.jit(jax.vmap(jax.vmap(save, in_axes=(0, 0, None)), in_axes=(0, 0, None)))
+    xs = jnp.arange(12.0).reshape(2, 3, 2)
+    asked = jnp.array([[True, False, True], [True, True, True]])
+    batched(xs, asked, 10)
+    batched(xs[:, ::-1] * 3, jnp.ones((2, 3), bool), 20)
+    ckpt.wait()
+    rows = jax_cb_ckpt.metrics_table(ckpt.directory)
+    assert [(r["step"], r["member"], r["member_index"]) for r in rows] == [
+        (step, flat, (flat // 3, flat % 3)) for step in (10, 20) for flat in range(6)
+    ]
+    first = [r for r in rows if r["step"] == 10]
+    assert [r["asked"] for r in first] == asked.ravel().tolist()
+    assert [r["metrics"]["r"] for r in first] == xs.sum(-1).ravel().tolist()
+    assert all(r["member_step"] == r["step"] for r in rows)
+    # each member's best, read off the table, is best_step's answer for it
+    for flat in range(6):
+        mine = [r for r in rows if r["member"] == flat]
+        top = max(mine, key=lambda r: r["metrics"]["r"])["step"]
+        assert jax_cb_ckpt.best_step(ckpt.directory, member=flat) == top
+
+
+def test_metrics_table_leaves_out_a_damaged_step_and_says_so(make_ckpt, ckpt_dir):
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+        _save_all(ckpt, [1.0, 2.0, 3.0])
+    with open(ckpt_dir / "2" / "meta" / "metadata", "a") as f:
+        f.write(" ")  # the step's record no longer matches its description
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"step 2"):
+        rows = jax_cb_ckpt.metrics_table(ckpt_dir)
+    assert [(r["step"], r["metrics"]) for r in rows] == [(1, {"return": 1.0}), (3, {"return": 3.0})]
+
+
+def test_ls_best_ranks_steps_by_a_metric(make_ckpt, ckpt_dir, capsys):
+    """Issue 44 item 6: `jax-cb-ckpt ls --best NAME`: the steps that recorded NAME
+    (not NaN), best first, by the mode the steps were kept by (or --mode); a tie goes
+    to the step saved first, as retention keeps it."""
+    ckpt = make_ckpt(keep_best=4, best="return", mode="min")
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning, match="step 3 was saved after step 20"):
+        for step, value in [(10, 5.0), (20, 1.0), (3, 5.0), (40, np.nan), (50, 2.0)]:
+            ckpt.save({"w": jnp.zeros(2)}, step, metrics={"return": value, "other": -step})
+            ckpt.wait()
+    ckpt.save({"w": jnp.zeros(2)}, 60)  # no metrics
+    ckpt.close()
+    code, out, _ = _ls(ckpt_dir, "--best", "return", capsys=capsys)
+    assert code == 0
+    assert [int(line.split()[0]) for line in out.splitlines()[2:]] == [20, 50, 10, 3]
+    code, out, _ = _ls(ckpt_dir, "--best", "return", "--mode", "max", "--top", "2", capsys=capsys)
+    assert [int(line.split()[0]) for line in out.splitlines()[2:]] == [10, 3]
+    code, out, _ = _ls(ckpt_dir, "--best", "other", "--mode", "max", "--json", capsys=capsys)
+    assert [r["step"] for r in json.loads(out)["steps"]] == [3, 10, 20, 50]  # (40: NaN, gone)
+    # what cannot be ranked says how to fix it (exit 2)
+    code, _, err = _ls(ckpt_dir, "--best", "other", capsys=capsys)
+    assert code == 2 and "--mode max (higher is better) or --mode min" in err
+    code, _, err = _ls(ckpt_dir, "--top", "2", capsys=capsys)
+    assert code == 2 and "pass --best NAME too" in err
+    code, _, err = _ls(ckpt_dir, "--best", "return", "--top", "0", capsys=capsys)
+    assert code == 2 and "--top 0: pass a positive number" in err
+    code, _, err = _ls(ckpt_dir, "--best", "nowhere", "--mode", "min", capsys=capsys)
+    assert code == 2 and "no complete step" in err and "'nowhere'" in err
+    code, _, err = _ls(ckpt_dir, "--best", "return", "--member", "1", capsys=capsys)
+    assert code == 2 and "is a plain save (no members)" in err
+
+
+def test_ls_best_under_vmap_ranks_by_the_best_member_or_one(make_ckpt, capsys):
+    ckpt = make_ckpt()
+    save = jax.jit(jax.vmap(lambda x, s: ckpt.save({"x": x}, s, metrics={"r": x}), (0, None)))
+    save(jnp.array([1.0, 9.0, 2.0]), 1)
+    save(jnp.array([5.0, 3.0, 4.0]), 2)
+    ckpt.wait()
+
+    def rank(*args):
+        out = _ls(ckpt.directory, *args, capsys=capsys)[1]
+        return [int(line.split()[0]) for line in out.splitlines()[1:]]
+
+    assert rank("--best", "r", "--mode", "max") == [1, 2]  # 9 (member 1) beats 5
+    assert rank("--best", "r", "--mode", "max", "--member", "0") == [2, 1]
+    assert rank("--best", "r", "--mode", "min", "--member", "2") == [1, 2]
+    code, _, err = _ls(
+        ckpt.directory, "--best", "r", "--mode", "max", "--member", "3", capsys=capsys
+    )
+    assert code == 2 and "flat indices 0..2" in err
 
 
 # -- when to save ---------------------------------------------------------------------
@@ -651,6 +797,12 @@ def test_a_clock_set_back_never_unkeeps_what_the_seconds_chain_kept(ckpt_dir, mo
     assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 7, 10]
     recorded = [jax_cb_ckpt.metadata(ckpt_dir, step=s)["retention"] for s in (1, 7, 10)]
     assert [r["seconds_chain"] for r in recorded] == [True, True, False]
+    # `ls` and metrics_table say what the writer does: step 1 is kept by the chain
+    # (they rebuilt it by save times, and showed step 1 as about to be deleted)
+    kept = [(r["step"], r["kept_by"]) for r in jax_cb_ckpt.metrics_table(ckpt_dir)]
+    assert kept == [(1, ["seconds"]), (7, ["seconds"]), (10, ["newest", "latest"])]
+    listed = json.loads(run_child(["python", "-m", "jax_cb_ckpt", "ls", "--json", ckpt_dir]).stdout)
+    assert [(r["step"], r["kept_by"]) for r in listed["steps"]] == kept
 
 
 def _rewrite_meta(step_dir, change):

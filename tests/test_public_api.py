@@ -31,6 +31,7 @@ PUBLIC = [
     "latest_step",
     "metadata",
     "metrics",
+    "metrics_table",
     "restore",
     "same_bits",
     "verify",
