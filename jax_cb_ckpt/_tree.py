@@ -576,7 +576,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
         isinstance(array, jax.Array)
         and not weak
         and array.dtype == np.dtype(spec.dtype)
-        and array.sharding == getattr(like_leaf, "sharding", None)
+        and getattr(like_leaf, "sharding", None) in (None, array.sharding)
     ):
         return array  # placed already, as like wants it (`_restore`)
     # A weakly typed leaf the loop carried in another dtype comes back as stored, as
