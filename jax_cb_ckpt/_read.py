@@ -180,15 +180,17 @@ class StepArrays:
         self.leaves = {spec.name: spec for spec in leaves}
         self._storage, self._step, self._count = storage, step, len(leaves)
         self.layouts: dict[tuple[str, ...], Layout] = {}
-        self._index: _IndexValues | None = None
         self._opened: tensorstore.KvStore | None = None
+        # Where keys are read, chosen once: the index `_ocdbt` read, else TensorStore's
+        # database (a compressed index, or one that reader does not fully understand).
+        self._keys: OwnIndex | TensorStoreKeys | None = None
         if light:
             try:
-                self._index = _IndexValues(storage.index(step))
+                self._keys = OwnIndex(storage.index(step))
             except _ocdbt.Unsupported:
                 pass
-        if self._index is None:
-            self._open()
+        if self._keys is None:
+            self._keys = TensorStoreKeys(self._open())
 
     def _open(self) -> tensorstore.KvStore:
         """The step's database opened by TensorStore (once)."""
@@ -211,11 +213,6 @@ class StepArrays:
         self._opened = self._storage.database(self._step, ts, self._context, self._count)
         return self._opened
 
-    @property
-    def _values(self) -> _IndexValues | tensorstore.KvStore:
-        """Where keys are read: the index `_ocdbt` read, else TensorStore's database."""
-        return self._open() if self._index is None else self._index
-
     # -- layouts -------------------------------------------------------------------------
 
     def check_layouts(self, specs: Iterable[LeafSpec] | None = None) -> None:
@@ -228,11 +225,9 @@ class StepArrays:
             for s in (self.leaves.values() if specs is None else specs)
             if 0 not in s.stored_shape and s.name not in self.layouts
         ]
-        values = self._values
-        reads = [
-            (s, _read_key(values, f"{param_name(s.name)}/.zarray", _ZARRAY_MAX_BYTES))
-            for s in wanted
-        ]
+        keys = self._keys
+        assert keys is not None
+        reads = [(s, keys.read(f"{param_name(s.name)}/.zarray", _ZARRAY_MAX_BYTES)) for s in wanted]
         for saved, future in reads:
             try:
                 result = future.result()
@@ -298,13 +293,15 @@ class StepArrays:
         only checked, `whole`), else through TensorStore's zarr driver, which reads
         into the result without a copy."""
         nbytes = layout.dtype.itemsize * math.prod(layout.shape)
-        index = self._index
-        if layout.raw and (nbytes <= SMALL_BYTES or (index is not None and (whole or index.held))):
-            return _RawLeaf(self._values, saved, layout, box, sums or {})
+        keys = self._keys
+        assert keys is not None
+        own = isinstance(keys, OwnIndex)
+        if layout.raw and (nbytes <= SMALL_BYTES or (own and (whole or keys.held))):
+            return _RawLeaf(keys, saved, layout, box, sums or {})
         # Every checksummed region meeting the box is read whole, so that each byte
         # returned is checked (a region of the writer's is a chunk or a device's block).
-        if index is not None:  # TensorStore would read a chunk as long as it claims
-            index.check_chunks(saved, layout)
+        if own:  # TensorStore would read a chunk as long as it claims
+            keys.check_chunks(saved, layout)
         hit = [(k, r) for k, r in ((k, parse_region(k)) for k in sums or {}) if _meets(r, box)]
         outer = _hull([box] + [r for _, r in hit], len(box))
         return _ZarrBox(self._zarr(saved, layout), saved, layout, box, outer, hit, sums or {})
@@ -477,7 +474,7 @@ class _RawLeaf:
 
     def __init__(
         self,
-        kv: _IndexValues | tensorstore.KvStore,
+        keys: OwnIndex | TensorStoreKeys,
         saved: LeafSpec,
         layout: Layout,
         box: Box,
@@ -488,7 +485,7 @@ class _RawLeaf:
         name = param_name(saved.name)
         self.chunks = list(_chunk_boxes(layout.shape, layout.chunks))
         self.futures = [
-            _read_key(kv, f"{name}/{_chunk_key(c, layout.chunks, layout.separator)}", self._size)
+            keys.read(f"{name}/{_chunk_key(c, layout.chunks, layout.separator)}", self._size)
             for c in self.chunks
         ]
 
@@ -535,20 +532,19 @@ class _RawLeaf:
         if regions:
             self.finish()
 
-    def _bytes(self, chunk: Box, future: tensorstore.Future | concurrent.futures.Future) -> bytes:
+    def _bytes(self, chunk: Box, future: concurrent.futures.Future[bytes | None]) -> bytes:
         """A chunk's bytes, once they are there and the size its layout gives."""
         layout = self.layout
-        result = future.result()
-        if result.state == "value" and len(result.value) == self._size:
-            return result.value
+        data = future.result()
+        if data is not None and len(data) == self._size:
+            return data
         where = f"{param_name(self.saved.name)}/" + _chunk_key(
             chunk, layout.chunks, layout.separator
         )
-        if result.state != "value":
+        if data is None:
             raise ChunkError(f"its chunk '{where}' is missing")
         raise ChunkError(
-            f"its chunk '{where}' holds {len(result.value)} bytes where its layout gives "
-            f"{self._size}"
+            f"its chunk '{where}' holds {len(data)} bytes where its layout gives {self._size}"
         )
 
 
@@ -559,22 +555,18 @@ def _unpadded(data: bytes, layout: Layout, chunk: Box) -> np.ndarray:
     return block[tuple(slice(0, b - a) for a, b in chunk)]
 
 
-class _Value:
-    """A key's value as `_IndexValues` reads it: TensorStore's read result's fields."""
-
-    __slots__ = ("state", "value")
-
-    def __init__(self, value: bytes | None) -> None:
-        self.state = "missing" if value is None else "value"
-        self.value = b"" if value is None else value
+# -- where keys are read: one interface, two implementations --------------------------------
+#
+# `read(key, at_most)` gives a future of the key's value (bytes; None when the key is not
+# there). A StepArrays chooses one implementation once, for the whole read.
 
 
-class _IndexValues:
-    """The values of a database whose index `_ocdbt` read, read as TensorStore's are
-    (`read(key)` gives a future of a result with `state` and `value`): inline ones and
-    small ones at once, larger ones by `os.pread` on a pool of threads (which lets go of
-    the GIL), all at once. (Handing a small read to the pool costs more than the read:
-    80 leaves of 13 KiB, 6.4 ms all on the pool.)"""
+class OwnIndex:
+    """The values of a database whose index `_ocdbt` read: each value's size is known
+    before it is read, so one longer than its layout allows is refused unread. Inline
+    and small values are read at once, larger ones by `os.pread` on a pool of threads
+    (which lets go of the GIL), all at once. (Handing a small read to the pool costs
+    more than the read: 80 leaves of 13 KiB, 6.4 ms all on the pool.)"""
 
     def __init__(self, index: _ocdbt.Database) -> None:
         self.index = index
@@ -591,25 +583,49 @@ class _IndexValues:
             if isinstance(where, _ocdbt.Indirect) and where.length > bound:
                 raise ChunkError(f"'{key}' is {where.length} bytes, where at most {bound} can be")
 
-    def read(self, key: str, at_most: int) -> concurrent.futures.Future[_Value]:
+    def read(self, key: str, at_most: int) -> concurrent.futures.Future[bytes | None]:
         """The value of `key`, read only if it is at most `at_most` bytes (what its
         layout gives: a longer one is damage, and nothing is allocated for it)."""
         where = self.index.locate(key)
         if isinstance(where, _ocdbt.Indirect) and where.length > at_most:
-            refused: concurrent.futures.Future[_Value] = concurrent.futures.Future()
+            refused: concurrent.futures.Future[bytes | None] = concurrent.futures.Future()
             refused.set_exception(
                 ChunkError(f"'{key}' is {where.length} bytes, where at most {at_most} can be")
             )
             return refused
         if isinstance(where, _ocdbt.Indirect) and where.length > _AT_ONCE_BYTES:
-            return _pool().submit(lambda: _Value(self.index.read_range(where)))
-        future: concurrent.futures.Future[_Value] = concurrent.futures.Future()
+            return _pool().submit(self.index.read_range, where)
+        future: concurrent.futures.Future[bytes | None] = concurrent.futures.Future()
         try:
             if isinstance(where, _ocdbt.Indirect):
                 where = self.index.read_range(where)
-            future.set_result(_Value(where))
+            future.set_result(where)
         except Exception as e:
             future.set_exception(e)
+        return future
+
+
+class TensorStoreKeys:
+    """The values of a database TensorStore opened (`Storage.database`): a read is as
+    long as the value, whose size is checked once it is read (`at_most` is not known
+    to TensorStore beforehand)."""
+
+    def __init__(self, store: tensorstore.KvStore) -> None:
+        self.store = store
+
+    def read(self, key: str, at_most: int) -> concurrent.futures.Future[bytes | None]:
+        del at_most  # (checked by the caller, once read)
+        future: concurrent.futures.Future[bytes | None] = concurrent.futures.Future()
+
+        def done(read: tensorstore.Future[tensorstore.KvStore.ReadResult]) -> None:
+            try:
+                result = read.result()
+            except BaseException as e:  # (TensorStore's error, raised by .result())
+                future.set_exception(e)
+            else:
+                future.set_result(bytes(result.value) if result.state == "value" else None)
+
+        self.store.read(key).add_done_callback(done)
         return future
 
 
@@ -621,16 +637,6 @@ def _chunk_bound(layout: Layout) -> int:
     zstd's worst case for incompressible data when it is compressed."""
     size = layout.dtype.itemsize * math.prod(layout.chunks)
     return size if layout.raw else size + (size >> 7) + 1024
-
-
-def _read_key(
-    values: _IndexValues | tensorstore.KvStore, key: str, at_most: int
-) -> concurrent.futures.Future[_Value] | tensorstore.Future[tensorstore.KvStore.ReadResult]:
-    """`values.read(key)`; the package's own index first checks the value's size (a
-    TensorStore read is as long as the value, whose size is checked once read)."""
-    if isinstance(values, _IndexValues):
-        return values.read(key, at_most)
-    return values.read(key)
 
 
 @functools.cache
@@ -658,15 +664,14 @@ def _chunk_key(box: Box, chunks: tuple[int, ...], separator: str) -> str:
 # -- a leaf's .zarray, checked --------------------------------------------------------------
 
 
-def _layout(saved: LeafSpec, result: tensorstore.KvStore.ReadResult | _Value) -> Layout:
+def _layout(saved: LeafSpec, value: bytes | None) -> Layout:
     """The `.zarray` a read gave for `saved`, parsed and checked against it."""
     name = param_name(saved.name)
-    if result.state != "value":
+    if value is None:
         raise LayoutError(
             f"leaf {saved.path}: its stored array ('{name}/.zarray') is missing: the step "
             "was edited or corrupted; nothing was read from it"
         )
-    value = bytes(result.value)
     try:
         if len(value) > _ZARRAY_MAX_BYTES:
             raise ValueError(f"larger than {_ZARRAY_MAX_BYTES >> 10} KiB")

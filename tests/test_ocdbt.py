@@ -455,7 +455,7 @@ def test_a_value_longer_than_its_layout_allows_is_never_read(tmp_path):
     root = _database(tmp_path, _leaf([b"w/0"], [(0, 0, 4 << 40)]), data=b"0123456789")
     with open(root / "d" / "x", "r+b") as f:
         f.truncate(5 << 40)  # sparse: the range check alone would let it through
-    values = _read._IndexValues(_ocdbt.Database(str(root)))
+    values = _read.OwnIndex(_ocdbt.Database(str(root)))
     with pytest.raises(_read.ChunkError, match="where at most 400 can be"):
         values.read("w/0", 400).result()
 
