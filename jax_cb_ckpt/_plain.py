@@ -280,9 +280,7 @@ def _failure(where: str, what: str, e: Exception) -> RestoreError:
     """Orbax's (or TensorStore's) failure to read `what`: damage when it says the files
     are not what they claim, else the error as it is (storage out of reach, ...)."""
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
-    if isinstance(e, FileNotFoundError) or any(
-        m in text for m in ("DATA_LOSS", "Error decoding", "OUT_OF_RANGE", "NOT_FOUND")
-    ):
+    if isinstance(e, FileNotFoundError) or _remote.status(e) in _remote.DAMAGE_CODES:
         return DamagedStepError(
             f"{where}: cannot read {what}: {type(e).__name__}: {text[:500]}",
             f"cannot read {what} ({type(e).__name__})",

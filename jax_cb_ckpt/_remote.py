@@ -309,12 +309,62 @@ def scrubbed(e: BaseException) -> BaseException:
     return StorageError(scrub(f"{type(e).__name__}: {e}"))
 
 
+# The canonical status codes (absl::StatusCode) TensorStore's errors begin with: the type
+# of an error, which the rest of its text explains in words a release may change.
+_STATUS_CODES = frozenset(
+    {
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    }
+)
+
+
+def status(e: BaseException) -> str | None:
+    """The status code of a TensorStore error (`"DATA_LOSS"`, ...), of `e` or of an
+    error it was raised from (`__cause__`, `__context__`: Orbax re-raises them); None
+    for any other error. TensorStore's Python errors carry no code attribute: the code
+    is the first word of their text, which absl writes as "CODE: message"."""
+    seen, link = set(), e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        code = str(link).partition(": ")[0] if isinstance(link, Exception) else ""
+        if code in _STATUS_CODES:
+            return code
+        link = link.__cause__ or link.__context__
+    return None
+
+
+# The status codes of TensorStore's errors that say a file of a step still there is not
+# what was written (classified by code, never by the words of the message): DATA_LOSS
+# (a CRC-32C or a length that does not hold), OUT_OF_RANGE (a file shorter than its
+# index says), NOT_FOUND (a file gone from the step), FAILED_PRECONDITION (a value that
+# does not decode: a zstd frame, a raw chunk of the wrong length). Any other code (the
+# storage out of reach, a refused permission, a fault of ours) is not damage.
+DAMAGE_CODES = frozenset({"DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"})
+
+
 def out_of_reach(e: BaseException) -> bool:
     """`e` says the storage could not be reached (after the retries): a cleanup that
     needs it would only wait again."""
     text = str(e)
-    return isinstance(e, StorageError) or any(
-        mark in text for mark in ("CURL error", "retry attempts failed", "DEADLINE_EXCEEDED")
+    return (
+        isinstance(e, StorageError)
+        or status(e) in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
+        or any(mark in text for mark in ("CURL error", "retry attempts failed"))
     )
 
 

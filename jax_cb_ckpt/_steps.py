@@ -176,7 +176,7 @@ def read_failure(
     # A server's answer may echo credentials: scrubbed before it goes into an error.
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
     damaged = (_read.ChunkError, _ocdbt.Damaged, FileNotFoundError)
-    if isinstance(e, damaged) or any(m in text for m in _DAMAGE):
+    if isinstance(e, damaged) or _remote.status(e) in _remote.DAMAGE_CODES:
         return DamagedStepError(
             f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
@@ -185,18 +185,6 @@ def read_failure(
             f"cannot read {what}: {text}",
         )
     return RestoreError(f"{where}: cannot read {what}: {text}")
-
-
-# What TensorStore says of a file that is not what was written, or is missing from a
-# step that is still there (not of the storage being out of reach, or of permissions).
-_DAMAGE = (
-    "DATA_LOSS",
-    "Error decoding",
-    "OUT_OF_RANGE",
-    "checksum",
-    "Data corruption",
-    "NOT_FOUND",
-)
 
 
 def _outcome(where: str) -> str:

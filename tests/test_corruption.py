@@ -134,3 +134,66 @@ def test_verify_fails_what_the_cli_fails(tmp_path):
     with pytest.raises(jax_cb_ckpt.NoCheckpointError, match="nothing was verified"):
         jax_cb_ckpt.verify(empty)
     assert run_child([cli, "verify", empty]).returncode == 2
+
+
+def test_a_compressed_chunk_that_does_not_decode_is_damage(tmp_path):
+    """Issue 43 item 6: a zstd chunk garbled on disk makes TensorStore fail with
+    FAILED_PRECONDITION ("ZSTD_decompressStream() failed"), which the message-text
+    matching did not know: restore and verify raised a plain RestoreError, and a
+    restart stopped there instead of going back to the step before. It is damage."""
+    directory = tmp_path / "c"
+    big = {"z": np.repeat(np.arange(1 << 18, dtype=np.float32), 4)}  # 4 MiB, compressible
+    with jax_cb_ckpt.Checkpointer(directory, compression=True) as ckpt:
+        ckpt.save(big, 1)
+        ckpt.save(jax.tree.map(lambda x: x + 1, big), 2)
+    [data] = [f for f in data_files(directory / "2") if os.path.getsize(f) > 1 << 12]
+    garbled = bytearray(Path(data).read_bytes())
+    for at in range(0, len(garbled) // 2, 1024):  # chunks' frames (the index is at the end)
+        garbled[at : at + 32] = bytes(range(32))
+    Path(data).write_bytes(bytes(garbled))
+    for read in (
+        lambda: jax_cb_ckpt.restore(directory, big, step=2),
+        lambda: jax_cb_ckpt.verify(directory, step=2),
+    ):
+        with pytest.raises(jax_cb_ckpt.DamagedStepError) as caught:
+            read()
+        assert caught.value.why.startswith("cannot read"), caught.value.why
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match="step 2"):
+        with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+            restored, start = ckpt.restore_or_init(lambda: big)
+    assert start == 1 and jax_cb_ckpt.same_bits(restored, big)
+
+
+def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp_path):
+    """Issue 43 item 6: damage was told from a crash by words of TensorStore's messages
+    ("Error decoding", "checksum", ...). Now by the status code each error begins with
+    (absl's canonical codes): a reworded message keeps its class, and words of damage
+    in an error of another code do not make it damage."""
+    import tensorstore as ts
+
+    from jax_cb_ckpt import _remote, _steps, _storage
+
+    with pytest.raises(ValueError) as real:  # a real TensorStore error
+        ts.open({"driver": "zarr", "kvstore": f"file://{tmp_path}/none/"}, open=True).result()
+    assert _remote.status(real.value) == "NOT_FOUND"
+    with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save({"w": np.arange(3.0)}, 1)
+    storage = _storage.at(str(tmp_path / "c"))
+    seen = storage.open_step(1)[0]
+
+    def classified(error):
+        return type(_steps.read_failure(error, storage, 1, seen, "restore(step=1)", "leaf w"))
+
+    try:
+        raise RuntimeError("Orbax could not restore the item") from real.value
+    except RuntimeError as wrapped:  # (Orbax re-raises TensorStore's errors)
+        assert _remote.status(wrapped) == "NOT_FOUND"
+        assert classified(wrapped) is jax_cb_ckpt.DamagedStepError
+    for code in ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"):
+        reworded = ValueError(f"{code}: words no TensorStore release has used yet")
+        assert classified(reworded) is jax_cb_ckpt.DamagedStepError, code
+    for code in ("PERMISSION_DENIED", "UNAVAILABLE", "INVALID_ARGUMENT", "INTERNAL"):
+        wordy = ValueError(f"{code}: Error decoding: checksum DATA_LOSS NOT_FOUND OUT_OF_RANGE")
+        assert classified(wordy) is jax_cb_ckpt.RestoreError, code
+    assert _remote.status(ValueError("no code here: DATA_LOSS")) is None
+    assert classified(ValueError("Data corruption somewhere")) is jax_cb_ckpt.RestoreError
