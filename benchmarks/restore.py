@@ -21,7 +21,9 @@ repetitions (the order rotating per repetition, harness.rotated), reads it back 
   process drop the caches, else reported as not measured;
 - `verify`: `jax_cb_ckpt.verify(directory, step=1)`, which reads the step's index
   itself (`_ocdbt`), against `verify, TensorStore`: the same with the index read by
-  TensorStore (the reader it falls back on for a compressed index).
+  TensorStore (the reader it falls back on for a compressed index); and `restore,
+  TensorStore`, `restore` with the index read by TensorStore: where the package's own
+  reader pays in a process that has JAX imported already (a second table).
 
 The cold rows drop the page cache before each method's read. The tmpfs directory
 (`/dev/shm`) has no disk: its rows are the CPU's share. Figures are medians, in ms;
@@ -124,6 +126,9 @@ def _methods(directory: str, like: Any) -> dict[str, Callable[[], Any]]:
         ),
         "plain Orbax": orbax,
         "plain read": lambda: plain_read(os.path.join(directory, "1")),
+        "restore, TensorStore": lambda: _with_tensorstore_index(
+            lambda: jax_cb_ckpt.restore(directory, like, step=1)
+        ),
         "verify": lambda: jax_cb_ckpt.verify(directory, step=1),
         "verify, TensorStore": lambda: _verify_with_tensorstore(directory),
     }
@@ -132,6 +137,12 @@ def _methods(directory: str, like: Any) -> dict[str, Callable[[], Any]]:
 def _verify_with_tensorstore(directory: str) -> list[int]:
     """`verify` with the step's index read by TensorStore, as before `_ocdbt` (the
     reader it uses for a compressed index): the package's own reader's ceiling."""
+    return _with_tensorstore_index(lambda: jax_cb_ckpt.verify(directory, step=1))
+
+
+def _with_tensorstore_index(read: Callable[[], Any]) -> Any:
+    """`read()` with every local step's index read by TensorStore (the package's own
+    reader refuses it, as it refuses an index it does not understand)."""
     from jax_cb_ckpt import _ocdbt, _storage
 
     def refuse(self: _storage.Local, step: int) -> _ocdbt.Database:
@@ -140,7 +151,7 @@ def _verify_with_tensorstore(directory: str) -> list[int]:
     own = _storage.Local.index
     _storage.Local.index = refuse  # type: ignore[method-assign]
     try:
-        return jax_cb_ckpt.verify(directory, step=1)
+        return read()
     finally:
         _storage.Local.index = own  # type: ignore[method-assign]
 
@@ -286,6 +297,21 @@ def _table(results: list[dict], cold: bool) -> str:
                 f"{ours / orbax:.2f} | {ours / read:.1f} | {ms[f'verify {mode}']:.2f} | "
                 f"{ms[f'verify, TensorStore {mode}']:.2f} | "
                 f"{ms[f'verify {mode}'] / ms[f'verify, TensorStore {mode}']:.2f} |"
+            )
+    lines += [
+        "",
+        "| dir | state | mode | restore | restore, TensorStore index | x | verify | "
+        "verify, TensorStore index | x |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ms = r["ms"]
+        for mode in ["warm", "cold"] if cold and r["dir"] != "/dev/shm" else ["warm"]:
+            ours, theirs = ms[f"restore {mode}"], ms[f"restore, TensorStore {mode}"]
+            mine, other = ms[f"verify {mode}"], ms[f"verify, TensorStore {mode}"]
+            lines.append(
+                f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | {theirs:.2f} | "
+                f"{ours / theirs:.2f} | {mine:.2f} | {other:.2f} | {mine / other:.2f} |"
             )
     if not cold:
         lines.append("")

@@ -146,7 +146,7 @@ def test_restore_benchmark_reports_restore_next_to_its_ceilings(tmp_path):
     assert case["case"] == "tiny" and case["dir"] == str(disk)
     modes = ["warm", "cold"] if report["cold"] else ["warm"]
     methods = ("restore", "restore, verify=False", "restore, jax.Arrays", "plain Orbax")
-    methods = (*methods, "restore, like jax.Arrays")
+    methods = (*methods, "restore, like jax.Arrays", "restore, TensorStore")
     for method in (*methods, "plain read", "verify", "verify, TensorStore"):
         for mode in modes:
             assert case["ms"][f"{method} {mode}"] > 0, (method, mode)
