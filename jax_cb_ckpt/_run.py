@@ -202,10 +202,17 @@ class _Progress:
         self._saved: int | None = None
         self._timing = False
         flag.reached = None
-        self._bar = bar_type(total=total, initial=start, unit="step", dynamic_ncols=True)
-        self._bar.set_description(f"jax_cb_ckpt {os.path.basename(ckpt.directory)}")
         resumed = f"resumed from {start}, " if start else ""
-        self._bar.set_postfix_str(f"{resumed}compiling")
+        # Described at creation: its first line (printed by the constructor) says
+        # whose bar it is too, in a log that keeps every line.
+        self._bar = bar_type(
+            total=total,
+            initial=start,
+            unit="step",
+            dynamic_ncols=True,
+            desc=f"jax_cb_ckpt {os.path.basename(ckpt.directory)}",
+            postfix=f"{resumed}compiling",
+        )
 
     def tick(self) -> None:
         reached = self._flag.reached

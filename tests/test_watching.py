@@ -54,6 +54,11 @@ def test_run_shows_a_progress_bar_and_says_when_nothing_is_left(tmp_path):
     frames = result.stderr.replace("\r", "\n").splitlines()
     bars = [f for f in frames if f.startswith("jax_cb_ckpt ckpt")]
     assert bars, result.stderr[-2000:]
+    # Every line of the bar names it, its first too (issue 44 item 8: the first line,
+    # printed before the description was set, was a bare "0%|  | 0/200").
+    drawn = [f for f in frames if "/200 [" in f]
+    assert drawn == [f for f in drawn if f.startswith("jax_cb_ckpt ckpt")], drawn[:2]
+    assert "compiling" in drawn[0], drawn[0]
     assert "200/200" in bars[-1] and "saved 200" in bars[-1], bars[-1]
     assert "step/s" in bars[-1] or "s/step" in bars[-1], bars[-1]
     # Until the loop's first check the bar says it compiles; its clock starts there, so
