@@ -276,6 +276,16 @@ def _servers_installed() -> bool:
     return True
 
 
+def _rows(results: list[dict], cold: bool) -> list[tuple[dict, dict, str]]:
+    """(result, its medians, mode) of each row of a table: cold rows where the caches
+    could be dropped, and never for tmpfs (it has no disk)."""
+    return [
+        (r, r["ms"], mode)
+        for r in results
+        for mode in (["warm", "cold"] if cold and r["dir"] != "/dev/shm" else ["warm"])
+    ]
+
+
 def _table(results: list[dict], cold: bool) -> str:
     lines = [
         "| dir | state | mode | restore | verify=False | into jax.Arrays | like jax.Arrays | "
@@ -283,36 +293,30 @@ def _table(results: list[dict], cold: bool) -> str:
         "plain read | x Orbax | x read | verify | verify, TensorStore | x TensorStore |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        ms = r["ms"]
-        for mode in ["warm", "cold"] if cold and r["dir"] != "/dev/shm" else ["warm"]:
-            ours, orbax, read = (
-                ms[f"{m} {mode}"] for m in ("restore", "plain Orbax", "plain read")
-            )
-            lines.append(
-                f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | "
-                f"{ms[f'restore, verify=False {mode}']:.2f} | "
-                f"{ms[f'restore, jax.Arrays {mode}']:.2f} | "
-                f"{ms[f'restore, like jax.Arrays {mode}']:.2f} | {orbax:.2f} | {read:.2f} | "
-                f"{ours / orbax:.2f} | {ours / read:.1f} | {ms[f'verify {mode}']:.2f} | "
-                f"{ms[f'verify, TensorStore {mode}']:.2f} | "
-                f"{ms[f'verify {mode}'] / ms[f'verify, TensorStore {mode}']:.2f} |"
-            )
+    for r, ms, mode in _rows(results, cold):
+        ours, orbax, read = (ms[f"{m} {mode}"] for m in ("restore", "plain Orbax", "plain read"))
+        lines.append(
+            f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | "
+            f"{ms[f'restore, verify=False {mode}']:.2f} | "
+            f"{ms[f'restore, jax.Arrays {mode}']:.2f} | "
+            f"{ms[f'restore, like jax.Arrays {mode}']:.2f} | {orbax:.2f} | {read:.2f} | "
+            f"{ours / orbax:.2f} | {ours / read:.1f} | {ms[f'verify {mode}']:.2f} | "
+            f"{ms[f'verify, TensorStore {mode}']:.2f} | "
+            f"{ms[f'verify {mode}'] / ms[f'verify, TensorStore {mode}']:.2f} |"
+        )
     lines += [
         "",
         "| dir | state | mode | restore | restore, TensorStore index | x | verify | "
         "verify, TensorStore index | x |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        ms = r["ms"]
-        for mode in ["warm", "cold"] if cold and r["dir"] != "/dev/shm" else ["warm"]:
-            ours, theirs = ms[f"restore {mode}"], ms[f"restore, TensorStore {mode}"]
-            mine, other = ms[f"verify {mode}"], ms[f"verify, TensorStore {mode}"]
-            lines.append(
-                f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | {theirs:.2f} | "
-                f"{ours / theirs:.2f} | {mine:.2f} | {other:.2f} | {mine / other:.2f} |"
-            )
+    for r, ms, mode in _rows(results, cold):
+        ours, theirs = ms[f"restore {mode}"], ms[f"restore, TensorStore {mode}"]
+        mine, other = ms[f"verify {mode}"], ms[f"verify, TensorStore {mode}"]
+        lines.append(
+            f"| {r['dir']} | {r['case']} | {mode} | {ours:.2f} | {theirs:.2f} | "
+            f"{ours / theirs:.2f} | {mine:.2f} | {other:.2f} | {mine / other:.2f} |"
+        )
     if not cold:
         lines.append("")
         lines.append(f"cold rows not measured: this process cannot write {_DROP}")

@@ -415,18 +415,17 @@ class Local(_Steps):
 
     def create_file(self, name: str, data: bytes) -> None:
         """A new file `name` in the directory holding `data` (never through a link)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(os.path.join(self.path, name), flags, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        self._write_file(name, data, os.O_EXCL)
 
     def put_file(self, name: str, data: bytes) -> None:
         """The file `name` of the directory now holds `data` (never through a link; a
         report, read by `jax-cb-ckpt ls`: a torn write is an unreadable report, not a
         step)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        self._write_file(name, data, os.O_TRUNC)
+
+    def _write_file(self, name: str, data: bytes, how: int) -> None:
+        """`data` into the file `name` opened with `how` (O_EXCL: new; O_TRUNC: anew)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | how
         fd = os.open(os.path.join(self.path, name), flags, 0o644)
         try:
             os.write(fd, data)

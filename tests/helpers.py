@@ -8,6 +8,7 @@
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -20,11 +21,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_cb_ckpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+def needs(module, extra, why=""):
+    """A mark that skips a test where `module` is not installed, saying so in the
+    summary (`-ra`): it comes with the project's `extra` extra (`why`: more of the
+    reason, such as why an install may leave it out)."""
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None,
+        reason=f"{module} is not installed (pip install -e '.[{extra}]'){why}",
+    )
+
+
 # The interpreter under test first on PATH, as an activated venv would put it: a shell
 # script a test runs (a docs recipe) calls `python` and the servers' console scripts by
 # name, and CI runs `.venv/bin/python -m pytest` without activating the venv.
@@ -313,3 +327,19 @@ def same_as_tensorstore(root):
     for key in keys:
         assert own.read(key.decode()) == kv.read(key).result().value, key
     return len(keys)
+
+
+def while_batch(ckpt, ns):
+    """Members counting to `ns` in one vmapped while_loop, each saving its counter
+    (plus one) when `ckpt` says (member k stops at ns[k]); then `ckpt.wait()`."""
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            ckpt.maybe_save(x + 1.0, i + 1)
+            return i + 1, x + 1.0
+
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    jax.jit(jax.vmap(run))(jnp.zeros(len(ns)), jnp.asarray(ns))
+    ckpt.wait()

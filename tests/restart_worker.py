@@ -90,19 +90,25 @@ def loop(directory, option):
     on_damaged = "raise" if option == "raise" else "fall_back"
     with jax_cb_ckpt.Checkpointer(directory, every=EVERY, on_damaged=on_damaged) as ckpt:
         state, start = ckpt.restore_or_init(jax.jit(init), jax.random.key(0))
-
-        @jax.jit
-        def train(state, start):
-            def body(i, state):
-                state = update(state, i)
-                ckpt.maybe_save(state, i + 1)
-                jax.debug.callback(_die_after, i + 1)
-                return state
-
-            return jax.lax.fori_loop(start, N, body, state)
-
-        final = train(state, start)
+        final = _train(ckpt, update, state, start)
     done(final, start=int(start))
+
+
+def _train(ckpt, step_fn, state, start):
+    """The resumable form: a fori_loop from the step resumed, saving `i + 1`, that
+    dies where the test asked (`_die_after`)."""
+
+    @jax.jit
+    def train(state, start):
+        def body(i, state):
+            state = step_fn(state, i)
+            ckpt.maybe_save(state, i + 1)
+            jax.debug.callback(_die_after, i + 1)
+            return state
+
+        return jax.lax.fori_loop(start, N, body, state)
+
+    return train(state, start)
 
 
 def scan_restarting(directory, option):
@@ -186,18 +192,7 @@ def weak(directory, option):
             done(final)
             return
         state, start = ckpt.restore_or_init(jax.jit(weak_init), jax.random.key(1))
-
-        @jax.jit
-        def train(state, start):
-            def body(i, state):
-                state = weak_body(i, state)
-                ckpt.maybe_save(state, i + 1)
-                jax.debug.callback(_die_after, i + 1)
-                return state
-
-            return jax.lax.fori_loop(start, N, body, state)
-
-        final = train(state, start)
+        final = _train(ckpt, lambda state, i: weak_body(i, state), state, start)
     done(final, start=int(start))
 
 

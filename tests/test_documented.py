@@ -21,6 +21,7 @@ from helpers import (
     start_process,
     state_at,
     wait_for_step,
+    while_batch,
 )
 
 import jax_cb_ckpt
@@ -315,17 +316,7 @@ def test_axis_name_over_some_of_a_shard_map_s_axes_saves_per_group(make_ckpt):
 
 def test_a_member_that_never_asked_keeps_the_newest_step_said_in_a_warning(make_ckpt):
     ckpt = make_ckpt(every=5)
-
-    def run(x, n):
-        def body(c):
-            i, x = c
-            ckpt.maybe_save(x + 1.0, i + 1)
-            return i + 1, x + 1.0
-
-        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
-
-    jax.jit(jax.vmap(run))(jnp.zeros(2), jnp.asarray([3, 10]))  # member 0 stops at 3
-    ckpt.wait()
+    while_batch(ckpt, [3, 10])  # member 0 stops at 3
     assert ckpt.all_steps() == [5, 10]
     with pytest.warns(jax_cb_ckpt.CheckpointWarning, match=r"member\(s\) 0 .* asked for no"):
         state, start = ckpt.restore_or_init(lambda: jnp.zeros(2))

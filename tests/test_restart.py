@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import data_files, flip, json_lines, run_child, state_at
+from helpers import data_files, flip, json_lines, run_child, state_at, while_batch
 
 import jax_cb_ckpt
 from jax_cb_ckpt import DamagedStepError, DamagedStepWarning, StepExistsError
@@ -352,17 +352,7 @@ def test_members_of_a_vmapped_while_loop_resume_each_from_their_own_step(tmp_pat
 def test_retention_keeps_each_members_newest_step(make_ckpt):
     """max_to_keep=1 deleted step 5, member 0's only state of its own."""
     ckpt = make_ckpt(every=5, max_to_keep=1)
-
-    def run(x, n):
-        def body(c):
-            i, x = c
-            ckpt.maybe_save(x + 1.0, i + 1)
-            return i + 1, x + 1.0
-
-        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
-
-    jax.jit(jax.vmap(run))(jnp.zeros(3), jnp.asarray([5, 10, 15]))
-    ckpt.wait()
+    while_batch(ckpt, [5, 10, 15])
     assert ckpt.all_steps() == [5, 10, 15]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -510,27 +500,12 @@ def test_restore_or_init_with_like_gives_a_fresh_start_the_loop_s_dtypes(make_ck
 # -- what an adversarial pass found (issue 41), each seen failing before its fix --------
 
 
-def _while_batch(ckpt, ns):
-    """Members counting to `ns` in one vmapped while_loop, saving every 5."""
-
-    def run(x, n):
-        def body(c):
-            i, x = c
-            ckpt.maybe_save(x + 1.0, i + 1)
-            return i + 1, x + 1.0
-
-        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
-
-    jax.jit(jax.vmap(run))(jnp.zeros(len(ns)), jnp.asarray(ns))
-    ckpt.wait()
-
-
 def test_damage_in_a_members_older_step_does_not_pass_over_the_newest(make_ckpt):
     """A bit of step 5 (member 0's newest own step) flipped: the restart blamed step 10
     (intact), set both aside and started from 0. Now step 10 is read, member 0 is said
     to have no readable step of its own, and nothing is moved."""
     ckpt = make_ckpt(every=5)
-    _while_batch(ckpt, [5, 10, 10, 10])
+    while_batch(ckpt, [5, 10, 10, 10])
     _flip_step(ckpt.directory, 5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -546,7 +521,7 @@ def test_one_member_without_step_comes_from_its_newest_own_step(make_ckpt):
     """restore(member=0) without step= refused "member (0,) did not save at step 10";
     a restart reads each member from the newest step it asked for, one member too."""
     ckpt = make_ckpt(every=5)
-    _while_batch(ckpt, [5, 10, 10, 10])
+    while_batch(ckpt, [5, 10, 10, 10])
     one = jax.ShapeDtypeStruct((), jnp.float32)
     assert float(jax_cb_ckpt.restore(ckpt.directory, one, member=0)) == 5.0
     assert float(jax_cb_ckpt.restore(ckpt.directory, one, member=1)) == 10.0
