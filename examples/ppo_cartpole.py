@@ -16,7 +16,8 @@ curve so far. `ckpt.run` restores the latest checkpoint and runs only the remain
 updates, so a killed or preempted run finishes exactly as if nothing had happened.
 SIGTERM is handled: the run saves, stops, and exits with 143; start it again to resume.
 
-Needs the test extra: pip install -e ".[test]" (flax, optax, gymnax).
+Needs the examples extra: pip install -e ".[examples]" (flax, optax, tqdm, gymnax;
+gymnax 1.0.1 requires jax<0.12).
 """
 
 from __future__ import annotations

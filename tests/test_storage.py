@@ -24,6 +24,7 @@ from helpers import (
     assert_same_state,
     free_port,
     kill_group,
+    needs,
     run_child,
     start_process,
     start_script,
@@ -1020,6 +1021,8 @@ except jax_cb_ckpt.ConfigError as e:
 # -- plain tools -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (gcsfs, which Orbax needs for gs://, comes with the slow extra)
+@needs("gcsfs", "slow")
 @pytest.mark.parametrize("remote", ["gs"], indirect=True)
 def test_plain_orbax_restores_a_gs_step(remote):
     """Orbax alone (gcsfs for the files, TensorStore for the arrays, both pointed at the
