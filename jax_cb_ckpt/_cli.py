@@ -147,6 +147,12 @@ def _ranking_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--top", type=int, default=None, metavar="N", help="with --best: the best N only"
     )
+    command.add_argument(
+        "--ignore-recorded",
+        action="store_true",
+        help="with --best and --mode: rank by --mode even where the steps were kept by "
+        "NAME with the other mode",
+    )
 
 
 def _ls(storage: Storage, args: argparse.Namespace) -> int:
@@ -191,14 +197,19 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         raise NoCheckpointError(f"no checkpoints in {directory}{_step_folder_hint(storage)}")
     if args.best is not None:
         rows = _ranked(rows, metas, rules, args, directory)
-    elif (args.mode, args.member, args.top) != (None, None, None):
-        raise ConfigError("--mode, --member and --top rank by a metric: pass --best NAME too.")
+    elif (args.mode, args.member, args.top) != (None, None, None) or args.ignore_recorded:
+        raise ConfigError(
+            "--mode, --member, --top and --ignore-recorded rank by a metric: pass --best NAME too."
+        )
     if args.json:
         retention = None if rules is None else rules.to_json()
         _print_json({"directory": directory, "retention": retention, "steps": rows})
         return 0
     names = sorted({name for meta in metas.values() for name in meta.metrics})
-    columns = [(name, [_metric_text(metas, r["step"], name) for r in rows]) for name in names]
+    columns = [  # (a row that is not a complete step, such as a step set aside: none)
+        (name, [_metric_text(metas, r["step"], name) if r["complete"] else "" for r in rows])
+        for name in names
+    ]
     if rules is not None:
         kept = [", ".join(r.get("kept_by", ())) or ("-" if r["complete"] else "") for r in rows]
         columns.append(("kept by", kept))
@@ -245,10 +256,12 @@ def _ranked(
     args: argparse.Namespace,
     directory: str,
 ) -> list[dict[str, Any]]:
-    """`ls --best NAME`: the complete steps with a value of NAME (NaN and a missing
-    value never count, as in `best_step`), best first; on a tie the step saved first
-    (as retention keeps it). Under vmap a step's value is its best member's, or member
-    `--member`'s. The mode: `--mode`, else the one the steps were kept by for NAME."""
+    """`ls --best NAME`: the complete steps with a value of NAME (NaN, a missing value
+    and a member's value at a step it did not ask for never count, as in `best_step`),
+    best first; on a tie the step saved first (as retention keeps it). Under vmap a
+    step's value is its best member's, or member `--member`'s (plain saves are then
+    left out). The mode: `--mode`, else the one the steps were kept by for NAME; a
+    `--mode` against it is refused unless `--ignore-recorded`."""
     import numpy as np  # (already imported by _format: no start-up cost)
 
     name, mode = args.best, args.mode
@@ -265,32 +278,44 @@ def _ranked(
                 f"{name!r} is better. Fix: add --mode max (higher is better) or --mode min."
             )
         mode = rules.mode
+    elif kept_by_it and rules is not None and mode != rules.mode and not args.ignore_recorded:
+        raise ConfigError(
+            f"--best {name!r} --mode {mode}: the steps were kept by {name!r} with mode "
+            f"{rules.mode}; --mode {mode} ranks them the other way (the worst would come "
+            "first). Fix: leave --mode out, or add --ignore-recorded to rank by it anyway."
+        )
     if args.top is not None and args.top <= 0:
         raise ConfigError(f"--top {args.top}: pass a positive number of steps.")
-    ranked = []
+    ranked, batched = [], False
     for r in rows:
         meta = metas.get(r["step"]) if r["complete"] else None
         if meta is None or (value := meta.metrics.get(name)) is None:
             continue
-        values = np.asarray(value, dtype=np.float64)
+        values = np.asarray(value, dtype=np.float64).ravel()
+        if meta.batch_shape:  # a member that did not ask has no state of its own there
+            values = np.where(np.asarray(meta.members, bool).ravel(), values, np.nan)
         if args.member is not None:
-            if values.ndim == 0 or not 0 <= args.member < values.size:
-                shape = values.shape
+            if np.ndim(value) == 0:
+                continue  # a plain save: no members
+            batched = True
+            if not 0 <= args.member < values.size:
                 raise ConfigError(
                     f"--member {args.member}: step {r['step']} holds {name!r} for a batch of "
-                    f"shape {shape} (flat indices 0..{values.size - 1}). Fix: a flat index in "
-                    "that range, or no --member for a plain save."
-                    if values.ndim
-                    else f"--member {args.member}: step {r['step']} is a plain save (no "
-                    "members). Fix: leave --member out."
+                    f"shape {np.shape(value)} (flat indices 0..{values.size - 1}). Fix: a "
+                    "flat index in that range."
                 )
-            values = values.ravel()[args.member : args.member + 1]
+            values = values[args.member : args.member + 1]
         counted = values[~np.isnan(values)]
         if counted.size == 0:
             continue
         best = float(counted.max() if mode == "max" else counted.min())
         order = -best if mode == "max" else best
         ranked.append((order, meta.saved_seconds or 0.0, r["step"], r))
+    if args.member is not None and not batched:
+        raise ConfigError(
+            f"--member {args.member}: the steps that recorded {name!r} are plain saves (no "
+            "members). Fix: leave --member out."
+        )
     ranked.sort(key=lambda item: item[:3])
     if not ranked:
         raise NoCheckpointError(f"no complete step in {directory} recorded {name!r} (not NaN)")

@@ -13,8 +13,9 @@ kept, and the writer builds no `Keeper` at all.
   reorder them), the first one with a save time, then each saved at least that long
   after the previous one kept so;
 - "best" (`keep_best`, `best`, `mode`): for each member of a vmapped run (a plain save
-  is one member), the N steps with the best value of the metric `best`. NaN and a
-  missing metric never count; on a tie the older step keeps its place.
+  is one member), the N steps with the best value of the metric `best`. NaN, a
+  missing metric and a member's value at a step it did not ask for never count; on a
+  tie the older step keeps its place.
 
 What a Keeper keeps is always what a pass from scratch over the steps it holds would
 keep: a step it lets go was outside every best set and the seconds chain, so its absence
@@ -227,7 +228,7 @@ class Keeper:
         self._stepped = {order: step for step, order in self._order.items()}
         if rules.keep_best is not None:  # in save order, as if each were just added
             for step in sorted(self._entries, key=self._order.__getitem__):
-                self._offer_best(step, self._entries[step].values)
+                self._offer_best(step, self._entries[step])
         # The chain in the order the steps were saved: a step saved later with a lower
         # number (a restarted counter) must not push out the steps it already kept.
         timed = sorted(
@@ -237,13 +238,15 @@ class Keeper:
             chained = True if step in kept else self._entries[step].chained
             self._offer_seconds(step, seconds, chained=chained)
 
-    def _items(self, step: int, values: np.ndarray | None) -> Iterator[tuple[int, Any]]:
-        """(member, (goodness, -order)) for each member whose value counts (not NaN):
-        on a tie, the step saved first ranks higher."""
+    def _items(self, step: int, entry: Entry) -> Iterator[tuple[int, Any]]:
+        """(member, (goodness, -order)) for each member whose value counts (not NaN,
+        and the member asked for the step: a finished member of a vmapped while_loop
+        has no state of its own there): on a tie, the step saved first ranks higher."""
         sign = 1 if self._rules.mode == "max" else -1
         order = self._order[step]
-        for member, value in enumerate(_flat(values)):
-            if value == value:  # NaN never counts as best
+        asked = None if entry.members is None else np.asarray(entry.members, bool).ravel()
+        for member, value in enumerate(_flat(entry.values)):
+            if value == value and (asked is None or member >= asked.size or asked[member]):
                 yield member, (sign * value, -order)
 
     def would_chain(self, seconds: float | None) -> bool:
@@ -268,11 +271,11 @@ class Keeper:
             last = self._chain_last
             self._chain_last = seconds if last is None else max(last, seconds)
 
-    def _offer_best(self, step: int, values: np.ndarray | None) -> None:
+    def _offer_best(self, step: int, entry: Entry) -> None:
         """Each member's best set, for a step above every held step: O(members log N)."""
         keep = self._rules.keep_best
         assert keep is not None
-        for member, item in self._items(step, values):
+        for member, item in self._items(step, entry):
             self._heaps.extend([] for _ in range(member + 1 - len(self._heaps)))
             heap = self._heaps[member]
             if len(heap) < keep:
@@ -342,7 +345,7 @@ class Keeper:
         self._offer_seconds(step, entry.seconds, chained=entry.chained)
         self._offer_members(step, entry.members)
         if self._rules.keep_best is not None:
-            self._offer_best(step, entry.values)
+            self._offer_best(step, entry)
 
     def remove(self, step: int) -> None:
         """A step deleted by someone else (an unknown step: nothing). One that shapes a
@@ -408,7 +411,7 @@ class Keeper:
             items = (
                 item
                 for step, entry in self._entries.items()
-                for at, item in self._items(step, entry.values)
+                for at, item in self._items(step, entry)
                 if index is None or at == index
             )
         top = max(items, default=None)

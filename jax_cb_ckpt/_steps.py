@@ -298,35 +298,50 @@ def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     under vmap has one row per member: `member` is its flat index (as in
     `best_step(member=)` and `restore(member=)`), `member_index` its index in the batch
     shape, `asked` whether it asked for the save and `member_step` its own step (a
-    vmapped while_loop's members may differ). `pandas.json_normalize(rows)` makes it a
+    vmapped while_loop's members may differ); so has a step whose metrics are 1-D for
+    a batch the state holds itself (`run(batched=True)`). `pandas.json_normalize(rows)` makes it a
     DataFrame. Reads each step's meta (a bucket's 16 at a time, one round trip each);
     a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
     saves; blocks the caller while it reads."""
     where = "metrics_table"
     storage = _storage.at(_format.resolve(directory, where))
-    metas = step_metas(storage, _listed(storage, where), concurrent_reads=True)
+    metas = step_metas(storage, _listed(storage, where), concurrent_reads=True, warn=where)
     kept = _policy.kept_by_each(metas)[1]
     rows: list[dict[str, Any]] = []
     for step, meta in metas.items():
         shared = {"saved_at": meta.saved_at, "kept_by": list(kept.get(step, ()))}
-        if meta.batch_shape == ():
-            values = {name: value.item() for name, value in meta.metrics.items()}
+        batch = meta.batch_shape or _held_batch(meta.metrics)
+        if batch == ():
+            values = {
+                name: value.item() if value.ndim == 0 else value.tolist()
+                for name, value in meta.metrics.items()
+            }
             rows.append({"step": step, "member": None, **shared, "metrics": values})
             continue
         own = meta.member_steps
-        for flat, index in enumerate(np.ndindex(meta.batch_shape)):
+        for flat, index in enumerate(np.ndindex(batch)):
             rows.append(
                 {
                     "step": step,
                     "member": flat,
                     "member_index": index,
-                    "asked": bool(meta.members[index]),
+                    "asked": bool(meta.members[index]) if meta.batch_shape else True,
                     "member_step": step if own is None else int(own[index]),
                     **shared,
-                    "metrics": {name: v[index].item() for name, v in meta.metrics.items()},
+                    "metrics": {
+                        name: (v if v.ndim == 0 else v[index]).item()
+                        for name, v in meta.metrics.items()
+                    },
                 }
             )
     return rows
+
+
+def _held_batch(metrics: dict[str, np.ndarray]) -> tuple[int, ...]:
+    """The batch of a step saved with 1-D metrics outside vmap (a batch the state holds
+    itself: `run(batched=True)`): their shape, when they agree; () otherwise."""
+    shapes = {value.shape for value in metrics.values() if value.ndim}
+    return shapes.pop() if len(shapes) == 1 else ()
 
 
 def best_step(
@@ -355,14 +370,19 @@ def best_step(
         raise ConfigError(f"{where}(best={best!r}): best must name a metric (a str).")
     if mode not in (None, "max", "min"):
         raise ConfigError(f"{where}(mode={mode!r}): mode must be 'max' or 'min'.")
-    metas = step_metas(storage, _listed(storage, where))
+    metas = step_metas(storage, _listed(storage, where), warn=where)
     recorded = _recorded_best(metas)
     best, mode = _best_rule(best, mode, recorded, ignore_recorded, storage.path)
     try:
         rules = _policy.Rules(keep_best=1, best=best, mode=mode)
     except ValueError as e:
         raise ConfigError(f"{where}(best={best!r}): {e}") from None
-    entries = [_policy.Entry(s, m.saved_seconds, m.best_values(best)) for s, m in metas.items()]
+    entries = [
+        _policy.Entry(
+            s, m.saved_seconds, m.best_values(best), None if m.members.all() else m.members
+        )
+        for s, m in metas.items()
+    ]
     keeper = _policy.Keeper(rules, entries)
     try:
         return keeper.best_step(member)
@@ -419,16 +439,25 @@ def _best_rule(
 
 
 def step_metas(
-    storage: Storage, steps: list[int], *, concurrent_reads: bool = False
+    storage: Storage,
+    steps: list[int],
+    *,
+    concurrent_reads: bool = False,
+    warn: str | None = None,
 ) -> dict[int, _format.StepMeta]:
     """The checked meta of each of `steps`; a step removed meanwhile or whose meta is
-    damaged is left out (a listing reports damaged steps). From a bucket (or with
+    damaged is left out (a listing reports damaged steps; with `warn`, the caller's
+    name, a `DamagedStepWarning` names each step still there whose meta did not read,
+    which a listing by files alone cannot see). From a bucket (or with
     `concurrent_reads`), 16 steps are read at a time (each is one round trip)."""
+
+    unreadable: dict[int, str] = {}
 
     def one(step: int) -> _format.StepMeta | None:
         try:
             return _format.StepMeta.parse(storage.open_step(step)[1])
-        except Exception:  # removed by retention meanwhile, or damaged since listed
+        except Exception as e:  # removed by retention meanwhile, or damaged since listed
+            unreadable[step] = f"{type(e).__name__}: {e}"[:300]
             return None
 
     if (storage.open_checks_step or concurrent_reads) and len(steps) > 1:  # a bucket
@@ -436,6 +465,17 @@ def step_metas(
             found = list(pool.map(one, steps))
     else:
         found = [one(step) for step in steps]
+    if warn is not None:
+        damaged = {s: why for s, why in sorted(unreadable.items()) if storage.exists(str(s))}
+        if damaged:
+            listed = "; ".join(f"step {s}: {why}" for s, why in damaged.items())
+            _warn.warn(
+                f"{warn}: {len(damaged)} step(s) of {storage.path!r} are listed but their "
+                f"description cannot be read, and are left out ({listed}). Nothing was "
+                "deleted. Fix: `jax-cb-ckpt verify` checks every step; restore the folder "
+                "from a good copy, or move it out of the directory.",
+                DamagedStepWarning,
+            )
     return {step: meta for step, meta in zip(steps, found, strict=True) if meta is not None}
 
 

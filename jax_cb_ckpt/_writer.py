@@ -222,7 +222,10 @@ class Writer:
         finally:
             self._group.writing = None  # peers waiting for this process wait on while set
         self._written(item, time.perf_counter() - start, checksum_s)
-        self._log.saved(item, time.perf_counter() - start, step.meta.get("metrics", {}))
+        try:  # what the log says never stops the writer (a thread that dies hangs saves)
+            self._log.saved(item, time.perf_counter() - start, step.meta.get("metrics", {}))
+        except Exception:
+            logger.debug("the log line of step %d failed", item.step, exc_info=True)
         return None
 
     def _write_as_primary(
@@ -448,7 +451,10 @@ def _brief(value: Any) -> str:
     values = np.asarray(value, dtype=np.float64).ravel()
     if values.size == 1:
         return f"{values[0]:.6g}"
-    return f"[{np.nanmin(values):.6g} .. {np.nanmax(values):.6g}]" if values.size else "[]"
+    counted = values[~np.isnan(values)]  # (nanmin warns on all NaN: the writer's thread
+    if counted.size == 0:  # would die of it where warnings are errors)
+        return f"[nan x{values.size}]" if values.size else "[]"
+    return f"[{counted.min():.6g} .. {counted.max():.6g}]"
 
 
 def _size(nbytes: int) -> str:

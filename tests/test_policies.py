@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import kill_group, run_child, start_script
+from helpers import flip_stored, kill_group, run_child, start_script
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, InvalidStateError
@@ -593,7 +594,19 @@ def test_ls_best_ranks_steps_by_a_metric(make_ckpt, ckpt_dir, capsys):
     code, out, _ = _ls(ckpt_dir, "--best", "return", capsys=capsys)
     assert code == 0
     assert [int(line.split()[0]) for line in out.splitlines()[2:]] == [20, 50, 10, 3]
-    code, out, _ = _ls(ckpt_dir, "--best", "return", "--mode", "max", "--top", "2", capsys=capsys)
+    code, _, err = _ls(ckpt_dir, "--best", "return", "--mode", "max", capsys=capsys)
+    assert code == 2 and "kept by 'return' with mode min" in err and "--ignore-recorded" in err
+    code, out, _ = _ls(
+        ckpt_dir,
+        "--best",
+        "return",
+        "--mode",
+        "max",
+        "--ignore-recorded",
+        "--top",
+        "2",
+        capsys=capsys,
+    )
     assert [int(line.split()[0]) for line in out.splitlines()[2:]] == [10, 3]
     code, out, _ = _ls(ckpt_dir, "--best", "other", "--mode", "max", "--json", capsys=capsys)
     assert [r["step"] for r in json.loads(out)["steps"]] == [3, 10, 20, 50]  # (40: NaN, gone)
@@ -607,7 +620,110 @@ def test_ls_best_ranks_steps_by_a_metric(make_ckpt, ckpt_dir, capsys):
     code, _, err = _ls(ckpt_dir, "--best", "nowhere", "--mode", "min", capsys=capsys)
     assert code == 2 and "no complete step" in err and "'nowhere'" in err
     code, _, err = _ls(ckpt_dir, "--best", "return", "--member", "1", capsys=capsys)
-    assert code == 2 and "is a plain save (no members)" in err
+    assert code == 2 and "are plain saves (no members)" in err
+
+
+def test_metrics_table_of_a_batch_the_state_holds_itself(make_ckpt, ckpt_dir):
+    """run(batched=True) records 1-D metrics for a batch the state holds without vmap:
+    the table crashed on them (`.item()` of a (3,) array); a row per index now."""
+    ckpt = make_ckpt(every=2)
+    body = lambda s, i: {"x": s["x"] + 1.0}  # noqa: E731
+    ckpt.run(body, {"x": jnp.arange(3.0)}, 4, batched=True, metrics=lambda s: {"x": s["x"]})
+    ckpt.save({"x": jnp.zeros(3)}, 5, metrics={"x": jnp.asarray([7.0, 8.0, 9.0]), "n": 2})
+    ckpt.close()
+    rows = jax_cb_ckpt.metrics_table(ckpt_dir)
+    assert [(r["step"], r["member"], r["asked"]) for r in rows] == [
+        (step, k, True) for step in (2, 4, 5) for k in range(3)
+    ]
+    assert [r["metrics"]["x"] for r in rows if r["step"] == 4] == [4.0, 5.0, 6.0]
+    assert [r["metrics"] for r in rows if r["step"] == 5][2] == {"x": 9.0, "n": 2}
+
+
+def test_metrics_table_and_best_step_name_a_step_whose_description_does_not_read(ckpt_dir):
+    """A step without the description record (an older version's) whose meta holds a
+    metric that is not a number: listed by its files, but metrics_table and best_step
+    left it out without the DamagedStepWarning the docs promise."""
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+        _save_all(ckpt, [1.0, 2.0, 3.0])
+    step = ckpt_dir / "2"
+    record = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+    record["custom_metadata"] = {}
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps(record))
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    meta["metrics"] = {"return": "high"}
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [1, 2, 3]  # (its files are whole)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"cannot be read.*\(step 2: "):
+        assert [r["step"] for r in jax_cb_ckpt.metrics_table(ckpt_dir)] == [1, 3]
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match=r"step 2: "):
+        assert jax_cb_ckpt.best_step(ckpt_dir, best="return", mode="max") == 3
+
+
+def test_a_member_s_value_where_it_did_not_ask_ranks_nowhere(make_ckpt, capsys):
+    """A vmapped while_loop whose member 0 stops at 5 and member 1 at 8, saving every
+    4: at step 8 member 0 holds its last state (5 updates) without asking. best_step,
+    ls --best --member 0 and keep_best ranked that value, so the best step named for
+    member 0 was one restore(member=0) refuses."""
+    ckpt = make_ckpt(every=4, keep_best=1, best="score", max_to_keep=1)
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            ckpt.maybe_save({"x": x + 1.0}, i + 1, metrics={"score": (x + 1.0).sum()})
+            return i + 1, x + 1.0
+
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))
+
+    jax.jit(jax.vmap(run))(jnp.zeros((2, 1)), jnp.asarray([5, 8]))
+    ckpt.wait()
+    assert jax_cb_ckpt.metadata(ckpt.directory, step=8)["members"] == [False, True]
+    assert ckpt.all_steps() == [4, 8]  # 4: member 0's newest and best (score 4)
+    assert jax_cb_ckpt.best_step(ckpt.directory, member=0) == 4
+    assert jax_cb_ckpt.best_step(ckpt.directory) == 8  # member 1's 8 is the best of all
+    code, out, _ = _ls(ckpt.directory, "--best", "score", "--member", "0", capsys=capsys)
+    assert code == 0 and [int(line.split()[0]) for line in out.splitlines()[2:]] == [4]
+    restored = jax_cb_ckpt.restore(ckpt.directory, {"x": jnp.zeros(1)}, step=4, member=0)
+    assert float(restored["x"][0]) == 4.0
+
+
+def test_an_all_nan_metric_under_vmap_never_stops_the_writer(make_ckpt):
+    """The log line of a save summed a batch's metric with nanmin, which warns on all
+    NaN: where warnings are errors (as here: pytest's filterwarnings) the writer's
+    thread died of it and the next saves waited for ever."""
+    ckpt = make_ckpt()
+    save = jax.jit(
+        jax.vmap(lambda x, s: ckpt.save({"x": x}, s, metrics={"loss": x * jnp.nan}), (0, None))
+    )
+    done = threading.Event()
+
+    def saves():
+        for step in range(1, 6):
+            save(jnp.ones(3), jnp.asarray(step))
+        ckpt.wait()
+        done.set()
+
+    thread = threading.Thread(target=saves, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert done.is_set(), "the saves never finished: the writer's thread died"
+    assert ckpt.all_steps() == [1, 2, 3, 4, 5]
+
+
+def test_ls_shows_no_metrics_for_a_step_set_aside(ckpt_dir, capsys):
+    """A step set aside by a restart showed the metrics of the step written again under
+    its number (looked up by step number)."""
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+        for step, r in ((1, 1.0), (2, 2.0)):
+            ckpt.save({"w": jnp.arange(1000.0) * step}, step, metrics={"r": r})
+    flip_stored(ckpt_dir / "2", np.arange(1000, dtype=np.float32)[100:120] * 2)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+        with jax_cb_ckpt.Checkpointer(ckpt_dir) as ckpt:
+            ckpt.restore_or_init(lambda: {"w": jnp.zeros(1000)})
+            ckpt.save({"w": jnp.ones(1000)}, 2, metrics={"r": 99.0})
+    code, out, _ = _ls(ckpt_dir, capsys=capsys)
+    assert code == 0
+    aside = [line for line in out.splitlines() if "set aside" in line]
+    assert len(aside) == 1 and "99" not in aside[0] and " 2 " not in aside[0][10:], aside
 
 
 def test_ls_best_under_vmap_ranks_by_the_best_member_or_one(make_ckpt, capsys):

@@ -110,6 +110,30 @@ def test_a_tie_keeps_the_older_step():
     assert rebuilt.best_step() == 3
 
 
+def test_a_member_s_value_at_a_step_it_did_not_ask_for_never_counts():
+    """A finished member of a vmapped while_loop holds its last state at later steps
+    without asking for them: its value there (here 9, its best) is no state of its own
+    at that step (restore(member=0, step=3) refuses it), so it neither enters member 0's
+    best set nor makes step 3 member 0's best step."""
+    asked = np.asarray([False, True])
+    keeper = Keeper(Rules(keep_best=1, best="r"))
+    keeper.add(Entry(1, 1.0, np.asarray([5.0, 1.0])))
+    keeper.add(Entry(2, 2.0, np.asarray([2.0, 2.0])))
+    keeper.add(Entry(3, 3.0, np.asarray([9.0, 0.0]), asked))
+    assert keeper.best_step(0) == 1 and keeper.best_step(1) == 2
+    assert keeper.best_step() == 1  # 9 at step 3 is member 0's value where it did not ask
+    assert keeper.kept_by(1) == ("best",) and keeper.kept_by(3) == ("newest",)
+    rebuilt = Keeper(
+        Rules(keep_best=1, best="r"),
+        [
+            Entry(1, 1.0, np.asarray([5.0, 1.0])),
+            Entry(2, 2.0, np.asarray([2.0, 2.0])),
+            Entry(3, 3.0, np.asarray([9.0, 0.0]), asked),
+        ],
+    )
+    assert rebuilt.best_step(0) == 1 and rebuilt.kept_by(1) == ("best",)
+
+
 # Union, newest, kept_by ---------------------------------------------------------------------
 
 
