@@ -409,8 +409,8 @@ def cross_sharded(
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
         _check_batched_metrics(signature)
-        _batched_save(host, signature, by_buffer)(
-            *_whole_batch(axis_size, in_batched, step, wanted, payload)
+        _batched_save(host, signature, by_buffer, levels=((axis_size, in_batched),))(
+            step, wanted, payload
         )
         return (), ()
 
@@ -460,25 +460,32 @@ def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
     return jnp.concatenate([x.astype(dtype) for x in flat])
 
 
-def _broadcast(x: jax.Array, batched: bool, size: int) -> jax.Array:
+# The vmaps applied to a save so far, outermost first: (axis size, which of `step`,
+# `wanted` and each payload leaf carry that axis), as a `custom_vmap` rule receives them.
+Levels = tuple[tuple[int, tuple[bool, bool, list[bool]]], ...]
+
+
+def _broadcast(x: jax.Array, flags: Sequence[tuple[int, bool]]) -> jax.Array:
+    """`x` with the axis of every level it lacks, in place: `flags` is (size, batched)
+    per level, outermost first (the axes of the levels it has are already there)."""
     x = jnp.asarray(x)
-    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
+    for position, (size, batched) in enumerate(flags):
+        if not batched:
+            x = jnp.expand_dims(x, position)
+            x = jnp.broadcast_to(x, (*x.shape[:position], size, *x.shape[position + 1 :]))
+    return x
 
 
 def _whole_batch(
-    axis_size: int,
-    in_batched: tuple[bool, bool, list[bool]],
-    step: jax.Array,
-    wanted: jax.Array,
-    payload: list[jax.Array],
+    levels: Levels, step: jax.Array, wanted: jax.Array, payload: list[jax.Array]
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """A `custom_vmap` rule's operands with the batch axis on each: the unbatched ones
-    broadcast, so the host gets the whole batch and a per-member mask."""
-    step_b, wanted_b, payload_b = in_batched
+    """A save's operands with every vmap's axis on each: the unbatched ones broadcast,
+    so the host gets the whole batch and a per-member mask. Done inside the save's
+    branch: a step that does not save broadcasts nothing."""
     return (
-        _broadcast(step, step_b, axis_size),
-        _broadcast(wanted, wanted_b, axis_size),
-        [_broadcast(p, b, axis_size) for p, b in zip(payload, payload_b, strict=True)],
+        _broadcast(step, [(size, b[0]) for size, b in levels]),
+        _broadcast(wanted, [(size, b[1]) for size, b in levels]),
+        [_broadcast(p, [(size, b[2][i]) for size, b in levels]) for i, p in enumerate(payload)],
     )
 
 
@@ -490,14 +497,23 @@ def _per_device_by_buffer(by_buffer: bool) -> bool:
 
 
 def _batched_save(
-    host: Host, signature: Signature, by_buffer: bool, *, always: bool = False
+    host: Host,
+    signature: Signature,
+    by_buffer: bool,
+    *,
+    always: bool = False,
+    levels: Levels = (),
 ) -> _Save:
     """`save(step, wanted, payload)`: one crossing when any member's `wanted` holds
     (`always`: the save is unconditional, and crosses with no `cond` around it).
 
-    Unbatched, `wanted` is a scalar. Each `vmap` applied from outside prepends its axis to
-    `wanted`, `step` and every payload leaf (broadcasting unbatched ones), so the host gets
-    the whole batch with a leading axis per `vmap` and the per-member mask.
+    Unbatched, `wanted` is a scalar. Each `vmap` applied from outside gives the host its
+    axis on `wanted`, `step` and every payload leaf (`levels`: the rule makes a new save
+    that knows it), so the host gets the whole batch with a leading axis per `vmap` and
+    the per-member mask. Operands go into the `cond` as they are and are broadcast in
+    its branch: each one that enters is a thunk in the loop body at every step, and
+    XLA:CPU runs a body of up to 8 thunks in order, a longer one through its dataflow
+    executor (~0.5 us a step more on a tiny step; docs/benchmarks.md).
     """
     callback = functools.partial(host, signature)
     end_run = functools.partial(host.end_run, signature)
@@ -506,6 +522,7 @@ def _batched_save(
     @jax.custom_batching.custom_vmap
     def save(step, wanted, payload):
         def crossing(step, wanted, payload):
+            step, wanted, payload = _whole_batch(levels, step, wanted, payload)
             if by_buffer:
                 # The data goes through a pure buffer_callback (XLA's buffers, copied
                 # once by the host side); its token feeds a debug.callback, whose effect
@@ -522,6 +539,16 @@ def _batched_save(
 
         if always:
             crossing(step, wanted, payload)
+        elif jnp.ndim(wanted) == 0:
+            # One decision for every member: the branch runs only when it holds, so
+            # `wanted` is not passed in (an operand, and a thunk, less).
+            jax.lax.cond(
+                wanted,
+                lambda step, payload: crossing(step, jnp.asarray(True), payload),
+                lambda *_: None,
+                step,
+                payload,
+            )
         else:
             jax.lax.cond(jnp.any(wanted), crossing, lambda *_: None, step, wanted, payload)
         return ()
@@ -529,7 +556,10 @@ def _batched_save(
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
         _check_batched_metrics(signature)
-        save(*_whole_batch(axis_size, in_batched, step, wanted, payload))
+        level = ((axis_size, in_batched),)
+        _batched_save(host, signature, by_buffer, always=always, levels=level + levels)(
+            step, wanted, payload
+        )
         return (), ()
 
     return save
