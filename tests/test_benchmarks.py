@@ -184,3 +184,17 @@ def test_policies_benchmark_reports_device_ratios_and_retention_per_save(tmp_pat
         # max_to_keep=n, keep_every=7 and the best 3: about n of the n + saves steps
         assert int(n) <= row["steps_on_disk"] <= int(n) + int(n) // 7 + 4 + 3
     assert "x plain" in printed and "kept: retention" in printed
+
+
+@pytest.mark.slow  # ~40 s
+def test_hot_path_benchmark_reports_each_step_size_next_to_the_cond_floor(tmp_path):
+    out = tmp_path / "hot"
+    printed = _run("benchmarks.hot_path", "--quick", "--reps", "1", "--out", str(out), timeout=600)
+    report = json.loads((out / "results.json").read_text())
+    assert [r["size"] for r in report["rows"]] == ["~1 us", "~10 us", "~1 ms"]
+    methods = {"bare", "cond", "cond_debug_callback", "maybe_save_never", "maybe_save"}
+    for row in report["rows"]:
+        assert set(row["x_bare"]) == methods | {"ckpt_scan"}
+        assert all(v > 0 for v in row["seconds"].values())
+        assert all(isinstance(row["body_thunks"][m], int) for m in methods)
+    assert (out / "results.md").read_text() in printed.stdout
