@@ -541,7 +541,10 @@ def _batched_save(
             crossing(step, wanted, payload)
         elif jnp.ndim(wanted) == 0:
             # One decision for every member: the branch runs only when it holds, so
-            # `wanted` is not passed in (an operand, and a thunk, less).
+            # `wanted` is not passed in (an operand, and a thunk, less). A vmap over
+            # no member has nothing to save (as `any` of its empty mask says).
+            if any(size == 0 for size, _ in levels):
+                return ()
             jax.lax.cond(
                 wanted,
                 lambda step, payload: crossing(step, jnp.asarray(True), payload),

@@ -112,3 +112,26 @@ def test_nested_vmaps_broadcast_each_unbatched_operand_inside_the_branch(tmp_pat
     rows = jax_cb_ckpt.metrics_table(tmp_path)
     assert [r["member_index"] for r in rows] == [(o, i) for o in range(3) for i in range(2)]
     assert [r["asked"] for r in rows] == [False, True] * 3
+
+
+@pytest.mark.parametrize("crossing", ["buffer", "callback"])
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0, 3)])
+def test_a_vmap_over_no_member_saves_nothing(tmp_path, crossing, shape):
+    """A helper's find: with the decision shared by all members (a scalar), the save
+    no longer went through `any` of the broadcast mask, and a vmap over zero members
+    crossed with an empty batch, which the host refused ("different steps []")."""
+    with jax_cb_ckpt.Checkpointer(tmp_path, every=2, crossing=crossing) as ckpt:
+
+        def member(w):
+            def body(w, i):
+                ckpt.maybe_save({"w": w}, i)
+                return w + 1, None
+
+            return jax.lax.scan(body, w, jnp.arange(5))[0]
+
+        program = jax.vmap(member)
+        for _ in range(len(shape) - 2):
+            program = jax.vmap(program)
+        out = jax.jit(program)(jnp.zeros(shape))
+    assert out.shape == shape
+    assert jax_cb_ckpt.all_steps(tmp_path) == []
