@@ -11,7 +11,13 @@ One jitted `lax.scan` of a tanh-matmul step (`x = tanh(x @ w)`) at three sizes, 
 - `cond_debug_callback`: the step with `lax.cond(never, jax.debug.callback(...))`;
 - `maybe_save_never`: `ckpt.maybe_save(x, i + 1)` with `every=10**9` (never fires);
 - `maybe_save`: the same with `every` = steps / 20 (20 saves);
-- `ckpt_scan`: `ckpt.scan(..., every=steps / 20)` (20 saves, no conditional per step).
+- `ckpt_scan`: `ckpt.scan(..., every=steps / 20)` (20 saves, no conditional per step);
+- `bare_writes` and `bare_step_writes`, two ceilings of the saves' background work:
+  bare, while a thread makes 20 writes evenly over the loop, each in a new directory
+  renamed into place with every file and directory fsynced and the write of two before
+  deleted (`max_to_keep=2`): of one file of the state's bytes, and of the files of a
+  step the library wrote (same names and sizes). On a machine whose cores the step
+  uses, writing takes CPU from it: the loop pays for the writes whoever makes them.
 
 Next to each row: the number of thunks in the compiled loop body. XLA:CPU runs a loop
 body in program order when it has at most 8 thunks (or every buffer it touches is at most
@@ -27,8 +33,11 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +48,7 @@ import numpy as np
 import jax_cb_ckpt
 
 from .harness import medians, rotated, timed, write_results
+from .writer import fsync_dir
 
 NEVER = 10**9
 SAVES = 20
@@ -49,6 +59,8 @@ METHODS = (
     "maybe_save_never",
     "maybe_save",
     "ckpt_scan",
+    "bare_writes",
+    "bare_step_writes",
 )
 # (name, rows of x, width of w, steps): about 1 us, 10 us and 1 ms a step on 2 cores.
 SIZES = (("~1 us", 8, 64, 200_000), ("~10 us", 16, 128, 30_000), ("~1 ms", 256, 512, 300))
@@ -113,6 +125,66 @@ def programs(rows: int, width: int, n: int, directory: str) -> dict[str, Any]:
     }
 
 
+class Writes:
+    """`SAVES` writes in a thread, one every `period` seconds, each of `pattern` (paths
+    and sizes relative to a step; one file: a plain write): the files written and
+    fsynced in a new directory, every directory fsynced, the directory renamed into
+    place and its parent fsynced; the write of two before deleted (`max_to_keep=2`)."""
+
+    def __init__(self, directory: str, pattern: list[tuple[str, int]], period: float) -> None:
+        self.directory, self.pattern, self.period = directory, pattern, period
+        self.thread: threading.Thread | None = None
+        self.round = 0
+
+    def start(self) -> None:
+        self.round += 1
+        self.thread = threading.Thread(target=self._write, args=(self.round,))
+        self.thread.start()
+
+    def join(self) -> None:
+        assert self.thread is not None
+        self.thread.join()
+
+    def _write(self, round_: int) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        begin = time.perf_counter()
+        for k in range(SAVES):
+            time.sleep(max(0.0, begin + k * self.period - time.perf_counter()))
+            self._one(os.path.join(self.directory, f"{round_}-{k}"))
+            if k >= 2:
+                shutil.rmtree(os.path.join(self.directory, f"{round_}-{k - 2}"))
+        for k in range(max(0, SAVES - 2), SAVES):
+            shutil.rmtree(os.path.join(self.directory, f"{round_}-{k}"))
+
+    def _one(self, final: str) -> None:
+        partial = final + ".partial"
+        directories = {partial}
+        for relative, size in self.pattern:
+            path = os.path.join(partial, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            directories.add(os.path.dirname(path))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, os.urandom(size))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for path in sorted(directories, reverse=True):
+            fsync_dir(path)
+        os.rename(partial, final)
+        fsync_dir(self.directory)
+
+
+def step_pattern(step_directory: str) -> list[tuple[str, int]]:
+    """(path relative to the step, size) of every file of a step the library wrote."""
+    pattern = []
+    for root, _, files in os.walk(step_directory):
+        for name in files:
+            path = os.path.join(root, name)
+            pattern.append((os.path.relpath(path, step_directory), os.path.getsize(path)))
+    return sorted(pattern)
+
+
 def body_thunks(program: Callable, x: jax.Array) -> int | None:
     """Thunks in the compiled program's first while-loop body (None: no loop found)."""
     text = program.lower(x, 0).compile().as_text()
@@ -133,17 +205,34 @@ def measure(name: str, rows: int, width: int, n: int, reps: int) -> dict[str, An
         built = programs(rows, width, n, directory)
         x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, width)), jnp.float32)
         thunks = {m: body_thunks(fn, x) for m, (fn, _) in built.items()}
+        thunks["bare_writes"] = thunks["bare_step_writes"] = thunks["bare"]
         for fn, ckpt in built.values():  # compile (and the first saves) outside the clock
             jax.block_until_ready(fn(x, 0))
             if ckpt is not None:
                 ckpt.wait()
+        period = timed(built["bare"][0], x, 0) / SAVES
+        saving = built["maybe_save"][1]
+        assert saving is not None
+        newest = max(jax_cb_ckpt.all_steps(saving.directory))
+        ceilings = {
+            "bare_writes": [("state", int(np.asarray(x).nbytes))],
+            "bare_step_writes": step_pattern(os.path.join(saving.directory, str(newest))),
+        }
+        writes = {
+            m: Writes(os.path.join(directory, m), pattern, period)
+            for m, pattern in ceilings.items()
+        }
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         for rep in range(reps):
             for m in rotated(METHODS, rep):
-                fn, ckpt = built[m]
+                fn, ckpt = built["bare" if m in writes else m]
+                if m in writes:
+                    writes[m].start()
                 times[m].append(timed(fn, x, (rep + 1) * OFFSET))
                 if ckpt is not None:
                     ckpt.wait()  # the saves' writes stay out of the next method's time
+                if m in writes:
+                    writes[m].join()
         for _, ckpt in built.values():
             if ckpt is not None:
                 ckpt.close()

@@ -159,15 +159,15 @@ def durable_commit(directory: str, name: str, previous: str | None = None) -> fl
         with open(os.path.join(tmp, part), "wb", buffering=0) as f:
             f.write(b"x" * 100)
             os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     if previous is not None:
         shutil.rmtree(os.path.join(directory, previous), ignore_errors=True)
     return time.perf_counter() - start
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -194,7 +194,7 @@ def test_hot_path_benchmark_reports_each_step_size_next_to_the_cond_floor(tmp_pa
     assert [r["size"] for r in report["rows"]] == ["~1 us", "~10 us", "~1 ms"]
     methods = {"bare", "cond", "cond_debug_callback", "maybe_save_never", "maybe_save"}
     for row in report["rows"]:
-        assert set(row["x_bare"]) == methods | {"ckpt_scan"}
+        assert set(row["x_bare"]) == methods | {"ckpt_scan", "bare_writes", "bare_step_writes"}
         assert all(v > 0 for v in row["seconds"].values())
         assert all(isinstance(row["body_thunks"][m], int) for m in methods)
     assert (out / "results.md").read_text() in printed.stdout
