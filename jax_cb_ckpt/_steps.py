@@ -93,15 +93,21 @@ def _listed(storage: Storage, what: str) -> list[int]:
         step: f.why for step, f in sorted(found.items()) if f.kind in ("damaged", "unreadable")
     }
     if damaged:
-        listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
-        _warn.warn(
+        _warn_left_out(
+            damaged,
             f"{what}: {len(damaged)} step folder(s) of {path!r} claim to be jax_cb_ckpt "
-            f"checkpoints but are damaged and are not listed ({listed}). Nothing was "
-            "deleted. Fix: restore the folder from a good copy, or move it out of the "
-            "directory; `jax-cb-ckpt verify` checks every step.",
-            DamagedStepWarning,
+            "checkpoints but are damaged and are not listed",
+            "restore the folder from a good copy, or move it out of the directory; "
+            "`jax-cb-ckpt verify` checks every step.",
         )
     return sorted(step for step, f in found.items() if f.kind == "complete")
+
+
+def _warn_left_out(damaged: dict[int, str], said: str, fix: str) -> None:
+    """A `DamagedStepWarning`: `said` (which steps were left out of what), each step with
+    why, that nothing was deleted, and `fix`."""
+    listed = "; ".join(f"step {step}: {why}" for step, why in damaged.items())
+    _warn.warn(f"{said} ({listed}). Nothing was deleted. Fix: {fix}", DamagedStepWarning)
 
 
 def check_step_arg(step: object, what: str) -> int | None:
@@ -378,13 +384,7 @@ def best_step(
         rules = _policy.Rules(keep_best=1, best=best, mode=mode)
     except ValueError as e:
         raise ConfigError(f"{where}(best={best!r}): {e}") from None
-    entries = [
-        _policy.Entry(
-            s, m.saved_seconds, m.best_values(best), None if m.members.all() else m.members
-        )
-        for s, m in metas.items()
-    ]
-    keeper = _policy.Keeper(rules, entries)
+    keeper = _policy.Keeper(rules, [_policy.entry_of(s, m, rules) for s, m in metas.items()])
     try:
         return keeper.best_step(member)
     except ValueError as e:
@@ -466,13 +466,12 @@ def step_metas(
     if warn is not None:
         damaged = {s: why for s, why in sorted(unreadable.items()) if storage.exists(str(s))}
         if damaged:
-            listed = "; ".join(f"step {s}: {why}" for s, why in damaged.items())
-            _warn.warn(
+            _warn_left_out(
+                damaged,
                 f"{warn}: {len(damaged)} step(s) of {storage.path!r} are listed but their "
-                f"description cannot be read, and are left out ({listed}). Nothing was "
-                "deleted. Fix: `jax-cb-ckpt verify` checks every step; restore the folder "
-                "from a good copy, or move it out of the directory.",
-                DamagedStepWarning,
+                "description cannot be read, and are left out",
+                "`jax-cb-ckpt verify` checks every step; restore the folder from a good "
+                "copy, or move it out of the directory.",
             )
     return {step: meta for step, meta in zip(steps, found, strict=True) if meta is not None}
 
