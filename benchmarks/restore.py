@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _remote
-from jax_cb_ckpt._format import CHUNK_BYTES
+from jax_cb_ckpt._layout._format import CHUNK_BYTES
+from jax_cb_ckpt._storage import _remote
 
 from .harness import medians, rotated, write_results
 from .run import machine
@@ -143,17 +143,18 @@ def _verify_with_tensorstore(directory: str) -> list[int]:
 def _with_tensorstore_index(read: Callable[[], Any]) -> Any:
     """`read()` with every local step's index read by TensorStore (the package's own
     reader refuses it, as it refuses an index it does not understand)."""
-    from jax_cb_ckpt import _ocdbt, _storage
+    from jax_cb_ckpt._layout import _ocdbt
+    from jax_cb_ckpt._storage import _places
 
-    def refuse(self: _storage.Local, step: int) -> _ocdbt.Database:
+    def refuse(self: _places.Local, step: int) -> _ocdbt.Database:
         raise _ocdbt.Unsupported("read by TensorStore (benchmark)")
 
-    own = _storage.Local.index
-    _storage.Local.index = refuse  # type: ignore[method-assign]
+    own = _places.Local.index
+    _places.Local.index = refuse  # type: ignore[method-assign]
     try:
         return read()
     finally:
-        _storage.Local.index = own  # type: ignore[method-assign]
+        _places.Local.index = own  # type: ignore[method-assign]
 
 
 def run_case(base: str, name: str, make: Callable[[], Any], reps: int, cold: bool) -> dict:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _remote
+from jax_cb_ckpt._storage import _remote
 
 from .harness import rotated, write_results
 from .run import machine

@@ -8,58 +8,58 @@ warning types are imported at once: they need nothing.
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from . import _exit  # noqa: F401  (the exit hook: registered at import, _exit.py)
-from ._errors import CheckpointerClosedError as CheckpointerClosedError
-from ._errors import CheckpointError as CheckpointError
-from ._errors import CheckpointWarning as CheckpointWarning
-from ._errors import ConfigError as ConfigError
-from ._errors import DamagedStepError as DamagedStepError
-from ._errors import DamagedStepWarning as DamagedStepWarning
-from ._errors import DirectoryLockedError as DirectoryLockedError
-from ._errors import DuplicateStepWarning as DuplicateStepWarning
-from ._errors import ForeignStepWarning as ForeignStepWarning
-from ._errors import InvalidStateError as InvalidStateError
-from ._errors import NoCheckpointError as NoCheckpointError
-from ._errors import RestoreError as RestoreError
-from ._errors import SaveError as SaveError
-from ._errors import SaveFailedWarning as SaveFailedWarning
-from ._errors import SkippedSaveWarning as SkippedSaveWarning
-from ._errors import StepExistsError as StepExistsError
-from ._errors import StepOrderWarning as StepOrderWarning
-from ._errors import StructureMismatchError as StructureMismatchError
-from ._errors import UnflushedSaveWarning as UnflushedSaveWarning
+from ._base._errors import CheckpointerClosedError as CheckpointerClosedError
+from ._base._errors import CheckpointError as CheckpointError
+from ._base._errors import CheckpointWarning as CheckpointWarning
+from ._base._errors import ConfigError as ConfigError
+from ._base._errors import DamagedStepError as DamagedStepError
+from ._base._errors import DamagedStepWarning as DamagedStepWarning
+from ._base._errors import DirectoryLockedError as DirectoryLockedError
+from ._base._errors import DuplicateStepWarning as DuplicateStepWarning
+from ._base._errors import ForeignStepWarning as ForeignStepWarning
+from ._base._errors import InvalidStateError as InvalidStateError
+from ._base._errors import NoCheckpointError as NoCheckpointError
+from ._base._errors import RestoreError as RestoreError
+from ._base._errors import SaveError as SaveError
+from ._base._errors import SaveFailedWarning as SaveFailedWarning
+from ._base._errors import SkippedSaveWarning as SkippedSaveWarning
+from ._base._errors import StepExistsError as StepExistsError
+from ._base._errors import StepOrderWarning as StepOrderWarning
+from ._base._errors import StructureMismatchError as StructureMismatchError
+from ._base._errors import UnflushedSaveWarning as UnflushedSaveWarning
 from ._version import version as _version
+from ._write import _exit  # noqa: F401  (the exit hook: registered at import, _write/_exit.py)
 
 if _TYPE_CHECKING:
-    from ._checkpointer import Checkpointer as Checkpointer
-    from ._preempt import Preempted as Preempted
-    from ._restore import restore as restore
-    from ._stats import SaveRecord as SaveRecord
-    from ._stats import Stats as Stats
-    from ._steps import all_steps as all_steps
-    from ._steps import best_step as best_step
-    from ._steps import latest_step as latest_step
-    from ._steps import metadata as metadata
-    from ._steps import metrics as metrics
-    from ._steps import metrics_table as metrics_table
-    from ._steps import verify as verify
-    from ._tree import same_bits as same_bits
+    from ._read._rebuild import same_bits as same_bits
+    from ._read._restore import restore as restore
+    from ._read._steps import all_steps as all_steps
+    from ._read._steps import best_step as best_step
+    from ._read._steps import latest_step as latest_step
+    from ._read._steps import metadata as metadata
+    from ._read._steps import metrics as metrics
+    from ._read._steps import metrics_table as metrics_table
+    from ._read._steps import verify as verify
+    from ._save._stats import SaveRecord as SaveRecord
+    from ._save._stats import Stats as Stats
+    from ._user._checkpointer import Checkpointer as Checkpointer
+    from ._user._preempt import Preempted as Preempted
 
 # {public name: the private module it comes from}, imported on first use.
 _LAZY = {
-    "Checkpointer": "_checkpointer",
-    "Preempted": "_preempt",
-    "all_steps": "_steps",
-    "best_step": "_steps",
-    "latest_step": "_steps",
-    "metadata": "_steps",
-    "metrics": "_steps",
-    "metrics_table": "_steps",
-    "restore": "_restore",
-    "verify": "_steps",
-    "SaveRecord": "_stats",
-    "Stats": "_stats",
-    "same_bits": "_tree",
+    "Checkpointer": "_user._checkpointer",
+    "Preempted": "_user._preempt",
+    "all_steps": "_read._steps",
+    "best_step": "_read._steps",
+    "latest_step": "_read._steps",
+    "metadata": "_read._steps",
+    "metrics": "_read._steps",
+    "metrics_table": "_read._steps",
+    "restore": "_read._restore",
+    "verify": "_read._steps",
+    "SaveRecord": "_save._stats",
+    "Stats": "_save._stats",
+    "same_bits": "_read._rebuild",
 }
 
 __version__ = _version()

@@ -1,7 +1,7 @@
-"""`python -m jax_cb_ckpt ls|show|verify DIRECTORY`: see jax_cb_ckpt/_cli.py."""
+"""`python -m jax_cb_ckpt ls|show|verify DIRECTORY`: see jax_cb_ckpt/_cli/_main.py."""
 
 import sys
 
-from ._cli import main
+from ._cli._main import main
 
 sys.exit(main())

@@ -295,7 +295,7 @@ def run_twice(tmp_path, code):
 def checked_options(directory, **changes):
     """`_options.checked` of `directory` with the Checkpointer's defaults but
     `changes` (a stage's unit tests build the options without a Checkpointer)."""
-    from jax_cb_ckpt._options import checked
+    from jax_cb_ckpt._user._options import checked
 
     given = dict(
         every=None,
@@ -318,7 +318,7 @@ def same_as_tensorstore(root):
     other; the number of keys."""
     import tensorstore as ts
 
-    from jax_cb_ckpt import _ocdbt
+    from jax_cb_ckpt._layout import _ocdbt
 
     own = _ocdbt.Database(str(root))
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()

@@ -294,10 +294,10 @@ def stopped_before_commit(mesh):
     from jax._src import distributed
 
     if PID == 0:
-        from jax_cb_ckpt import _storage  # (the package imports it on first use)
+        from jax_cb_ckpt._storage import _places
 
         commits = []
-        commit_step = _storage.Local.commit
+        commit_step = _places.Local.commit
 
         def stopping(*args):
             commits.append(args)
@@ -305,7 +305,7 @@ def stopped_before_commit(mesh):
                 os.kill(os.getpid(), signal.SIGSTOP)
             return commit_step(*args)
 
-        _storage.Local.commit = stopping
+        _places.Local.commit = stopping
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, peer_timeout=TIMEOUT)
     state, save = _small_saver(mesh, ckpt)
     start = time.perf_counter()
@@ -509,7 +509,7 @@ def main():
         ckpt.wait()
         killed_mid_run(ckpt, shardings, final, findings)
     if MODE == "remote":  # DIRECTORY is a gs:// or s3:// URL (test_storage.py)
-        from jax_cb_ckpt import _remote
+        from jax_cb_ckpt._storage import _remote
 
         with jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT) as ckpt:
             final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))

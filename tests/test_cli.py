@@ -193,7 +193,7 @@ def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
 
     probe = (
         "import sys, runpy; sys.argv = ['jax-cb-ckpt', *sys.argv[1:]]\n"
-        "from jax_cb_ckpt._cli import main\n"
+        "from jax_cb_ckpt._cli._main import main\n"
         "code = main()\n"
         "heavy = [m for m in ('jax', 'orbax.checkpoint', 'tensorstore') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
@@ -211,7 +211,7 @@ def test_the_cli_starts_at_once_and_imports_neither_jax_nor_orbax(saved):
 
 VERIFY_PROBE = (
     "import sys; sys.argv = ['jax-cb-ckpt', 'verify', sys.argv[1]]\n"
-    "from jax_cb_ckpt._cli import main\n"
+    "from jax_cb_ckpt._cli._main import main\n"
     "code = main()\n"
     "print('TENSORSTORE', 'tensorstore' in sys.modules, 'CODE', code)\n"
 )
@@ -222,7 +222,7 @@ def test_verify_reads_with_tensorstore_what_its_own_reader_does_not(tmp_path, mo
     whose index is compressed (this package's before 2026-12-04, and Orbax's) TensorStore's
     OCDBT reader: verify imports it for those and checks them as well; a flipped bit in
     either is still found."""
-    from jax_cb_ckpt import _store
+    from jax_cb_ckpt._write import _store
 
     big = {"w": np.random.default_rng(0).standard_normal((512, 300)).astype(np.float32)}
     compressed, old = tmp_path / "compressed", tmp_path / "old"

@@ -171,14 +171,15 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     in an error of another code do not make it damage."""
     import tensorstore as ts
 
-    from jax_cb_ckpt import _remote, _steps, _storage
+    from jax_cb_ckpt._read import _steps
+    from jax_cb_ckpt._storage import _places, _remote
 
     with pytest.raises(ValueError) as real:  # a real TensorStore error
         ts.open({"driver": "zarr", "kvstore": f"file://{tmp_path}/none/"}, open=True).result()
     assert _remote.status(real.value) == "NOT_FOUND"
     with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save({"w": np.arange(3.0)}, 1)
-    storage = _storage.at(str(tmp_path / "c"))
+    storage = _places.at(str(tmp_path / "c"))
     seen = storage.open_step(1)[0]
 
     def classified(error):

@@ -25,7 +25,9 @@ from helpers import (
 )
 
 import jax_cb_ckpt
-from jax_cb_ckpt import ConfigError, _remote, _route, _stats
+from jax_cb_ckpt import ConfigError
+from jax_cb_ckpt._save import _route, _stats
+from jax_cb_ckpt._storage import _remote
 
 CLI = Path(sys.executable).with_name("jax-cb-ckpt")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -492,7 +494,7 @@ def test_a_second_process_without_jax_distributed_is_told_to_initialize_it(tmp_p
 
 _ON_GPU = """
 import sys, jax, jax.numpy as jnp, numpy as np, jax_cb_ckpt
-from jax_cb_ckpt import _traced
+from jax_cb_ckpt._save import _traced
 if not any(d.platform == "gpu" for d in jax.devices()):
     print("no gpu"); sys.exit(0)
 assert _traced.buffer_by_default(), "auto is not the buffer crossing on this GPU"

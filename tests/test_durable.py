@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jax_cb_ckpt import _durable
+from jax_cb_ckpt._storage import _durable
 
 
 def _mounted_type(path: str) -> str | None:

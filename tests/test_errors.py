@@ -17,15 +17,9 @@ import pytest
 from helpers import state_at
 
 import jax_cb_ckpt
-from jax_cb_ckpt import (
-    ConfigError,
-    InvalidStateError,
-    NoCheckpointError,
-    RestoreError,
-    SaveError,
-    _ocdbt,
-    _storage,
-)
+from jax_cb_ckpt import ConfigError, InvalidStateError, NoCheckpointError, RestoreError, SaveError
+from jax_cb_ckpt._layout import _ocdbt
+from jax_cb_ckpt._storage import _places
 
 
 @pytest.mark.parametrize(
@@ -413,7 +407,7 @@ def test_hand_edited_metadata_is_a_restore_error(make_ckpt, ckpt_dir, edit, matc
     # Rewritten with its record in the step file, as the writer would have written it:
     # the description itself must be checked (an edit alone is found damaged earlier,
     # test_hostile.py).
-    _storage.at(str(ckpt_dir)).write_meta(str(ckpt_dir / "1"), meta)
+    _places.at(str(ckpt_dir)).write_meta(str(ckpt_dir / "1"), meta)
     # A numpy int64 `like` matches an edited int64 description: the data must be checked.
     like_w = np.ones(3, np.int64) if "int64" in match else np.ones(3, np.int32)
     with warnings.catch_warnings():  # a re-tagged step is also reported as damaged

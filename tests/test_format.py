@@ -1,5 +1,5 @@
 """Unit tests of the layout's names (`_format`), of a local directory's steps
-(`_storage.Local`) and of object-storage URLs (`_remote`): no JAX program, no server
+(`_places.Local`) and of object-storage URLs (`_remote`): no JAX program, no server
 (milliseconds each)."""
 
 import json
@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from jax_cb_ckpt import ConfigError, _remote, _storage
-from jax_cb_ckpt import _format as fmt
+from jax_cb_ckpt import ConfigError
+from jax_cb_ckpt._layout import _format as fmt
+from jax_cb_ckpt._storage import _places, _remote
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_temporary_names_are_ours_and_unique(tmp_path):
     assert run == "12.jax_cb_ckpt-tmp-" + "ab" * 12 + "00000003"
     for name in (a, run, "7.jax_cb_ckpt-deleting-" + "0" * 32, "12", "notes"):
         (tmp_path / name).mkdir()
-    found = _storage.at(str(tmp_path)).unfinished_steps()
+    found = _places.at(str(tmp_path)).unfinished_steps()
     assert sorted(found) == sorted([(12, str(tmp_path / a)), (12, str(tmp_path / run))])
 
 
@@ -46,7 +47,7 @@ def test_leftovers_of_ours_are_removed_and_nothing_else(tmp_path):
     theirs = ["3", "3.jax_cb_ckpt-tmp-short", "notes", "4.jax_cb_ckpt-deleting-" + "F" * 32]
     for name in ours + theirs:
         (tmp_path / name).mkdir()
-    _storage.at(str(tmp_path)).clean_leftovers()
+    _places.at(str(tmp_path)).clean_leftovers()
     assert sorted(os.listdir(tmp_path)) == sorted(theirs)
 
 
@@ -60,7 +61,7 @@ def test_leftovers_of_ours_are_removed_and_nothing_else(tmp_path):
     ],
 )
 def test_urls_are_made_canonical(text, canonical):
-    assert fmt.resolve(text, "f") == canonical
+    assert _places.resolve(text, "f") == canonical
     assert _remote.is_url(canonical)
 
 
@@ -78,12 +79,12 @@ def test_urls_are_made_canonical(text, canonical):
 )
 def test_bad_urls_are_config_errors_naming_the_problem(text, match):
     with pytest.raises(ConfigError, match=match):
-        fmt.resolve(text, "f")
+        _places.resolve(text, "f")
 
 
 def test_local_names_that_look_a_little_like_urls_stay_local(tmp_path):
-    assert fmt.resolve("exp:1", "f") == os.path.realpath("exp:1")
-    assert fmt.resolve("./s3:/x", "f") == os.path.realpath("s3:/x")
+    assert _places.resolve("exp:1", "f") == os.path.realpath("exp:1")
+    assert _places.resolve("./s3:/x", "f") == os.path.realpath("s3:/x")
 
 
 def test_url_parts_and_key_ranges():
@@ -177,15 +178,15 @@ def test_a_step_is_listed_by_what_its_meta_says_now_not_when_first_read(tmp_path
     step = tmp_path / "3"
     _bare_step(step, 3)
     meta = step / fmt.META_ITEM / fmt.META_FILE
-    assert _storage.at(str(tmp_path)).list_steps() == [3]
+    assert _places.at(str(tmp_path)).list_steps() == [3]
     meta.write_text(json.dumps({"format": "other/9", "step": 3}))
-    assert _storage.at(str(tmp_path)).list_steps() == []
+    assert _places.at(str(tmp_path)).list_steps() == []
     replacement = tmp_path / "new"
     replacement.write_text(json.dumps({"format": fmt.FORMAT, "step": 3}))
     os.replace(replacement, meta)
-    assert _storage.at(str(tmp_path)).list_steps() == [3]
+    assert _places.at(str(tmp_path)).list_steps() == [3]
     meta.unlink()
-    assert _storage.at(str(tmp_path)).list_steps() == []
+    assert _places.at(str(tmp_path)).list_steps() == []
 
 
 def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
@@ -193,13 +194,13 @@ def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
     remembered of it goes too, or a long run's memory would grow with its saves."""
     for n in range(3):
         _bare_step(tmp_path / str(n), n)
-    assert _storage.at(str(tmp_path)).list_steps() == [0, 1, 2]
-    remembered = [k for k in _storage._TAGS if k.startswith(str(tmp_path))]
+    assert _places.at(str(tmp_path)).list_steps() == [0, 1, 2]
+    remembered = [k for k in _places._TAGS if k.startswith(str(tmp_path))]
     assert len(remembered) == 3
-    local = _storage.at(str(tmp_path))
+    local = _places.at(str(tmp_path))
     local.remove_aside(local.set_aside(0))
     local.remove_step(1)
-    assert [k for k in _storage._TAGS if k.startswith(str(tmp_path))] == [
+    assert [k for k in _places._TAGS if k.startswith(str(tmp_path))] == [
         str(tmp_path / "2" / fmt.META_ITEM / fmt.META_FILE)
     ]
-    assert _storage.at(str(tmp_path)).list_steps() == [2]
+    assert _places.at(str(tmp_path)).list_steps() == [2]

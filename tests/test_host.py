@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cb_ckpt import _host
+from jax_cb_ckpt._save import _host
 
 N_SAVES = 12
 SIZE = 1 << 14

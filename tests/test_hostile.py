@@ -147,13 +147,13 @@ def test_a_flipped_region_key_is_a_restore_error(tmp_path, flip):
     """(g) A bit flip in a checksum's region key ("0:3" to "0;3") escaped restore() and
     verify() as a bare ValueError. Rewritten consistently (the record in the step file
     matching it), so that the description's own checks are what catch it."""
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     d = tmp_path / "ckpt"
     _saved(d, steps=(4,))
     meta = json.loads((d / "4" / "meta" / "metadata").read_text())
     text = json.dumps(meta).replace(*flip, 1)
-    _storage.at(str(d)).write_meta(str(d / "4"), json.loads(text))
+    _places.at(str(d)).write_meta(str(d / "4"), json.loads(text))
     for call in (
         lambda: jax_cb_ckpt.restore(d, state_at(0), step=4),
         lambda: jax_cb_ckpt.verify(d, step=4),
@@ -180,11 +180,11 @@ def test_the_cli_escapes_what_it_prints(tmp_path):
     d = tmp_path / "ckpt"
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
         ckpt.save({"a\x1b[31mred": np.ones(3, np.float32)}, 1)
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     meta = json.loads((d / "1" / "meta" / "metadata").read_text())
     meta["leaves"][0]["path"] = "['\udcff\x1b]0;owned\x07']"
-    _storage.at(str(d)).write_meta(str(d / "1"), meta)
+    _places.at(str(d)).write_meta(str(d / "1"), meta)
     for command in ("show", "verify", "ls"):
         run = run_child([str(SCRIPT), command, str(d)], timeout=120)
         assert "Traceback" not in run.stderr, run.stderr
@@ -241,7 +241,7 @@ def test_a_stored_layout_unlike_the_description_is_refused_unread(tmp_path, leaf
 def test_verify_reads_every_byte_of_a_step_without_checksums(tmp_path):
     """(c) A step without checksums (an older version's) whose data file is cut in half
     passed verify unread ("readable", exit 0)."""
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     d = tmp_path / "ckpt"
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
@@ -250,7 +250,7 @@ def test_verify_reads_every_byte_of_a_step_without_checksums(tmp_path):
     for step in (1, 2):
         meta = json.loads((d / str(step) / "meta" / "metadata").read_text())
         del meta["checksums"]
-        _storage.at(str(d)).write_meta(str(d / str(step)), meta)
+        _places.at(str(d)).write_meta(str(d / str(step)), meta)
     run = run_child([str(SCRIPT), "verify", str(d)], timeout=120)
     assert run.returncode == 3, run.stdout + run.stderr  # readable, not verifiable
     assert "step 1: readable, NOT verified" in run.stdout

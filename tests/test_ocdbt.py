@@ -17,7 +17,7 @@ import tensorstore as ts
 from helpers import flip, flip_stored, run_child, same_as_tensorstore
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _ocdbt
+from jax_cb_ckpt._layout import _ocdbt
 
 
 def _tensorstore(root):
@@ -231,7 +231,7 @@ def test_crc32c_is_castagnoli_s():
 def test_verify_finds_a_flipped_value_through_the_own_reader(tmp_path):
     """verify reads the writer's steps with `_ocdbt` (not TensorStore) and still finds
     a flipped bit of a large raw leaf's chunk, and of an edge chunk's."""
-    from jax_cb_ckpt._errors import RestoreError
+    from jax_cb_ckpt._base._errors import RestoreError
 
     rng = np.random.default_rng(3)
     big = rng.standard_normal((5000, 1000)).astype(np.float32)  # 20 MB: several chunks
@@ -259,7 +259,7 @@ def _bucket_state():
 
 
 def _data_object(url):
-    from jax_cb_ckpt import _remote
+    from jax_cb_ckpt._storage import _remote
 
     keys = [k for k in _remote.list_keys(f"{url}/1/state") if k.startswith("d/")]
     sizes = {k: len(_remote.read(f"{url}/1/state/{k}")[0] or b"") for k in keys}
@@ -270,12 +270,12 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
     """Its one data object is read once, whole, after the step's opening; TensorStore's
     OCDBT database is never opened (it would read the B-tree's root, then the values:
     two round trips in turn)."""
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     state = _bucket_state()
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save(state, 1)
-    storage = _storage.at(remote.url)
+    storage = _places.at(remote.url)
     storage.open_step(1)
     index = storage.index(1)
     assert isinstance(index.files, _ocdbt.Held) and len(index.values) >= 6
@@ -283,7 +283,7 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
     def no_database(*args, **kwargs):
         raise AssertionError("TensorStore's database was opened")
 
-    monkeypatch.setattr(_storage.Bucket, "database", no_database)
+    monkeypatch.setattr(_places.Bucket, "database", no_database)
     like = {k: np.zeros_like(v) for k, v in state.items()}
     assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like), state)
     assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
@@ -291,13 +291,13 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
 
 
 def test_a_bucket_step_larger_than_held_bytes_is_read_by_tensorstore(remote, monkeypatch):
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     state = _bucket_state()
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save(state, 1)
-    monkeypatch.setattr(_storage, "HELD_BYTES", 1000)
-    storage = _storage.at(remote.url)
+    monkeypatch.setattr(_places, "HELD_BYTES", 1000)
+    storage = _places.at(remote.url)
     storage.open_step(1)
     with pytest.raises(_ocdbt.Unsupported, match="bytes"):
         storage.index(1)
@@ -310,8 +310,8 @@ def test_a_bucket_data_object_changed_is_read_only_as_far_as_claimed(remote, dam
     """Only as many bytes as the manifest counts are read of the data object: 32 MiB
     appended to it are never read (what is read is what was written, and restores);
     a flipped bit or a cut object fails the read (the cut one through TensorStore)."""
-    from jax_cb_ckpt import _remote
-    from jax_cb_ckpt._errors import RestoreError
+    from jax_cb_ckpt._base._errors import RestoreError
+    from jax_cb_ckpt._storage import _remote
 
     state = _bucket_state()
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
@@ -381,7 +381,7 @@ def test_many_small_bucket_steps_restore_through_the_held_index(remote, monkeypa
     """The writer puts a small step's values in its root's object in most saves and in
     another now and then: each of 12 steps restores exactly without TensorStore's
     database, whichever it was."""
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
     states = {}
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
@@ -389,7 +389,7 @@ def test_many_small_bucket_steps_restore_through_the_held_index(remote, monkeypa
             states[step] = {k: v + step for k, v in _bucket_state().items()}
             ckpt.save(states[step], step)
     monkeypatch.setattr(
-        _storage.Bucket, "database", lambda *a: pytest.fail("TensorStore's database opened")
+        _places.Bucket, "database", lambda *a: pytest.fail("TensorStore's database opened")
     )
     like = {k: np.zeros_like(v) for k, v in _bucket_state().items()}
     for step, state in states.items():
@@ -450,13 +450,13 @@ def test_a_value_longer_than_its_layout_allows_is_never_read(tmp_path):
     """A chunk whose index claims 4 TiB (of a sparse data file) is refused before a
     byte of it is read or allocated, by verify and by restore (which would otherwise
     have TensorStore read what it claims)."""
-    from jax_cb_ckpt import _read
+    from jax_cb_ckpt._read import _arrays
 
     root = _database(tmp_path, _leaf([b"w/0"], [(0, 0, 4 << 40)]), data=b"0123456789")
     with open(root / "d" / "x", "r+b") as f:
         f.truncate(5 << 40)  # sparse: the range check alone would let it through
-    values = _read.OwnIndex(_ocdbt.Database(str(root)))
-    with pytest.raises(_read.ChunkError, match="where at most 400 can be"):
+    values = _arrays.OwnIndex(_ocdbt.Database(str(root)))
+    with pytest.raises(_arrays.ChunkError, match="where at most 400 can be"):
         values.read("w/0", 400).result()
 
 
@@ -657,7 +657,7 @@ def test_verify_and_restore_agree_on_a_step_whose_manifest_breaks_tensorstore_s_
 _PEAK = """
 import resource, sys
 sys.path.insert(0, sys.argv[2])
-from jax_cb_ckpt import _ocdbt
+from jax_cb_ckpt._layout import _ocdbt
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     _ocdbt.Database(sys.argv[1])
@@ -713,7 +713,7 @@ def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote
     never compared with what a small step may hold: a manifest claiming its root at 1
     TiB into its data object made it fetch that prefix. Such a claim is not read at
     once (it is TensorStore's to read, range by range), and nothing is fetched on it."""
-    from jax_cb_ckpt import _remote, _storage
+    from jax_cb_ckpt._storage import _places, _remote
 
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save({"w": np.ones(4, np.float32)}, 1)
@@ -725,7 +725,7 @@ def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote
     _remote.write(url, crafted)
     fetched = []
     monkeypatch.setattr(_remote, "read_ranges", lambda ranges: fetched.append(ranges) or [])
-    storage = _storage.at(remote.url)
+    storage = _places.at(remote.url)
     storage.open_step(1)
     with pytest.raises(_ocdbt.Unsupported, match=r"a step of \d+ bytes"):
         storage.index(1)

@@ -495,9 +495,9 @@ def test_ls_shows_metrics_and_which_rule_keeps_each_step(make_ckpt, ckpt_dir):
 
 def _ls(*args, capsys):
     """`jax-cb-ckpt ls ARGS` in this process: (exit code, stdout, stderr)."""
-    from jax_cb_ckpt import _cli
+    from jax_cb_ckpt._cli import _main
 
-    code = _cli.main(["ls", *map(str, args)])
+    code = _main.main(["ls", *map(str, args)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -924,7 +924,7 @@ def test_a_clock_set_back_never_unkeeps_what_the_seconds_chain_kept(ckpt_dir, mo
 def _rewrite_meta(step_dir, change):
     """Edit a step's meta item and rewrite its record in Orbax's step file to match (a
     consistent edit that the listing's size and CRC check cannot see)."""
-    from jax_cb_ckpt import _format
+    from jax_cb_ckpt._layout import _format
 
     path = os.path.join(step_dir, "meta", "metadata")
     with open(path) as f:
@@ -960,7 +960,7 @@ def test_retention_leaves_a_step_whose_meta_cannot_be_read_alone(make_ckpt, ckpt
 def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote, capsys):
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         _save_all(ckpt, [9.0, 1.0])
-    from jax_cb_ckpt import _remote
+    from jax_cb_ckpt._storage import _remote
 
     url = f"{remote.url}/1/meta/metadata"
     data, _ = _remote.read(url)
@@ -971,7 +971,7 @@ def test_a_damaged_bucket_step_is_not_deleted_by_retention(remote, capsys):
             ckpt.wait()
     assert "1" in {k.split("/")[0] for k in _remote.list_keys(remote.url)}
     # and ls says what it is (a bucket lists a step by its objects alone)
-    from jax_cb_ckpt._cli import main
+    from jax_cb_ckpt._cli._main import main
 
     assert main(["ls", "--json", remote.url]) == 0
     rows = {row["step"]: row for row in json.loads(capsys.readouterr().out)["steps"]}

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from jax_cb_ckpt._policy import Entry, Keeper, Rules
+from jax_cb_ckpt._layout._policy import Entry, Keeper, Rules
 
 NAN, INF = float("nan"), float("inf")
 

@@ -10,8 +10,16 @@ import time
 
 import pytest
 
-from jax_cb_ckpt import _processes, _storage
-from jax_cb_ckpt._processes import OK, Solo, _bounded, _read_nonce, _remove_nonce, _write_nonce
+from jax_cb_ckpt._storage import _places
+from jax_cb_ckpt._write import _processes
+from jax_cb_ckpt._write._processes import (
+    OK,
+    Solo,
+    _bounded,
+    _read_nonce,
+    _remove_nonce,
+    _write_nonce,
+)
 
 
 def test_a_bounded_call_returns_its_value_or_raises_its_error():
@@ -32,7 +40,7 @@ def test_a_call_that_does_not_return_is_given_up_after_its_bound():
 def test_the_check_file_holds_a_fresh_nonce_and_replaces_leftovers(tmp_path):
     leftover = tmp_path / (_processes.NONCE_PREFIX + "old-run")
     leftover.write_text("stale")
-    storage = _storage.at(str(tmp_path))
+    storage = _places.at(str(tmp_path))
     nonce, trouble = _write_nonce(storage, "run-1")
     assert trouble is None and not leftover.exists()
     file = str(tmp_path / (_processes.NONCE_PREFIX + "run-1"))
@@ -42,7 +50,7 @@ def test_the_check_file_holds_a_fresh_nonce_and_replaces_leftovers(tmp_path):
 
 
 def test_a_process_that_sees_another_directory_says_how_it_differs(tmp_path):
-    storage = _storage.at(str(tmp_path))
+    storage = _places.at(str(tmp_path))
     nonce, _ = _write_nonce(storage, "run")
     assert "finds other content" in _read_nonce(storage, _processes.NONCE_PREFIX + "run", "0" * 32)
     assert "finds no file" in _read_nonce(storage, "elsewhere", nonce)
@@ -53,7 +61,7 @@ def test_a_process_that_sees_another_directory_says_how_it_differs(tmp_path):
 
 def test_an_unwritable_directory_is_reported_not_raised(tmp_path):
     missing = str(tmp_path / "gone")
-    _, trouble = _write_nonce(_storage.at(missing), "run")
+    _, trouble = _write_nonce(_places.at(missing), "run")
     assert trouble is not None and "cannot write the check file" in trouble and "Fix:" in trouble
 
 
@@ -62,7 +70,7 @@ def test_only_a_regular_file_is_removed_never_what_a_link_points_to(tmp_path):
     target.write_text("keep")
     link = tmp_path / (_processes.NONCE_PREFIX + "link")
     link.symlink_to(target)
-    storage = _storage.at(str(tmp_path))
+    storage = _places.at(str(tmp_path))
     _remove_nonce(storage, link.name)
     assert target.read_text() == "keep"
     _remove_nonce(storage, "never-there")  # gone already: no error

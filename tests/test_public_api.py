@@ -64,7 +64,7 @@ def test_errors_have_useful_bases():
 
 
 def test_exceptions_and_warnings_are_named_where_users_import_them():
-    """Issue 44 item 3: tracebacks printed `jax_cb_ckpt._errors.StepExistsError`."""
+    """Issue 44 item 3: tracebacks printed `jax_cb_ckpt._base._errors.StepExistsError`."""
     import traceback
 
     for name in PUBLIC:

@@ -11,19 +11,22 @@ import pytest
 import tensorstore as ts
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _format, _read, _storage, _store
+from jax_cb_ckpt._layout import _format
+from jax_cb_ckpt._read import _arrays as _read
+from jax_cb_ckpt._storage import _places
+from jax_cb_ckpt._write import _store
 
 
 def _saved(directory, state, step=1):
     with jax_cb_ckpt.Checkpointer(directory) as ckpt:
         ckpt.save(state, step)
     step_dir = os.path.join(directory, str(step))
-    meta = _format.StepMeta.parse(_storage.at(str(directory)).open_step(step)[1])
+    meta = _format.StepMeta.parse(_places.at(str(directory)).open_step(step)[1])
     return step_dir, meta
 
 
 def _arrays(step_dir, meta):
-    storage = _storage.at(os.path.dirname(step_dir))
+    storage = _places.at(os.path.dirname(step_dir))
     arrays = _read.StepArrays(storage, int(os.path.basename(step_dir)), meta.leaves)
     arrays.check_layouts()
     return arrays
@@ -36,7 +39,7 @@ def _leaf(meta, name):
 def _database(step_dir):
     """The step's state item as a writable key-value store (to damage it)."""
     state = os.path.join(step_dir, "state")
-    spec = _store.ocdbt_spec(_storage.at(os.path.dirname(step_dir)).kvstore_spec(state))
+    spec = _store.ocdbt_spec(_places.at(os.path.dirname(step_dir)).kvstore_spec(state))
     return ts.KvStore.open(spec, context=ts.Context({"cache_pool#ocdbt": {}})).result()
 
 

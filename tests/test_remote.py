@@ -4,7 +4,7 @@ deny mode; end-to-end: test_storage.py)."""
 
 import pytest
 
-from jax_cb_ckpt import _remote
+from jax_cb_ckpt._storage import _remote
 
 KEY_ID = "AKIAECHOED7F3A2KEYID"
 SIGNATURE = "13be9b5784af8b0e9a57e072642df869721d565833ccbb609b2e0f789f0768bf"

@@ -160,9 +160,9 @@ def test_a_damaged_bucket_step_is_set_aside_whole(remote):
     """The same in object storage: the step's objects are copied under the set-aside
     name, then the step is unlisted and removed; the run writes that step again."""
     _saved(remote.url, (300, 400))
-    from jax_cb_ckpt import _remote, _storage
+    from jax_cb_ckpt._storage import _places, _remote
 
-    storage = _storage.at(remote.url)
+    storage = _places.at(remote.url)
     keys = [k for k in _remote.list_keys(f"{remote.url}/400") if "/d/" in k]
     big = max(keys, key=lambda k: len(_remote.read(f"{remote.url}/400/{k}")[0]))
     data = bytearray(_remote.read(f"{remote.url}/400/{big}")[0])

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers import checked_options
 
-from jax_cb_ckpt import ConfigError, InvalidStateError, _route
+from jax_cb_ckpt import ConfigError, InvalidStateError
+from jax_cb_ckpt._save import _route
 
 
 def plan(state, step, known=None, condition=None, *, axis_name=None, gather="stack", **kw):
@@ -138,7 +139,7 @@ def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
 
 
 def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
-    from jax_cb_ckpt import _traced
+    from jax_cb_ckpt._save import _traced
 
     assert _traced.check_step(7, "save") == 7
     assert _traced.check_step(np.int64(2**40), "save") == 2**40
@@ -156,7 +157,7 @@ def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
 
 
 def test_a_step_too_large_for_jax_integers_is_refused_rather_than_wrapped():
-    from jax_cb_ckpt import _traced
+    from jax_cb_ckpt._save import _traced
 
     assert not jax.config.jax_enable_x64  # (the suite's setting: int32 steps in JAX)
     with pytest.raises(InvalidStateError, match="does not fit int32"):
@@ -165,7 +166,7 @@ def test_a_step_too_large_for_jax_integers_is_refused_rather_than_wrapped():
 
 
 def test_tracing_is_told_apart_from_running_eagerly():
-    from jax_cb_ckpt import _traced
+    from jax_cb_ckpt._save import _traced
 
     assert not _traced.is_tracing(np.ones(2), jnp.ones(2))
     inside = []

@@ -161,7 +161,7 @@ def decides_nothing(loop):
 def test_run_steps_in_chunks_with_no_conditional_inside(make_ckpt):
     """`ckpt.run`'s loop: the steps run in a scan of gcd(every, check_every) steps with
     no conditional in it; the stop read and the save come between chunks."""
-    from jax_cb_ckpt import _preempt, _run
+    from jax_cb_ckpt._user import _preempt, _run
 
     ckpt = make_ckpt(every=20)
 

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_cb_ckpt._assembly import Assemblies
-from jax_cb_ckpt._errors import InvalidStateError
-from jax_cb_ckpt._shards import block_key, layout_of
+from jax_cb_ckpt._base._errors import InvalidStateError
+from jax_cb_ckpt._save._assembly import Assemblies
+from jax_cb_ckpt._save._shards import block_key, layout_of
 
 SHAPE = (8, 12, 3)
 

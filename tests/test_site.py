@@ -79,18 +79,91 @@ def test_the_api_page_s_references_to_the_docs_are_links_that_resolve():
     assert "the-checkpoint-directory" in _anchors("usage.md")  # (the test sees sections)
 
 
+def _readme_names(path, pattern):
+    with open(path) as f:
+        return set(re.findall(pattern, f.read()))
+
+
 def test_the_module_map_names_every_module_and_only_modules_that_exist():
-    """jax_cb_ckpt/README.md (the docs site's modules page) is kept true: a module
-    added, removed or renamed without the map fails here."""
+    """jax_cb_ckpt/README.md names every stage folder and top-level module, and each
+    folder's README.md names every module in that folder and no other (the docs site's
+    modules page includes them all): a module added, removed, renamed or moved without
+    its map fails here."""
     package = os.path.join(ROOT, "jax_cb_ckpt")
-    with open(os.path.join(package, "README.md")) as f:
-        named = set(re.findall(r"`([A-Za-z_]\w*\.py)`", f.read()))
-    there = {n for n in os.listdir(package) if n.endswith(".py")}
-    assert there - named == set(), f"modules missing from jax_cb_ckpt/README.md: {there - named}"
-    assert named - there == set(), (
-        f"jax_cb_ckpt/README.md names modules that are gone: {named - there}"
+    folders = sorted(
+        n for n in os.listdir(package) if os.path.isfile(os.path.join(package, n, "__init__.py"))
+    )
+    top = _readme_names(os.path.join(package, "README.md"), r"`([A-Za-z_]\w*(?:\.py|/))`")
+    there = {n for n in os.listdir(package) if n.endswith(".py")} | {f + "/" for f in folders}
+    assert there - top == set(), f"missing from jax_cb_ckpt/README.md: {there - top}"
+    assert {n for n in top if "/" not in n} - there == set(), (
+        f"jax_cb_ckpt/README.md names modules that are gone: {top - there}"
     )
     with open(os.path.join(ROOT, "docs", "modules.md")) as f:
-        assert '--8<-- "jax_cb_ckpt/README.md"' in f.read()  # the site shows the same map
+        page = f.read()
+    assert '--8<-- "jax_cb_ckpt/README.md"' in page  # the site shows the same maps
+    for folder in folders:
+        readme = os.path.join(package, folder, "README.md")
+        assert os.path.exists(readme), f"{folder}/ has no README.md"
+        named = _readme_names(readme, r"`(_\w+\.py)`")
+        inside = {n for n in os.listdir(os.path.join(package, folder)) if n.endswith(".py")}
+        inside.discard("__init__.py")
+        assert inside - named == set(), f"missing from {folder}/README.md: {inside - named}"
+        # (a module of another folder is named as `_folder/_x.py`, which is not matched)
+        assert named - inside == set(), (
+            f"{folder}/README.md names modules not there: {named - inside}"
+        )
+        assert f'--8<-- "jax_cb_ckpt/{folder}/README.md"' in page
     with open(os.path.join(ROOT, "README.md")) as f:
         assert "(jax_cb_ckpt/README.md)" in f.read()  # contributors find it
+
+
+# Which stage folder may import which at run time (jax_cb_ckpt/README.md says why);
+# imports under `if TYPE_CHECKING:` are for the type checker and not counted.
+_MAY_IMPORT = {
+    "_base": set(),
+    "_layout": {"_base"},
+    "_storage": {"_base", "_layout"},
+    "_save": {"_base", "_layout"},
+    "_read": {"_base", "_layout", "_storage"},
+    "_write": {"_base", "_layout", "_storage", "_save", "_read"},
+    "_user": {"_base", "_layout", "_storage", "_save", "_read", "_write"},
+    "_cli": {"_base", "_layout", "_storage", "_read"},
+}
+
+
+def _runtime_imports(path):
+    """The package's folders a module imports at run time (relative imports)."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 2 and id(node) not in typing_only:
+            yield (node.module or "").split(".")[0], node.lineno
+
+
+def test_the_stages_import_only_what_is_below_them():
+    """The arrows between stage folders are the ones the package map allows: `_read/`
+    never imports the traced side, `_layout/` and `_storage/` nothing above them. An
+    import that runs the other way fails here, naming the file and line."""
+    package = os.path.join(ROOT, "jax_cb_ckpt")
+    wrong = []
+    for folder, allowed in _MAY_IMPORT.items():
+        for name in sorted(os.listdir(os.path.join(package, folder))):
+            if not name.endswith(".py"):
+                continue
+            for target, line in _runtime_imports(os.path.join(package, folder, name)):
+                if target.startswith("_") and target not in allowed and target != "_version":
+                    wrong.append(f"jax_cb_ckpt/{folder}/{name}:{line} imports {target}/")
+    folders = {
+        n for n in os.listdir(package) if os.path.isfile(os.path.join(package, n, "__init__.py"))
+    }
+    assert folders == set(_MAY_IMPORT), (
+        f"a stage folder is not in _MAY_IMPORT: {folders ^ set(_MAY_IMPORT)}"
+    )
+    assert wrong == [], "imports against the stages' order:\n" + "\n".join(wrong)

@@ -35,7 +35,7 @@ from helpers import (
 )
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _remote
+from jax_cb_ckpt._storage import _remote
 
 MiB = 1 << 20
 
@@ -265,7 +265,7 @@ KILLED_AT_COMMIT = """
 import os, signal, sys
 import jax.numpy as jnp
 import jax_cb_ckpt
-from jax_cb_ckpt import _storage
+from jax_cb_ckpt._storage import _places
 
 
 def killed(self, temp, final, nbytes, sync):  # every file written, no commit marker
@@ -277,7 +277,7 @@ def killed(self, temp, final, nbytes, sync):  # every file written, no commit ma
 with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
     ckpt.save({"w": jnp.full(10, 1.0)}, 1)
     ckpt.wait()
-    _storage.Bucket.commit = killed
+    _places.Bucket.commit = killed
     ckpt.save({"w": jnp.full(10, 2.0)}, 2)
 """
 
@@ -300,9 +300,9 @@ def test_a_whole_step_of_a_writer_killed_before_its_commit_is_removed(remote, tm
 
 
 def _unfinished(url):
-    from jax_cb_ckpt import _storage
+    from jax_cb_ckpt._storage import _places
 
-    return _storage.at(url).unfinished_steps()
+    return _places.at(url).unfinished_steps()
 
 
 def _first(seed):
@@ -345,7 +345,7 @@ def test_a_bucket_step_cut_short_is_neither_a_step_nor_a_plain_orbax_one(remote,
     from it and a new writer's save of step 2 was refused as another run's (found by
     the slow test of a writer paused past the stale time). It is an unfinished step of
     ours: the restart resumes from step 1, step 2 is written anew, `ls` shows it once."""
-    from jax_cb_ckpt import _cli
+    from jax_cb_ckpt._cli import _main
 
     url = remote.url
     states = {step: {"x": jnp.arange(3.0) * step} for step in (1, 2)}
@@ -355,7 +355,7 @@ def test_a_bucket_step_cut_short_is_neither_a_step_nor_a_plain_orbax_one(remote,
     for name in ("commit_success.txt", "_CHECKPOINT_METADATA", "meta/metadata"):
         _remote.delete(f"{url}/2/{name}")
     assert "2/state/_METADATA" in keys(url) and _unfinished(url) == [(2, f"{url}/2")]
-    assert _cli.main(["ls", url, "--json"]) == 0
+    assert _main.main(["ls", url, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["steps"]
     assert [(r["step"], r["complete"]) for r in rows] == [(1, True), (2, False)]
     assert set(rows[1]) == {"step", "saved_at", "bytes", "complete"}  # incomplete, once
@@ -550,7 +550,7 @@ def test_a_dead_writers_lock_is_taken_over_with_a_warning(remote, tmp_path, capl
 
 def _reopened_without_a_takeover(remote, monkeypatch, caplog):
     """A second writer of `remote` opens and saves step 2 at once, with no warning."""
-    from jax_cb_ckpt import _lock
+    from jax_cb_ckpt._storage import _lock
 
     monkeypatch.setattr(_lock.ObjectLock, "STALE_S", 2.0)  # a failure costs 2 s, not 30
     caplog.set_level(logging.WARNING, logger="jax_cb_ckpt")
@@ -602,7 +602,7 @@ def test_a_lock_that_cannot_be_judged_at_once_is_watched_not_taken(
     taken over only after STALE_S without a heartbeat, with a warning naming it."""
     import socket
 
-    from jax_cb_ckpt import _lock
+    from jax_cb_ckpt._storage import _lock
 
     if isinstance(content, dict) and content["host"] == "here":
         content["host"] = socket.gethostname()
@@ -622,9 +622,9 @@ PAUSED_WRITER = """
 import os, signal, sys
 import jax.numpy as jnp
 import jax_cb_ckpt
-from jax_cb_ckpt import _storage
+from jax_cb_ckpt._storage import _places
 
-write_meta = _storage.Bucket.write_meta
+write_meta = _places.Bucket.write_meta
 
 
 def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's files
@@ -634,7 +634,7 @@ def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's fi
     return write_meta(self, path, meta)
 
 
-_storage.Bucket.write_meta = pause_in_step_2
+_places.Bucket.write_meta = pause_in_step_2
 try:
     with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
         ckpt.save({"w": jnp.full(1000, 1.0)}, 1)
@@ -654,7 +654,7 @@ def test_a_writer_paused_past_the_stale_time_never_writes_into_the_new_holders_s
     """Writer A stops (SIGSTOP, a paused VM) in the middle of step 2; B finds no
     heartbeat, takes the location over, removes A's partial step and saves its own
     step 2. A resumes: its save fails, and B's step 2 restores exactly."""
-    from jax_cb_ckpt import _lock
+    from jax_cb_ckpt._storage import _lock
 
     child = start_script(tmp_path, PAUSED_WRITER, remote.url, ready="pausing", env=remote.env)
     try:
@@ -995,7 +995,7 @@ def test_s3_credentials_from_a_profile_and_the_generic_endpoint(s3_server, tmp_p
 import json
 import jax.numpy as jnp
 import jax_cb_ckpt
-from jax_cb_ckpt import _remote
+from jax_cb_ckpt._storage import _remote
 url = "s3://{bucket}/run"
 assert _remote.kvstore_spec(url)["aws_credentials"] == {{"type": "default", "profile": "ckpt"}}
 with jax_cb_ckpt.Checkpointer(url) as ckpt:

@@ -1,4 +1,4 @@
-"""The storage object's verbs (`_storage.Local`, `_storage.Bucket`) as the writer calls
+"""The storage object's verbs (`_places.Local`, `_places.Bucket`) as the writer calls
 them, without a Checkpointer or JAX: a step written with the verbs alone (and
 `_store.StoreWriter` for its arrays) is one that the public readers list, verify and
 restore; and each verb's refusal, the rules a new kind of storage must keep too. The
@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import jax_cb_ckpt
-from jax_cb_ckpt import _format, _storage, _store
-from jax_cb_ckpt._policy import Rules
-from jax_cb_ckpt._retention import Retention
-from jax_cb_ckpt._spec import ARRAY, LeafSpec
-from jax_cb_ckpt._steps import all_steps, verify
+from jax_cb_ckpt._layout import _format
+from jax_cb_ckpt._layout._policy import Rules
+from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec
+from jax_cb_ckpt._read._steps import all_steps, verify
+from jax_cb_ckpt._storage import _places
+from jax_cb_ckpt._write import _store
+from jax_cb_ckpt._write._retention import Retention
 
 W = np.arange(3 * 2**20, dtype=np.float32).reshape(3, -1)  # 12 MiB: one chunk
 B = np.full(5, 7, np.int64)
@@ -62,7 +64,7 @@ def where(request, tmp_path, remote_on):
 
 
 def test_a_step_written_with_the_verbs_alone_is_listed_verified_and_restored(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     _write_step(storage, 3, token)
     assert storage.list_steps() == [3] and all_steps(where) == [3]
@@ -76,7 +78,7 @@ def test_a_step_written_with_the_verbs_alone_is_listed_verified_and_restored(whe
 def test_a_step_is_listed_only_once_committed(where):
     """Everything but the commit: not a step any reader lists (locally a temporary
     name; in a bucket no commit marker)."""
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     temp = storage.temp_path(4, _format.temp_name(4))
     storage.begin(temp, token)
@@ -88,7 +90,7 @@ def test_a_step_is_listed_only_once_committed(where):
 
 
 def test_retention_keeps_the_newest_and_sets_the_rest_aside(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     small = {"b": B}
     for step in (1, 2, 3, 4):
@@ -102,7 +104,7 @@ def test_retention_keeps_the_newest_and_sets_the_rest_aside(where):
 
 
 def test_the_directory_files_of_the_multi_process_check(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     storage.create_file(".jax_cb_ckpt.nonce-a", b"0123456789")
     storage.create_file(".jax_cb_ckpt.nonce-b", b"x")
     assert sorted(storage.names(".jax_cb_ckpt.nonce-")) == [
@@ -119,7 +121,7 @@ def test_the_directory_files_of_the_multi_process_check(where):
 
 
 def test_local_a_step_place_and_a_file_are_never_made_twice_or_through_a_link(tmp_path):
-    storage = _storage.at(str(tmp_path))
+    storage = _places.at(str(tmp_path))
     temp = storage.temp_path(1, _format.temp_name(1))
     assert os.path.dirname(temp) == str(tmp_path) and temp != storage.step_path(1)
     storage.begin(temp)
@@ -141,7 +143,7 @@ def test_local_a_step_place_and_a_file_are_never_made_twice_or_through_a_link(tm
 def test_local_a_failed_step_is_removed_at_once_and_a_replaced_directory_refused(tmp_path):
     path = tmp_path / "ckpt"
     path.mkdir()
-    storage = _storage.at(str(path))
+    storage = _places.at(str(path))
     temp = storage.temp_path(2, _format.temp_name(2))
     storage.begin(temp)
     assert storage.clean_failed(os.path.basename(temp), "", OSError("disk full")) is None
@@ -157,7 +159,7 @@ def test_local_a_failed_step_is_removed_at_once_and_a_replaced_directory_refused
 
 
 def test_local_arrays_are_written_with_the_file_store_without_locking(tmp_path):
-    spec = _storage.at(str(tmp_path)).kvstore_spec(str(tmp_path / "3" / "state"))
+    spec = _places.at(str(tmp_path)).kvstore_spec(str(tmp_path / "3" / "state"))
     assert spec["driver"] == "file" and spec["path"].endswith("/3/state/")
     assert spec["file_io_locking"] == {"mode": "non_atomic"}
 
@@ -170,7 +172,7 @@ def test_local_arrays_are_written_with_the_file_store_without_locking(tmp_path):
 # create-if-absent are checked on S3 (moto honours If-None-Match); on gs, the rest.
 @pytest.mark.parametrize("where", ["s3"], indirect=True)
 def test_bucket_a_step_is_begun_written_and_committed_once(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     assert storage.temp_path(5, "ignored") == storage.step_path(5)  # no rename there
     token = uuid.uuid4().hex
     temp = storage.temp_path(5, "")
@@ -187,7 +189,7 @@ def test_bucket_a_step_is_begun_written_and_committed_once(where):
 
 @pytest.mark.parametrize("where", ["gs", "s3"], indirect=True)
 def test_bucket_the_fence_checks_the_lock_and_the_step_writer(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     storage.begin(storage.temp_path(8, ""), token)
     checked = []
@@ -199,7 +201,7 @@ def test_bucket_the_fence_checks_the_lock_and_the_step_writer(where):
 
 @pytest.mark.parametrize("where", ["gs", "s3"], indirect=True)
 def test_bucket_a_failed_step_is_removed_later_unless_the_storage_is_out_of_reach(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     storage.begin(storage.temp_path(6, ""), token)
     later = storage.clean_failed("6", token, OSError("a leaf's write failed"))
@@ -212,7 +214,7 @@ def test_bucket_a_failed_step_is_removed_later_unless_the_storage_is_out_of_reac
 
 @pytest.mark.parametrize("where", ["s3"], indirect=True)
 def test_bucket_a_committed_step_is_never_committed_again(where):
-    storage = _storage.at(where)
+    storage = _places.at(where)
     token = uuid.uuid4().hex
     _write_step(storage, 7, token, tree={"b": B})
     with pytest.raises(FileExistsError, match="committed by another writer"):

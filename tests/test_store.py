@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jax_cb_ckpt import _storage, _store
+from jax_cb_ckpt._storage import _places
+from jax_cb_ckpt._write import _store
 
 BIG = np.arange(40 * 2**20 // 4, dtype=np.float32).reshape(40, -1)  # 40 MiB: 3 chunks
 SMALL = np.arange(6, dtype=np.int16).reshape(2, 3)
@@ -18,7 +19,7 @@ SMALL = np.arange(6, dtype=np.int16).reshape(2, 3)
 
 def _writer(directory, compression=False):
     return _store.StoreWriter(
-        compression=compression, kvstore_spec=_storage.at(directory).kvstore_spec
+        compression=compression, kvstore_spec=_places.at(directory).kvstore_spec
     )
 
 

@@ -1,4 +1,5 @@
-"""Unit tests of how a state's leaves are described and stored (`_tree.py`): each kind of
+"""Unit tests of how a state's leaves are described and stored (`_layout/_describe.py`,
+`_layout/_spec.py`): each kind of
 leaf's description survives the round trip through the metadata's JSON, and a damaged
 description is refused saying what is wrong. Fast: no compile, no disk."""
 
@@ -10,8 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_cb_ckpt import _tree
-from jax_cb_ckpt._tree import ARRAY, KEY, SCALAR, LeafSpec, describe_state
+from jax_cb_ckpt._layout import _describe, _spec
+from jax_cb_ckpt._layout._describe import describe_state
+from jax_cb_ckpt._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
 
 
 def _state():
@@ -85,7 +87,7 @@ def test_a_remembered_description_follows_every_change_of_a_leaf():
     eager save of the same state skips the checks): each of those changes, and a Python
     number's value, gives a new description; a leaf that cannot be saved is refused
     every time, also after a saveable state of the same structure."""
-    from jax_cb_ckpt._errors import InvalidStateError
+    from jax_cb_ckpt._base._errors import InvalidStateError
 
     _, first, _ = describe_state(_state(), "save")
     _, again, _ = describe_state(_state(), "save")
@@ -121,7 +123,7 @@ def test_a_remembered_description_is_never_lent_to_keys_that_only_compare_equal(
     their own (found by a review: they were accepted, under the name '1')."""
     import enum
 
-    from jax_cb_ckpt._errors import InvalidStateError
+    from jax_cb_ckpt._base._errors import InvalidStateError
 
     class Letter(str, enum.Enum):  # noqa: UP042 (a str mixin, as users write it)
         A = "a"
@@ -142,15 +144,14 @@ def test_a_remembered_description_is_never_lent_to_keys_that_only_compare_equal(
 def test_a_python_number_in_the_state_does_not_fill_the_memory_of_descriptions():
     """A step counter kept as a Python int changes at every save: it is remembered by
     its type and range, not its value."""
-    from jax_cb_ckpt import _tree
 
     x = np.zeros(2, np.float32)
     describe_state({"w": x, "n": 0}, "save")
-    before = len(_tree._DESCRIBED)
+    before = len(_describe._DESCRIBED)
     for n in range(1, 40):
         _, specs, _ = describe_state({"w": x, "n": n, "lr": n / 3}, "save")
         assert specs[1].pytype == "int" and specs[0].pytype == "float"
-    assert len(_tree._DESCRIBED) <= before + 1
+    assert len(_describe._DESCRIBED) <= before + 1
 
 
 def _orbax_order(names):
@@ -179,12 +180,12 @@ def test_stored_leaves_come_in_the_order_of_orbax_s_nested_dict():
         LeafSpec(name=n, path="/".join(n), kind=ARRAY, dtype="float32", shape=(2,)) for n in names
     )
     arrays = [np.full(2, i, np.float32) for i in range(len(names))]
-    stored = _tree.stored_leaves(specs, arrays)
+    stored = _spec.stored_leaves(specs, arrays)
     assert [name for name, _ in stored] == _orbax_order(names)
     assert [name for name, _ in stored][:3] == [("b", "x", "1"), ("b", "x", "0"), ("b", "y")]
     for name, array in stored:
         assert np.array_equal(array, arrays[names.index(name)])
     zero = [np.zeros(0, np.float32)] * len(names)
-    assert [n for n, _ in _tree.stored_leaves(specs, zero)] == [(_tree.EMPTY_NAME,)]
+    assert [n for n, _ in _spec.stored_leaves(specs, zero)] == [(_spec.EMPTY_NAME,)]
     some = arrays[:2] + zero[2:]
-    assert [n for n, _ in _tree.stored_leaves(specs, some)] == names[:2]
+    assert [n for n, _ in _spec.stored_leaves(specs, some)] == names[:2]

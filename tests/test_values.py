@@ -13,10 +13,7 @@ import pytest
 from helpers import assert_same_state, state_at
 
 import jax_cb_ckpt
-from jax_cb_ckpt import (
-    ConfigError,
-    InvalidStateError,
-)
+from jax_cb_ckpt import ConfigError, InvalidStateError
 
 # -- an eager save is a snapshot ----------------------------------------------------
 
@@ -44,7 +41,7 @@ def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
     neither frees it on delete() nor donates it to a jit while the view lives (the jit
     copies instead). Checked here on every JAX the tests run on: if a version freed or
     reused such a buffer, saves would hold garbage."""
-    from jax_cb_ckpt._host import _immutable_view
+    from jax_cb_ckpt._save._host import _immutable_view
 
     x, y = jnp.arange(1 << 20, dtype=jnp.float32), jnp.arange(1 << 20, dtype=jnp.float32)
     xv, yv = _immutable_view(x), _immutable_view(y)

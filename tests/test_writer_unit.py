@@ -12,10 +12,12 @@ import pytest
 from helpers import checked_options
 
 import jax_cb_ckpt
-from jax_cb_ckpt import SaveError, _format, _storage
-from jax_cb_ckpt._exchange import Claim, Exchange, SaveItem
-from jax_cb_ckpt._spec import ARRAY, LeafSpec, Signature
-from jax_cb_ckpt._writer import Writer
+from jax_cb_ckpt import SaveError
+from jax_cb_ckpt._layout import _format
+from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec, Signature
+from jax_cb_ckpt._save._exchange import Claim, Exchange, SaveItem
+from jax_cb_ckpt._storage import _places
+from jax_cb_ckpt._write._writer import Writer
 
 
 def _item(step, tree, released):
@@ -48,7 +50,7 @@ class Parts:
             self.options.directory, queue_size=self.options.slots, on_existing="raise", old_steps=[]
         )
         self.stats = self.exchange.stats
-        storage = _storage.at(self.options.directory)
+        storage = _places.at(self.options.directory)
         storage.make()  # (as the Checkpointer does before it takes the lock)
         self.lock = storage.lock(_format.LOCK_NAME)
         self.exited = []
@@ -136,5 +138,5 @@ def test_stop_writes_what_was_queued_before_it_then_releases_the_lock(parts):
     p.writer.stop()  # blocks until both are written
     assert released == [1, 2]
     assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
-    again = _storage.at(p.options.directory).lock(_format.LOCK_NAME)  # free again
+    again = _places.at(p.options.directory).lock(_format.LOCK_NAME)  # free again
     again.release()

@@ -1,0 +1,1 @@
+"""Below every stage: see README.md beside this file."""

@@ -1,0 +1,1 @@
+"""The command line: see README.md beside this file."""

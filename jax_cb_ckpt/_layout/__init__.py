@@ -1,0 +1,1 @@
+"""The on-disk contract: see README.md beside this file."""

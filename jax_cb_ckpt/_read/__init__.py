@@ -1,0 +1,1 @@
+"""Reading back: see README.md beside this file."""

@@ -1,0 +1,291 @@
+"""Plain Orbax checkpoints: a `CheckpointManager`'s steps, found beside ours and read.
+
+A run that saved with Orbax's `CheckpointManager` and then switched to this library
+leaves steps this library did not write: a folder named by the step, holding Orbax's
+`_CHECKPOINT_METADATA` (which names each item's handler) and the items. A step whose
+one pytree item (`StandardSave` or `PyTreeSave`: the item named "state", or "default"
+for a manager without item names, or the only one) can be read is a step a restart
+resumes from (`_resume`): nothing else marks it, and training must not silently start
+again at 0 beside it.
+
+It is read with Orbax itself, which keeps no checksums: it is resumed from unverified,
+and said so. What it holds is checked against `like` here, leaf by leaf, before it is
+read: Orbax casts a dtype to the target's silently (float32 into int32 truncates) and
+checks no shape for numpy targets, so neither reaches `like`. A typed PRNG key of `like`
+takes the stored raw key data (Orbax stores typed keys so, and `PRNGKey` data is so).
+The step is never written, set aside or deleted.
+
+Runs in the caller's thread and blocks it while it reads; imports Orbax (~0.3 s more
+than JAX) only when such a step is read. Recognising one needs numpy alone, so
+`jax-cb-ckpt ls` says which folders a restart would resume from without importing JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .._base import _dtypes
+from .._base._errors import ConfigError, DamagedStepError, RestoreError, StructureMismatchError
+from .._layout import _format, _spec
+from .._layout._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
+from .._storage import _remote
+from .._storage._places import Storage
+
+# The handlers of a pytree item, by the name Orbax records (its module paths move).
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainStep:
+    """A step folder of plain Orbax's, its pytree item, and where it is (`path`: a
+    local path or URL). `problem`: why it cannot be resumed from (several pytree
+    items, no readable description), said by the restart that passes it over."""
+
+    step: int
+    item: str
+    path: str
+    problem: str | None = None
+
+
+def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
+    """{step: what it is} for the entries `found` (`Storage.examine_all`) that are not
+    ours and hold Orbax's step file naming a pytree item (or, for an Orbax version that
+    names none, one item folder with Orbax's `_METADATA`)."""
+    plain = {}
+    for step, examined in found.items():
+        if examined.kind != "foreign" or examined == _format.UNFINISHED:
+            continue  # (a bucket step of ours cut short holds Orbax's item files too)
+        try:
+            text = storage.step_file(step, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES)
+        except (_format.DamagedStep, OSError):
+            continue
+        if text is not None:
+            recognised = _recognised(storage, step, text)
+            if recognised is not None:
+                plain[step] = recognised
+            continue
+        # No step file (an Orbax version that wrote none, or lost): one item folder of a
+        # manager's names with Orbax's description of a tree is a step of Orbax's too.
+        items = [item for item in ("state", "default") if _described(storage, step, item)]
+        if len(items) == 1:
+            path = storage.step_path(step)
+            problem = None
+            if storage.symlinks_inside(step):
+                problem = "it holds symlinks (a read could leave the directory)"
+            plain[step] = PlainStep(step, items[0], path, problem)
+    return plain
+
+
+def _described(storage: Storage, step: int, item: str) -> bool:
+    try:
+        return storage.step_file(step, f"{item}/{STATE_METADATA}", SMALL_FILE_MAX_BYTES) is not None
+    except (_format.DamagedStep, OSError):
+        return True  # (there, and larger than a description: its reading says so)
+
+
+def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep | None:
+    """What the step folder whose Orbax step file holds `text` is: None when it is not
+    a step of Orbax's (the file is not Orbax's JSON naming item handlers, or it carries
+    our record: a step of ours, uncommitted or copied without its marker)."""
+    path = storage.step_path(step)
+    try:
+        record = json.loads(text)
+        ours = _format.record_of(text) is not None
+    except (ValueError, RecursionError):
+        return None
+    handlers = record.get("item_handlers") if isinstance(record, dict) else None
+    if not isinstance(handlers, dict) or ours:
+        return None
+    items = sorted(
+        name
+        for name, handler in handlers.items()
+        if isinstance(name, str)
+        and isinstance(handler, str)
+        and handler.rsplit(".", 1)[-1] in _PYTREE_HANDLERS
+    )
+    if not items:
+        return PlainStep(step, "", path, "a plain Orbax step without a pytree item")
+    named = [i for i in ("state", "default") if i in items]
+    item = items[0] if len(items) == 1 else (named[0] if named else "")
+    if not item:
+        return PlainStep(
+            step,
+            "",
+            path,
+            f"a plain Orbax step with several pytree items {items}: which one "
+            "is the state is not known",
+        )
+    try:
+        described = storage.step_file(step, f"{item}/{STATE_METADATA}", _format.META_MAX_BYTES)
+    except (_format.DamagedStep, OSError):
+        described = None
+    if described is None:
+        return PlainStep(step, item, path, f"its item {item!r} has no readable {STATE_METADATA}")
+    if storage.symlinks_inside(step):
+        return PlainStep(step, item, path, "it holds symlinks (a read could leave the directory)")
+    return PlainStep(step, item, path)
+
+
+def restore(found: PlainStep, like: Any, where: str, *, member: object = None) -> Any:
+    """The plain Orbax step `found` read into `like`'s types (see the module's doc):
+    `StructureMismatchError` naming the first leaf that differs; `DamagedStepError` for
+    a step that cannot be read as it describes itself; `RestoreError` otherwise."""
+    where = f"{where}: plain Orbax step {found.step} ({found.path}/{found.item})"
+    if found.problem is not None:
+        raise DamagedStepError(f"{where}: cannot be resumed from: {found.problem}.", found.problem)
+    if member is not None:
+        raise ConfigError(
+            f"{where}: member= reads one member of a batch this library saved under vmap; "
+            "a plain Orbax step records no batch. Fix: restore the whole state."
+        )
+    with _quiet_orbax():
+        return _restore(found, like, where)
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax logs through absl on the root logger (a WARNING for every item it reads
+    without a `_CHECKPOINT_METADATA` of its own): kept out of the user's log while we
+    read; what matters reaches the user as our errors."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def _restore(found: PlainStep, like: Any, where: str) -> Any:
+    import orbax.checkpoint as ocp  # (only when such a step is there: see the module doc)
+
+    # JAX's (`_describe`): only where a step is read; recognising one (`steps`, for
+    # `jax-cb-ckpt ls`) needs numpy alone.
+    from .._layout import _describe
+    from . import _rebuild
+
+    item = f"{found.path}/{found.item}"
+    try:
+        described = ocp.PyTreeCheckpointer().metadata(item).item_metadata
+    except Exception as e:
+        raise _failure(where, "its description", e) from e
+    if described is None:
+        raise DamagedStepError(f"{where}: Orbax finds no description of it", "no description")
+    tree = described.tree
+    stored = _leaves(tree)
+    treedef, like_specs, like_leaves = _describe.describe_state(
+        like, where, prefix="like", abstract_ok=True
+    )
+    saved_specs = [_saved_spec(spec, stored, where) for spec in like_specs]
+    extra = sorted(set(stored) - {spec.name for spec in like_specs})
+    if extra:
+        raise StructureMismatchError(
+            f"{where}: it holds leaf {'/'.join(extra[0])!r}, which like does not have. Fix: "
+            "pass a like with the structure of the state Orbax saved."
+        )
+
+    def args(leaf: object) -> Any:  # numpy (host memory), whatever device wrote it
+        is_scalar = isinstance(leaf, ocp.metadata.value.ScalarMetadata)
+        return ocp.RestoreArgs() if is_scalar else ocp.RestoreArgs(restore_type=np.ndarray)
+
+    try:
+        restore_args = _map(args, tree)
+        values = ocp.PyTreeCheckpointer().restore(
+            item, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+        )
+    except Exception as e:
+        raise _failure(where, "its arrays", e) from e
+    read = _leaves(values)
+    leaves = []
+    for leaf, spec, saved in zip(like_leaves, like_specs, saved_specs, strict=True):
+        array = np.asarray(read[spec.name])
+        if array.shape != saved.stored_shape or array.dtype.name != saved.dtype:
+            raise DamagedStepError(
+                f"{where}: leaf {spec.path} is described as {saved.dtype}"
+                f"{list(saved.stored_shape)} and holds {array.dtype.name}{list(array.shape)}",
+                f"leaf {spec.path}'s data is not what its description says",
+            )
+        leaves.append(_rebuild.rebuild(leaf, spec, saved, array, where))
+    return treedef.unflatten(leaves)
+
+
+def _leaves(tree: Any, name: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """{stored name: leaf} of Orbax's nested dicts and lists (None: an empty node)."""
+    if isinstance(tree, dict):
+        out: dict[tuple[str, ...], Any] = {}
+        for key, value in tree.items():
+            out |= _leaves(value, (*name, str(key)))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for index, value in enumerate(tree):
+            out |= _leaves(value, (*name, str(index)))
+        return out
+    return {} if tree is None else {name: tree}
+
+
+def _map(fn: Any, tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _map(fn, value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(fn, value) for value in tree)
+    return None if tree is None else fn(tree)
+
+
+def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any], where: str) -> Any:
+    from . import _rebuild
+
+    """The stored leaf at `spec`'s name described as a `LeafSpec` of the kind `like`
+    wants, or a `StructureMismatchError` saying what differs (before any data is read)."""
+    meta = stored.get(spec.name)
+    fix = " Fix: pass a like with the structure, shapes and dtypes of the state Orbax saved."
+    if meta is None:
+        raise StructureMismatchError(
+            f"{where}: leaf {spec.path} ({spec.describe()}) is not in it.{fix}"
+        )
+    shape = tuple(int(d) for d in getattr(meta, "shape", ()) or ())
+    try:
+        dtype = np.dtype(_dtypes.named(str(np.dtype(meta.dtype))))
+    except (TypeError, AttributeError):
+        raise StructureMismatchError(
+            f"{where}: leaf {spec.path} is stored as {meta!r}, which is not an array.{fix}"
+        ) from None
+    shown = f"{dtype.name}{list(shape)}"
+    if spec.kind == _spec.KEY:
+        data = _spec.key_data_shape(spec.impl) if spec.impl else ()
+        if dtype != np.uint32 or shape != spec.shape + data:
+            raise StructureMismatchError(
+                f"{where}: leaf {spec.path} is a {spec.describe()} in like, and the step "
+                f"holds {shown}, not its raw key data (uint32{list(spec.shape + data)}).{fix}"
+            )
+        return dataclasses.replace(spec, dtype="uint32")
+    if type(meta).__name__ == "ScalarMetadata":  # a Python number Orbax saved
+        pytype = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}[dtype.kind]
+        saved = _spec.LeafSpec(spec.path, spec.name, _spec.SCALAR, dtype.name, (), pytype=pytype)
+    else:
+        saved = _spec.LeafSpec(spec.path, spec.name, _spec.ARRAY, dtype.name, shape)
+    if not _rebuild.compatible(spec, saved):
+        raise StructureMismatchError(
+            f"{where}: leaf {spec.path} differs: the step holds {shown}, like has "
+            f"{spec.describe()} (Orbax would cast it silently; the library does not).{fix}"
+        )
+    return saved
+
+
+def _failure(where: str, what: str, e: Exception) -> RestoreError:
+    """Orbax's (or TensorStore's) failure to read `what`: damage when it says the files
+    are not what they claim, else the error as it is (storage out of reach, ...)."""
+    text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
+    if isinstance(e, FileNotFoundError) or _remote.status(e) in _remote.DAMAGE_CODES:
+        return DamagedStepError(
+            f"{where}: cannot read {what}: {type(e).__name__}: {text[:500]}",
+            f"cannot read {what} ({type(e).__name__})",
+        )
+    return RestoreError(f"{where}: cannot read {what}: {type(e).__name__}: {text[:500]}")

@@ -1,0 +1,541 @@
+"""Restoring one step into the types of `like` (`restore`, and one member of a batch
+saved under vmap).
+
+Runs in the caller's thread and blocks it until the arrays are in memory. The arrays
+are read by the one read path (`_arrays.StepArrays`: TensorStore on the layout the
+writer writes, checked against the checksums while it reads, `_steps.read_leaves`),
+not by Orbax; plain Orbax still reads every step (tests/test_restore.py). The JSON
+`meta` item says how each leaf was stored, so nothing is unpickled and no code runs. A
+checkpoint is trusted no further than its files: a `meta` item that does not match the
+arrays (hand-edited, corrupt, another program's) is a `RestoreError`; a step removed
+while it is read is a `NoCheckpointError` (`_steps`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import _dtypes, _warn
+from .._base._errors import (
+    CheckpointWarning,
+    ConfigError,
+    DamagedStepError,
+    DamagedStepWarning,
+    RestoreError,
+    StructureMismatchError,
+)
+from .._base._types import OnDamaged
+from .._layout import _describe, _format, _spec
+from .._storage import _places
+from . import _arrays, _plain, _rebuild, _resume, _steps
+from ._resume import check_on_damaged
+
+logger = logging.getLogger("jax_cb_ckpt")
+
+
+def _placement(like_leaf: Any, spec: _spec.LeafSpec, saved: _spec.LeafSpec) -> Any:
+    """The sharding to read a leaf with, when `like` places it on devices and the
+    stored data can be read as is (not a PRNG key, a widened dtype or a number)."""
+    sharding = getattr(like_leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding) or isinstance(like_leaf, np.ndarray):
+        return None
+    if saved.kind != _spec.ARRAY or spec.kind != _spec.ARRAY or saved.dtype != spec.dtype:
+        return None
+    dtype = np.dtype(saved.dtype)
+    if _dtypes.storage_dtype(dtype) != dtype or 0 in saved.shape:
+        return None
+    return sharding
+
+
+@_steps.step_by_keyword
+def restore(
+    directory: str | os.PathLike[str],
+    like: Any,
+    *,
+    step: int | None = None,
+    verify: bool = True,
+    member: int | tuple[int, ...] | None = None,
+    on_damaged: OnDamaged = "fall_back",
+) -> Any:
+    """Restore checkpoint `step` (default: the newest that passes its checks) of
+    `directory` into the shape of `like`.
+
+    `like` is a pytree like the saved state: concrete arrays, or `jax.ShapeDtypeStruct`s
+    (e.g. from `jax.eval_shape`). The result has `like`'s pytree types (TrainState,
+    NamedTuple, dataclass, dict, ...), dtypes, typed PRNG keys (re-wrapped with the
+    recorded implementation) and Python scalar types; jax.Array leaves are placed with
+    the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
+    With `verify` (default), every array read is checked against the checksums
+    recorded when it was written: a corrupted file is a `DamagedStepError`, never
+    numbers. `directory` may be relative (to the working directory), as everywhere.
+
+    Without `step=`, the newest step that passes its checks is read: a newer step that
+    is damaged (a flipped bit, a cut or edited file) is passed over and named in a
+    `DamagedStepWarning`, and left where it is (a Checkpointer's restart sets it aside);
+    `on_damaged="raise"` raises `DamagedStepError` at it instead. A plain Orbax
+    checkpoint (a `CheckpointManager`'s step) is read too, with Orbax, unverified
+    ([usage.md](usage.md#coming-from-orbaxs-checkpointmanager)). A step named by
+    `step=` never falls back.
+
+    `member`: for a checkpoint saved under `vmap` (seeds, say; `metadata()["batch_shape"]`),
+    restore one member of the batch: an int for one batch axis, a tuple of ints for
+    several. `like` is then one member's state (without the batch axes). Only the
+    chunks holding that member are read from disk (and, with `verify`, checked).
+
+    Raises:
+        NoCheckpointError: no complete checkpoint for that step, or it was removed
+            while it was being read (by a writer's retention): read another one.
+        StructureMismatchError: `like` differs from the checkpoint; names the first leaf.
+        DamagedStepError: the step named by `step=` (or, with `on_damaged="raise"`, the
+            newest step) is damaged; every step is damaged.
+        RestoreError: the checkpoint cannot be read.
+    """
+    storage = _places.at(_places.resolve(directory, "restore"))
+    named = _steps.check_step_arg(step, "restore")
+    check_on_damaged(on_damaged, "restore")
+    if named is not None:
+        step = _steps.pick_step(storage, named, "restore")
+        return read_step(storage, like, step, verify=verify, member=member, named=True)
+    resumed = resume(
+        storage, lambda: like, "restore", verify=verify, member=member, on_damaged=on_damaged
+    )
+    if resumed.step is None:
+        if resumed.error is not None:  # every step is damaged: the newest says why
+            raise resumed.refusal()
+        _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
+    restart = _resume.report(storage, resumed, "restore", set_aside=False).value
+    assert restart is not None
+    if resumed.source == "orbax":
+        logger.info(
+            "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
+            "no checksums)",
+            resumed.step,
+            storage.path,
+        )
+    return restart.state
+
+
+def resume(
+    storage: _places.Storage,
+    like: Callable[[], Any],
+    where: str,
+    *,
+    verify: bool = True,
+    member: int | tuple[int, ...] | None = None,
+    on_damaged: OnDamaged = "fall_back",
+) -> _resume.Resumed[Restart]:
+    """The newest step of `storage` that passes its checks, read into `like()` (made
+    only when there is a step to read: `restore_or_init`'s default is traced from the
+    user's `init_fn`) by `_resume.newest`: ours by `read_step` (a batch whose members did
+    not all ask for that step: each of them from its own newest step, `_each_newest`),
+    a plain Orbax step by `_plain.restore`."""
+
+    def ours(step: int) -> Restart:
+        if member is not None:  # one member: from the newest step it asked for
+            meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+            index = _member_position(member, meta, where)
+            source = step
+            if not meta.members[index]:
+                older = _newest_asked(storage, step, meta.batch_shape, {index}, where)
+                if index not in older:
+                    _member_index(member, meta, where)  # raises: it asked for no step
+                source = older[index]
+            state = read_step(
+                storage, like(), source, verify=verify, member=member, named=False, what=where
+            )
+            return Restart(state)
+        state = read_step(
+            storage, like(), step, verify=verify, member=None, named=False, what=where
+        )
+        return _each_newest(storage, like(), step, state, verify, where)
+
+    return _resume.newest(
+        storage,
+        ours,
+        lambda found: Restart(_plain.restore(found, like(), where, member=member)),
+        where,
+        on_damaged=on_damaged,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A state a restart read, and each member's own step where the members of a vmap
+    batch resume from different steps (None: every member from the step read)."""
+
+    state: Any
+    member_steps: np.ndarray | None = None
+
+
+def _each_newest(
+    storage: _places.Storage, like: Any, step: int, state: Any, verify: bool, where: str
+) -> Restart:
+    """`state`, read from the batch saved at `step`, with each member that did not ask
+    for that step (its predicate was false: a finished member of a vmapped while_loop,
+    whose body still ran, holds a state it never had there) taken from the newest older
+    step it asked for that passes its checks, and each member's step. A member that
+    asked for no such step keeps what `step` holds, said in a warning."""
+    meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+    batch = meta.batch_shape
+    if not batch or meta.members.all():
+        return Restart(state)
+    missing = {tuple(int(i) for i in index) for index in np.argwhere(~meta.members)}
+    starts = np.full(batch, step, np.int64)
+    passed: dict[int, str] = {}
+    while missing:
+        sources = _newest_asked(storage, step, batch, missing, where, passed)
+        if not sources:
+            break
+        for index, source in sorted(sources.items()):
+            try:
+                one = read_step(
+                    storage,
+                    _one_member(like, meta, index),
+                    source,
+                    verify=verify,
+                    member=index,
+                    named=False,
+                    what=where,
+                )
+            except DamagedStepError as e:  # that step is no source: an older one may be
+                passed[source] = e.why
+                continue
+            state = _with_member(state, index, one, meta)
+            starts[index] = source
+            missing.discard(index)
+    if passed:
+        shown = "; ".join(f"step {s}: {why}" for s, why in sorted(passed.items()))
+        _warn.warn(
+            f"{where}: members of the batch saved at step {step} that did not ask for it "
+            f"were read from older steps, passing over damaged ones ({shown}); nothing "
+            "was moved. Fix: `jax-cb-ckpt verify` the directory.",
+            DamagedStepWarning,
+        )
+    if missing:
+        shown = ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(missing))
+        _warn.warn(
+            f"{where}: member(s) {shown} of the batch saved at step {step} asked for no "
+            "readable step at or before it, so the state restored for them is what step "
+            f"{step} holds, at their own step "
+            f"({'recorded' if meta.member_steps is not None else 'not recorded'}): under "
+            "vmap of a while_loop that a member had left, a state it never had. Fix: "
+            "save every member's first state (initial_save, or a save at the loop's start).",
+            CheckpointWarning,
+        )
+    return Restart(state, starts)
+
+
+def _newest_asked(
+    storage: _places.Storage,
+    step: int,
+    batch: tuple[int, ...],
+    members: set[tuple[int, ...]],
+    where: str,
+    passed: dict[int, str] | None = None,
+) -> dict[tuple[int, ...], int]:
+    """{member: the newest step below `step` it asked for} for each of `members` that
+    has one: steps of the same batch shape whose description passes its checks, and
+    not in `passed` ({step: why}, which collects the ones passed over)."""
+    passed = {} if passed is None else passed
+    found: dict[tuple[int, ...], int] = {}
+    for candidate in reversed([s for s in storage.list_steps() if s < step]):
+        if len(found) == len(members):
+            break
+        if candidate in passed:
+            continue
+        try:
+            meta = _steps.parsed(_steps.open_step(storage, candidate, where)[1], where)
+        except DamagedStepError as e:
+            passed[candidate] = e.why
+            continue
+        if meta.batch_shape != batch:
+            continue
+        for index in members:
+            if index not in found and meta.members[index]:
+                found[index] = candidate
+    return found
+
+
+def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> Any:
+    """One member's `like` (its batched leaves without the batch axes)."""
+    n = len(meta.batch_shape)
+    batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
+    _, specs, leaves = _describe.describe_state(like, "restore", prefix="like", abstract_ok=True)
+    treedef = jax.tree_util.tree_structure(like)
+    out = []
+    for spec, leaf in zip(specs, leaves, strict=True):
+        if spec.name not in batched:
+            out.append(leaf)
+        elif isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(jax.ShapeDtypeStruct(leaf.shape[n:], leaf.dtype))
+        else:
+            out.append(leaf[index])
+    return treedef.unflatten(out)
+
+
+def _with_member(state: Any, index: tuple[int, ...], one: Any, meta: _format.StepMeta) -> Any:
+    """`state` with member `index` of its batched leaves replaced by `one`'s."""
+    n = len(meta.batch_shape)
+    batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
+    _, specs, leaves = _describe.describe_state(state, "restore", prefix="like", abstract_ok=True)
+    treedef = jax.tree_util.tree_structure(state)
+    out = []
+    for spec, leaf, new in zip(specs, leaves, jax.tree.leaves(one), strict=True):
+        if spec.name not in batched:
+            out.append(leaf)
+        elif isinstance(leaf, np.ndarray):
+            leaf = leaf.copy()
+            leaf[index] = new
+            out.append(leaf)
+        else:
+            out.append(leaf.at[index].set(new))
+    return treedef.unflatten(out)
+
+
+def read_step(
+    storage: _places.Storage,
+    like: Any,
+    step: int,
+    *,
+    verify: bool,
+    member: int | tuple[int, ...] | None,
+    named: bool,
+    what: str = "restore",
+) -> Any:
+    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`
+    (`what`: the caller's name, for messages)."""
+    where = f"{what}(step={step}) from {storage.path!r}"
+    treedef, like_specs, like_leaves = _describe.describe_state(
+        like, where, prefix="like", abstract_ok=True
+    )
+    seen, described = _steps.open_step(storage, step, where, "restore" if named else None)
+    meta = _steps.parsed(described, where)
+    saved_specs, batch = meta.leaves, meta.batch_shape
+    if member is not None:
+        index = _member_index(member, meta, where)
+        return _restore_member(storage, step, seen, meta, like, index, verify)
+    if batch:
+        _check_batched_like(like_specs, saved_specs, batch, where)
+    _rebuild.check_like(like_specs, saved_specs, where)
+    by_name = {spec.name: spec for spec in saved_specs}
+    saved_of = [by_name[spec.name] for spec in like_specs]
+    stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
+    sums = _steps.sums_to_check(meta, stored, verify, where)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
+    requests: list[tuple[_spec.LeafSpec, _arrays.Box | None]] = []
+    placements = []  # per like leaf: (sharding, {box: index into results}) or None
+    for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
+        sharding = _placement(leaf, spec, saved)
+        if 0 in saved.stored_shape:
+            placements.append(None)
+        elif sharding is None:
+            placements.append(len(requests))
+            requests.append((saved, None))
+        else:  # each device reads its own block (each process: its devices' blocks)
+            shape = saved.stored_shape
+            boxes = {}
+            for index in sharding.addressable_devices_indices_map(shape).values():
+                box = _box(index, shape)
+                if box not in boxes:
+                    boxes[box] = len(requests)
+                    requests.append((saved, box))
+            placements.append((sharding, boxes))
+    results = _steps.read_leaves(arrays, requests, sums, storage, step, seen, where)
+    # Every leaf whose `like` sits on one device, or is an abstract leaf for the default
+    # device, is put there in one device_put of all of them (one call, not one per
+    # leaf: 80 leaves 17 -> 9 ms here); a leaf sharded over several devices is put block
+    # by block. On a CPU device_put adopts the aligned block the read allocated, without
+    # a copy.
+    values: list[Any] = []
+    single: dict[int, Any] = {}  # leaf: its device's sharding, or None (the default)
+    together = zip(like_leaves, like_specs, saved_of, placements, strict=True)
+    for i, (leaf, spec, saved, placed) in enumerate(together):
+        shape = saved.stored_shape
+        if placed is None:  # zero-size leaves are described, not stored
+            values.append(np.zeros(shape, np.dtype(saved.dtype)))
+        elif isinstance(placed, int):
+            values.append(_as_described(results[placed], saved, shape, where))
+            if _to_default_device(leaf, spec, saved):
+                single[i] = None
+        elif len(placed[0].device_set) == 1:
+            values.append(results[_only_block(placed)])
+            single[i] = placed[0]
+        else:
+            sharding, boxes = placed
+            indices = sharding.addressable_devices_indices_map(shape)
+            blocks = [
+                jax.device_put(results[boxes[_box(index, shape)]], device)
+                for device, index in indices.items()
+            ]
+            values.append(jax.make_array_from_single_device_arrays(shape, sharding, blocks))
+    placed_all = jax.device_put([values[i] for i in single], list(single.values()))
+    for i, put in zip(single, placed_all, strict=True):
+        values[i] = put
+    leaves = [
+        _rebuild.rebuild(leaf, spec, saved, array, where)
+        for leaf, spec, saved, array in zip(like_leaves, like_specs, saved_of, values, strict=True)
+    ]
+    return treedef.unflatten(leaves)
+
+
+def _to_default_device(like_leaf: Any, spec: _spec.LeafSpec, saved: _spec.LeafSpec) -> bool:
+    """An abstract `like` leaf with no sharding whose stored data is what it asks for
+    (an array of its dtype, not weakly typed): it goes to the default device as read."""
+    return (
+        isinstance(like_leaf, jax.ShapeDtypeStruct)
+        and like_leaf.sharding is None
+        and not like_leaf.weak_type
+        and saved.kind == spec.kind == _spec.ARRAY
+        and saved.dtype == spec.dtype
+    )
+
+
+def _only_block(placed: object) -> int:
+    """The index into the read's results of a leaf placed on one device (one block)."""
+    assert isinstance(placed, tuple)
+    [index] = placed[1].values()
+    return index
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> _arrays.Box:
+    """A device's index into a leaf (a tuple of slices) as a box."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+    """`member` as an index into the batch axes, checked (and saved: a member whose
+    `maybe_save` predicate was false at this step holds no state of its own)."""
+    index = _member_position(member, meta, where)
+    if not meta.members[index]:
+        raise RestoreError(
+            f"{where}: member {index} did not save at step {meta.step} (its "
+            "maybe_save predicate was false), so the step holds no state of its own for "
+            "it. Fix: restore without step= (each member from the newest step it saved "
+            "at), another step, or another member."
+        )
+    return index
+
+
+def _member_position(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+    """`member` as an index into the batch axes of `meta`'s step, checked."""
+    batch = meta.batch_shape
+    if not batch:
+        raise ConfigError(
+            f"{where}: member={member!r}, but step {meta.step} was not saved under "
+            "vmap (it has no batch axes). Fix: restore without member=."
+        )
+    parts = (member,) if isinstance(member, int) else member
+    index = tuple(parts) if isinstance(parts, tuple) else ()
+    ok = (
+        len(index) == len(batch)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in index)
+        and all(0 <= i < n for i, n in zip(index, batch, strict=True))
+    )
+    if not ok:
+        kind = "an int" if len(batch) == 1 else f"a tuple of {len(batch)} ints"
+        raise ConfigError(
+            f"{where}: member={member!r} is not a member of the checkpoint's batch of "
+            f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
+        )
+    return index
+
+
+def _check_batched_like(
+    like_specs: tuple[_spec.LeafSpec, ...],
+    saved_specs: tuple[_spec.LeafSpec, ...],
+    batch: tuple[int, ...],
+    where: str,
+) -> None:
+    """A `like` of one member for a batched checkpoint: say so, and how to pick one."""
+    by_name = {spec.name: spec for spec in saved_specs}
+    for spec in like_specs:
+        saved = by_name.get(spec.name)
+        if saved is not None and saved.shape != spec.shape and saved.shape == batch + spec.shape:
+            pick = "member=k" if len(batch) == 1 else f"member=(i, ..., k) ({len(batch)} ints)"
+            raise StructureMismatchError(
+                f"{where}: the checkpoint holds a batch saved under vmap, of shape {batch} "
+                f"(the leading axes of every leaf: {spec.path} is stored as "
+                f"{saved.describe()}), and like has one member's shapes "
+                f"({spec.describe()}). Fix: restore one member with restore(like, "
+                f"{pick}), or pass a like with the batch axes to restore the whole batch."
+            )
+
+
+def _restore_member(
+    storage: _places.Storage,
+    step: int,
+    seen: _places.StepIdentity,
+    meta: _format.StepMeta,
+    like: Any,
+    index: tuple[int, ...],
+    verify: bool,
+) -> Any:
+    """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
+    shown = index[0] if len(index) == 1 else index
+    where = f"restore(step={step}, member={shown}) from {storage.path!r}"
+    treedef, like_specs, like_leaves = _describe.describe_state(
+        like, where, prefix="like", abstract_ok=True
+    )
+    batch = meta.batch_shape
+    n = len(batch)
+    batched = {s.name for s in meta.leaves if s.shape[:n] == batch}
+    one = tuple(
+        dataclasses.replace(s, shape=s.shape[n:]) if s.name in batched else s for s in meta.leaves
+    )
+    by_name = {spec.name: spec for spec in one}
+    for spec in like_specs:
+        saved = by_name.get(spec.name)
+        if saved is not None and spec.name in batched and spec.shape == batch + saved.shape:
+            raise StructureMismatchError(
+                f"{where}: like has the batch axes {batch} (leaf {spec.path} is "
+                f"{spec.describe()}); with member=, like is one member's state "
+                f"({saved.describe()}). Fix: pass one member's like (e.g. "
+                "jax.tree.map(lambda x: x[0], like)), or restore without member=."
+            )
+    _rebuild.check_like(like_specs, one, where)
+    full = {s.name: s for s in meta.leaves}
+    stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
+    sums = _steps.sums_to_check(meta, stored, verify, where)
+    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
+    requests = []
+    for saved in stored:
+        if saved.name in batched:  # only the chunks holding the member are read
+            box = tuple((i, i + 1) for i in index) + _arrays.whole(saved.stored_shape[n:])
+            requests.append((saved, box))
+        else:
+            requests.append((saved, None))
+    results = iter(_steps.read_leaves(arrays, requests, sums, storage, step, seen, where))
+    leaves = []
+    for leaf, spec in zip(like_leaves, like_specs, strict=True):
+        saved = by_name[spec.name]
+        shape = saved.stored_shape
+        if 0 in full[spec.name].stored_shape:
+            array = np.zeros(shape, np.dtype(saved.dtype))
+        else:
+            array = _as_described(next(results).reshape(shape), saved, shape, where)
+        leaves.append(_rebuild.rebuild(leaf, spec, saved, array, where))
+    return treedef.unflatten(leaves)
+
+
+def _as_described(
+    array: np.ndarray, saved: _spec.LeafSpec, shape: tuple[int, ...], where: str
+) -> np.ndarray:
+    """A leaf's stored data as the dtype it was saved with, once its shape (`shape`:
+    the stored one, or one member's) is the described one; else an error."""
+    dtype = np.dtype(saved.dtype)
+    value = _dtypes.from_storage(array, dtype) if array.shape == shape else None
+    if value is None:
+        raise DamagedStepError(
+            f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
+            f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
+            "or corrupted. Fix: restore another step.",
+            f"leaf {saved.path}'s data is not what its description says",
+        )
+    return value

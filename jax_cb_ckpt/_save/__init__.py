@@ -1,0 +1,1 @@
+"""From traced code to the host: see README.md beside this file."""

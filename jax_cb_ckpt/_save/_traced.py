@@ -1,0 +1,582 @@
+"""The traced side of a save: checks in Python while tracing, then one guarded crossing.
+
+The crossing is `buffer_callback` + `debug.callback` (or, as a fallback, `debug.callback`
+alone), inside our own `lax.cond`, inside a `jax.custom_batching.custom_vmap`, on
+`stop_gradient`-ed leaves. Each layer is there for a transformation (docs/transforms.md
+and docs/handoff.md have the evidence):
+
+- `lax.cond`: the predicate is evaluated on the device and only the true branch holds
+  the crossing, so steps that do not save move no data to the host.
+- `custom_vmap`: under `vmap` a `cond` with a batched predicate becomes a `select` that
+  runs both branches (a callback in it would fire for every member on every step). Our
+  batching rule instead does one `cond(any(wanted))` for the whole batch: one crossing per
+  save step, carrying the per-member mask. Nested `vmap` applies the rule again.
+- `stop_gradient`: a checkpoint saves primal values and must not touch gradients.
+- The fast crossing ("buffer", CPU): a *pure* `jax.experimental.buffer_callback` gets
+  XLA's own buffers (zero-copy views, valid during the call) and the host copies each
+  once into reused staging memory. Being pure, it would be removed as dead code; its
+  one-element token is read by a `jax.debug.callback`, an effect that JAX keeps under
+  jit, scan, grad (partial evaluation keeps debug effects on primals) and remat, so the
+  buffer callback stays too. `has_side_effect=True` instead is dropped under `grad`,
+  refused under remat and by the GSPMD partitioner.
+- The fallback ("callback", other backends): `jax.debug.callback` with the leaves,
+  which JAX first copies by value into fresh memory (and, on jax 0.10.2, waits for while
+  other devices sit in a collective: multi-device programs abort).
+- Why not `io_callback`: it refuses JVP and remat, and under `grad` of a `lax.scan`
+  with stop-gradient inputs it is silently dropped. Why not `pure_callback`: it has no
+  effect, so dead-code elimination removes it.
+- Unordered: ordered effects are refused for programs on more than one device. Order is
+  not needed: iterations run one after another, `jax.effects_barrier()` waits for
+  unordered effects too, and the host side keys everything by step. Inside
+  `pmap`/`shard_map` every device would make its own call, so there (`axis_name=`
+  given) the state is gathered and the first device saves. With `shardings=` every
+  device hands over its own block instead (`cross_sharded`, see _shards.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.experimental.buffer_callback import buffer_callback
+
+from .._base._dtypes import PACKED_AS, packed
+from .._base._errors import InvalidStateError, shown
+from .._base._types import Gather, PyTree
+from .._layout._format import MAX_STEP
+from ._shards import Layout
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
+    from jax.typing import ArrayLike
+
+    from .._layout._spec import Signature
+
+# One save's crossing, `save(step, wanted, payload)` (`_batched_save`).
+_Save = Callable[[jax.Array, jax.Array, list[jax.Array]], object]
+
+
+def buffer_by_default() -> bool:
+    """What `crossing="auto"` picks: the buffer crossing where it is built and checked,
+    on CPU and on CUDA GPUs (benchmarks/gpu_check.py, bit for bit on an H200); the
+    `debug.callback` crossing elsewhere (ROCm GPUs, TPU)."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return True
+    if backend != "gpu":
+        return False
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "rocm" not in str(version).lower()
+
+
+def _value_text(x: object) -> str:
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is not None and shape is not None:
+        return f"{dtype}[{','.join(str(d) for d in shape)}]"
+    return f"{type(x).__name__} ({shown(x)})"
+
+
+def check_step(step: Any, where: str) -> int | None:
+    """Check `step` (whatever the user passed: hence `Any`); returns its value when
+    Python knows it (None for a tracer).
+
+    A known step is checked here, in the caller's thread: it must be >= 0, and one that
+    will cross through JAX must fit JAX's integer type (int32 unless jax_enable_x64),
+    which would otherwise wrap it silently (2**32 + 5 would be saved as step 5).
+    """
+    ok = not isinstance(step, bool) and (
+        isinstance(step, int)
+        or (hasattr(step, "dtype") and jnp.issubdtype(step.dtype, jnp.integer))
+    )
+    if ok and jnp.shape(step) != ():
+        ok = False
+    if not ok:
+        if isinstance(step, float):
+            cast = f"pass int(step) for a Python float (int({shown(step)}))"
+        else:
+            cast = "cast with step.astype(jnp.int32) if it is a float array"
+        raise InvalidStateError(
+            f"{where}: step must be an integer scalar (a Python int or an integer array "
+            f"of shape ()), got {_value_text(step)}. Fix: pass the loop counter (e.g. the "
+            f"scan index or TrainState.step), {cast}, or index out a single element if "
+            "it is batched."
+        )
+    if isinstance(step, Tracer):
+        return None
+    value = int(step)
+    if not 0 <= value <= MAX_STEP:
+        raise InvalidStateError(
+            f"{where}: step {value} is out of range; checkpoint steps are integers from "
+            f"0 to 2**63-1 (they name the step directories). Fix: pass the loop counter, "
+            "e.g. the scan index or TrainState.step."
+        )
+    return value
+
+
+def traced_step(step: ArrayLike, value: int | None, where: str) -> jax.Array:
+    """`step` as the integer array that crosses through JAX (checked to fit)."""
+    if value is not None:
+        dtype = jax.dtypes.canonicalize_dtype(getattr(step, "dtype", np.int64))
+        if value > np.iinfo(dtype).max:
+            raise InvalidStateError(
+                f"{where}: step {value} does not fit {np.dtype(dtype).name}, JAX's integer "
+                "type here (jax_enable_x64 is off), and would wrap around. Fix: enable "
+                "x64 (jax.config.update('jax_enable_x64', True)), save eagerly (outside "
+                "jit, where steps are exact), or number steps below 2**31."
+            )
+        return jnp.asarray(value, dtype)
+    return jnp.asarray(step)
+
+
+def is_tracing(*values: PyTree) -> bool:
+    """Are we inside a trace (jit, scan, vmap, grad, ...) rather than running eagerly?
+
+    Either an argument is a tracer, or a fresh array is one: inside `jit` even a function
+    of constants only is staged out and runs later, so it must save at run time.
+    """
+    leaves = jax.tree_util.tree_leaves(values)
+    if any(isinstance(leaf, Tracer) for leaf in leaves):
+        return True
+    if _trace_state_clean is not None and _trace_state_clean():
+        return False  # no trace at all (JAX's own test; 0.1 ms less than the array's)
+    return isinstance(jnp.zeros(()), Tracer)
+
+
+# JAX's "no trace and no named axis is active" (private; where it is missing, the fresh
+# array alone decides). True only where jnp.zeros(()) would be concrete.
+_trace_state_clean: Callable[[], bool] | None
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # pragma: no cover - a JAX that moved it
+    _trace_state_clean = None
+
+
+def check_when(when: Any, where: str) -> jax.Array:
+    """`when` (whatever the user passed: hence `Any`) as a boolean scalar array, or an
+    error that says how to fix it."""
+    ok = isinstance(when, bool) or (
+        hasattr(when, "dtype") and jnp.issubdtype(when.dtype, jnp.bool_)
+    )
+    if ok and jnp.shape(when) != ():
+        ok = False
+    if not ok:
+        raise InvalidStateError(
+            f"{where}: when must be a boolean scalar (a Python bool or a bool array of "
+            f"shape ()), got {_value_text(when)}. Fix: compare to get a bool, e.g. "
+            "when=(step % 500 == 0) | done."
+        )
+    return jnp.asarray(when)
+
+
+def check_axis_name(axis_name: Hashable | None, where: str) -> None:
+    """Inside `pmap`/`shard_map` every device would save its own part as the same step:
+    require `axis_name`, and that it names a mapped axis."""
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    if axis_name is None and manual:
+        raise InvalidStateError(
+            f"{where} is inside pmap/shard_map over axes {manual}: every device would "
+            f"save its own part of the state as the same step. Fix: pass "
+            f"axis_name={manual[0]!r} (add gather='replicated' if the state is the same "
+            "on every device, gather='concat' to concatenate shard_map blocks)."
+        )
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and manual and not set(names) <= set(manual):
+        raise InvalidStateError(
+            f"{where}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
+            f"mapped axes are {manual}."
+        )
+
+
+def axis_size(axis_name: Hashable) -> int:
+    """How many devices the mapped axis (or axes) `axis_name` spans, while tracing."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return int(np.prod([jax.lax.axis_size(name) for name in names]))
+
+
+class Host(Protocol):
+    """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
+    callbacks: each call takes the data it is given before it returns. What
+    `buffer_callback` hands over (`ctx`, `out`, the buffers) are XLA's own objects,
+    which have no types to name (see _cuda.py); `debug.callback` hands over
+    `jax.Array`s."""
+
+    def __call__(
+        self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
+    ) -> None: ...
+
+    def deposit(
+        self,
+        signature: Signature,
+        widened: dict[int, np.dtype],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        wanted: Any,
+        *buffers: Any,
+    ) -> None: ...
+
+    def deposit_shard(
+        self,
+        signature: Signature,
+        layout: Layout,
+        widened: dict[int, np.dtype],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        wanted: Any,
+        coords: Any,
+        *blocks: Any,
+    ) -> None: ...
+
+    def end_run(
+        self,
+        signature: Signature,
+        shapes: tuple[tuple[int, ...], tuple[int, ...]],
+        packed: jax.Array,
+    ) -> None: ...
+
+
+def cross(
+    host: Host,
+    signature: Signature,
+    step: jax.Array,
+    payload: list[jax.Array],
+    wanted: jax.Array | None,
+    *,
+    axis_name: Hashable | None = None,
+    gather: Gather = "stack",
+    by_buffer: bool = True,
+) -> None:
+    """Hand `payload` to `host(signature, step, wanted, *payload)` on the host, if `wanted`.
+
+    `wanted` is the device-side decision to save: a bool scalar, traced or not (under
+    `vmap`, the rule makes it the per-member mask the host receives); with `wanted=None`
+    the crossing is unconditional. Blocks the device program (not the
+    Python caller) until the host side has taken the data. With `axis_name` (inside
+    `pmap`/`shard_map`) the state is gathered along that axis (stacked, or concatenated
+    when `gather="concat"`; not at all when `"replicated"`) and handed over once, by the
+    first device.
+    """
+    payload = [jax.lax.stop_gradient(p) for p in payload]
+    always = wanted is None and axis_name is None
+    wanted = jnp.asarray(True) if wanted is None else wanted
+    save = _batched_save(host, signature, by_buffer, always=always)
+    if axis_name is None:
+        save(step, wanted, payload)
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if gather != "replicated" and set(names) == manual and payload:
+        # Every device hands over its own block; nothing is gathered (_shards.py).
+        _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer)
+        return
+    _gather_and_save(save, step, wanted, payload, axis_name, gather)
+
+
+def _gather_and_save(
+    save: _Save,
+    step: jax.Array,
+    wanted: jax.Array,
+    payload: list[jax.Array],
+    axis_name: Hashable,
+    gather: Gather,
+) -> None:
+    """Gather the state along `axis_name` and let the first device save it."""
+    # Every device must take the same branch around the collective below.
+    anyone = jax.lax.pmax(wanted.astype(jnp.int32), axis_name) > 0
+
+    def gather_and_save(step, wanted, payload):
+        if gather != "stack":
+            wanted = jnp.asarray(True)  # one state, not one per device: no per-device mask
+        if gather == "concat":
+            payload = [jax.lax.all_gather(p, axis_name, tiled=True) for p in payload]
+        elif gather == "stack":
+            payload = [jax.lax.all_gather(p, axis_name) for p in payload]
+            wanted = jax.lax.all_gather(wanted, axis_name)  # per-device mask
+
+        def first_device_saves():
+            save(step, wanted, payload)
+
+        jax.lax.cond(jax.lax.axis_index(axis_name) == 0, first_device_saves, lambda: None)
+
+    jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, wanted, payload)
+
+
+def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer):
+    """Inside `pmap`/`shard_map` over exactly the axes `names`: each device crosses with
+    its own block. `"stack"`: the saved leaf gets a leading axis of one block per device
+    (the per-device mask, a few bytes, is gathered and travels along); `"concat"`: the
+    blocks make up the leaf's first axis (0-d leaves: device 0's). Under `vmap` the
+    batched state takes the gather path instead, exactly as before."""
+    sizes = tuple(int(jax.lax.axis_size(name)) for name in names)
+    by_buffer = _per_device_by_buffer(by_buffer)
+    fallback = _batched_save(host, signature, by_buffer)
+
+    @jax.custom_batching.custom_vmap
+    def save(step, wanted, payload):
+        anyone = jax.lax.pmax(wanted.astype(jnp.int32), names) > 0
+        if gather == "stack":
+            blocks = [p[None] for p in payload]
+            mask = jax.lax.all_gather(wanted, names).reshape(-1)
+        else:
+            blocks = list(payload)
+            mask = jnp.asarray(True)
+        dims = tuple((names,) if b.ndim else () for b in blocks)
+        layout = Layout(names, sizes, dims)
+
+        def crossing(step, mask, blocks):
+            _device_crosses(host, signature, layout, step, mask, blocks, by_buffer)
+
+        jax.lax.cond(anyone, crossing, lambda *_: None, step, mask, blocks)
+        return ()
+
+    @save.def_vmap
+    def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
+        step_b, wanted_b, payload_b = in_batched
+        in_axes = (
+            0 if step_b else None,
+            0 if wanted_b else None,
+            [0 if b else None for b in payload_b],
+        )
+        jax.vmap(
+            lambda s, p, x: _gather_and_save(fallback, s, p, x, names, gather),
+            in_axes=in_axes,
+            axis_size=axis_size,
+        )(step, wanted, payload)
+        return (), ()
+
+    save(step, wanted, payload)
+
+
+def cross_sharded(
+    host: Host,
+    signature: Signature,
+    layout: Layout,
+    mesh: Mesh | AbstractMesh,
+    step: jax.Array,
+    payload: list[jax.Array],
+    wanted: jax.Array | None,
+    *,
+    by_buffer: bool,
+) -> None:
+    """Hand `payload` to the host device by device (`shardings=`; see _shards.py).
+
+    Inside the `cond`, a `shard_map` over `mesh` gives every device its own block of each
+    leaf (partitioned as `layout` says) and its coordinates in the mesh; each device
+    crosses with those only. Under `vmap` the batched state is saved gathered instead
+    (the `cross` path), since the batch axis is not part of the layout.
+    """
+    payload = [jax.lax.stop_gradient(p) for p in payload]
+    wanted = jnp.asarray(True) if wanted is None else wanted
+    specs = [layout.spec(i) for i in range(len(payload))]
+    by_buffer = _per_device_by_buffer(by_buffer)
+    replicated = jax.sharding.PartitionSpec()
+
+    def per_device(step, wanted, *blocks):
+        _device_crosses(host, signature, layout, step, wanted, list(blocks), by_buffer)
+        return ()
+
+    @jax.custom_batching.custom_vmap
+    def save(step, wanted, payload):
+        def each_device(step, wanted, payload):
+            jax.shard_map(
+                per_device,
+                mesh=mesh,
+                in_specs=(replicated, replicated, *specs),
+                out_specs=(),
+                check_vma=False,
+            )(step, wanted, *payload)
+
+        try:
+            jax.lax.cond(wanted, each_device, lambda *_: None, step, wanted, payload)
+        except ValueError as e:
+            if "devices" not in str(e):
+                raise
+            raise InvalidStateError(
+                f"maybe_save(shardings=...): the shardings' mesh {dict(mesh.shape)} is not "
+                f"made of the devices the program runs on, in their order: {e}. Fix: "
+                "pass the shardings of the state's own mesh (e.g. x.sharding)."
+            ) from e
+        return ()
+
+    @save.def_vmap
+    def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
+        _batched_save(host, signature, by_buffer, levels=((axis_size, in_batched),))(
+            step, wanted, payload
+        )
+        return (), ()
+
+    save(step, wanted, payload)
+
+
+def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> None:
+    """One device's crossing with its own `blocks` and its coordinates in the mesh (in a
+    manual context: `shard_map` or `pmap`); see _shards.py."""
+    coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
+    if by_buffer:
+        widened, crossing = _widen(blocks)
+        deposit = functools.partial(host.deposit_shard, signature, layout, widened)
+        token_type = jax.ShapeDtypeStruct((), jnp.int32)
+        token = buffer_callback(deposit, token_type)(step, mask, coords, *crossing)
+        jax.debug.callback(_keep_alive, token)
+    else:
+        deposit = functools.partial(host.deposit_shard, signature, layout, {}, None, None)
+        jax.debug.callback(deposit, step, mask, coords, *blocks)
+
+
+def _keep_alive(token: jax.Array) -> None:
+    """The effect that keeps a per-device crossing (and its token) in the program."""
+    del token
+
+
+def _widen(values: Sequence[jax.Array]) -> tuple[dict[int, np.dtype], list[jax.Array]]:
+    """XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte,
+    so those leaves cross widened to a byte-per-element dtype that holds their values
+    exactly; returns `widened`, {index: original dtype} of those leaves (for the host
+    to cast back), and the values to cross."""
+    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if packed(v.dtype)}
+    crossing = [
+        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in widened else v
+        for i, v in enumerate(values)
+    ]
+    return widened, crossing
+
+
+def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
+    """`end_run`'s one operand: the token (the dependence that keeps the buffer callback
+    alive), then the steps and the mask, flat, in the step's dtype (see `HostSide.end_run`).
+    `debug.callback` puts each operand on a device again before calling (~60-130 us per
+    operand on a CPU): one operand instead of three saves ~0.1 ms per crossing."""
+    dtype = jnp.result_type(step)
+    flat = [token.reshape(1), jnp.ravel(step), jnp.ravel(wanted)]
+    return jnp.concatenate([x.astype(dtype) for x in flat])
+
+
+# The vmaps applied to a save so far, outermost first: (axis size, which of `step`,
+# `wanted` and each payload leaf carry that axis), as a `custom_vmap` rule receives them.
+Levels = tuple[tuple[int, tuple[bool, bool, list[bool]]], ...]
+
+
+def _broadcast(x: jax.Array, flags: Sequence[tuple[int, bool]]) -> jax.Array:
+    """`x` with the axis of every level it lacks, in place: `flags` is (size, batched)
+    per level, outermost first (the axes of the levels it has are already there)."""
+    x = jnp.asarray(x)
+    for position, (size, batched) in enumerate(flags):
+        if not batched:
+            x = jnp.expand_dims(x, position)
+            x = jnp.broadcast_to(x, (*x.shape[:position], size, *x.shape[position + 1 :]))
+    return x
+
+
+def _whole_batch(
+    levels: Levels, step: jax.Array, wanted: jax.Array, payload: list[jax.Array]
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """A save's operands with every vmap's axis on each: the unbatched ones broadcast,
+    so the host gets the whole batch and a per-member mask. Done inside the save's
+    branch: a step that does not save broadcasts nothing."""
+    return (
+        _broadcast(step, [(size, b[0]) for size, b in levels]),
+        _broadcast(wanted, [(size, b[1]) for size, b in levels]),
+        [_broadcast(p, [(size, b[2][i]) for size, b in levels]) for i, p in enumerate(payload)],
+    )
+
+
+def _per_device_by_buffer(by_buffer: bool) -> bool:
+    """Whether a per-device crossing copies from XLA's buffers: always on a CPU, where
+    with debug.callback each device's callback waits for JAX's copy while the others
+    are blocked in theirs, and jax 0.10.2 hangs (measured: a 16 MiB leaf on 4 devices)."""
+    return by_buffer or jax.default_backend() == "cpu"
+
+
+def _batched_save(
+    host: Host,
+    signature: Signature,
+    by_buffer: bool,
+    *,
+    always: bool = False,
+    levels: Levels = (),
+) -> _Save:
+    """`save(step, wanted, payload)`: one crossing when any member's `wanted` holds
+    (`always`: the save is unconditional, and crosses with no `cond` around it).
+
+    Unbatched, `wanted` is a scalar. Each `vmap` applied from outside gives the host its
+    axis on `wanted`, `step` and every payload leaf (`levels`: the rule makes a new save
+    that knows it), so the host gets the whole batch with a leading axis per `vmap` and
+    the per-member mask. Operands go into the `cond` as they are and are broadcast in
+    its branch: each one that enters is a thunk in the loop body at every step, and
+    XLA:CPU runs a body of up to 8 thunks in order, a longer one through its dataflow
+    executor (~0.5 us a step more on a tiny step; docs/benchmarks.md).
+    """
+    callback = functools.partial(host, signature)
+    end_run = functools.partial(host.end_run, signature)
+    token_type = jax.ShapeDtypeStruct((), jnp.int32)
+
+    @jax.custom_batching.custom_vmap
+    def save(step, wanted, payload):
+        def crossing(step, wanted, payload):
+            step, wanted, payload = _whole_batch(levels, step, wanted, payload)
+            if by_buffer:
+                # The data goes through a pure buffer_callback (XLA's buffers, copied
+                # once by the host side); its token feeds a debug.callback, whose effect
+                # keeps both alive in a program that uses neither result.
+                # XLA packs sub-byte types (int4: two per byte), numpy views them one
+                # per byte: they cross widened and are narrowed back on the host.
+                widened, payload = _widen(payload)
+                deposit = functools.partial(host.deposit, signature, widened)
+                token = buffer_callback(deposit, token_type)(step, wanted, *payload)
+                shapes = (jnp.shape(step), jnp.shape(wanted))
+                jax.debug.callback(functools.partial(end_run, shapes), _packed(token, step, wanted))
+            else:
+                jax.debug.callback(callback, step, wanted, *payload)
+
+        if always:
+            crossing(step, wanted, payload)
+        elif jnp.ndim(wanted) == 0:
+            # One decision for every member: the branch runs only when it holds, so
+            # `wanted` is not passed in (an operand, and a thunk, less). A vmap over
+            # no member has nothing to save (as `any` of its empty mask says).
+            if any(size == 0 for size, _ in levels):
+                return ()
+            jax.lax.cond(
+                wanted,
+                lambda step, payload: crossing(step, jnp.asarray(True), payload),
+                lambda *_: None,
+                step,
+                payload,
+            )
+        else:
+            jax.lax.cond(jnp.any(wanted), crossing, lambda *_: None, step, wanted, payload)
+        return ()
+
+    @save.def_vmap
+    def _rule(axis_size, in_batched, step, wanted, payload):
+        _check_batched_metrics(signature)
+        level = ((axis_size, in_batched),)
+        _batched_save(host, signature, by_buffer, always=always, levels=level + levels)(
+            step, wanted, payload
+        )
+        return (), ()
+
+    return save
+
+
+def _check_batched_metrics(signature: Signature) -> None:
+    """Under vmap a metric is one scalar per member (stored in the batch's shape, ranked
+    per member): a 1-D metric, allowed for a batch held without vmap, would be stored
+    with the batch's axes and its own, and rank members that are not there."""
+    for spec in signature.specs[signature.state_leaves :]:
+        if spec.shape != ():
+            raise InvalidStateError(
+                f"maybe_save(metrics=...) under vmap: {spec.path} is {spec.describe()} per "
+                "member; under vmap a metric is one real number per member (it is stored "
+                "with the batch's shape and ranked per member). Fix: reduce it first (e.g. "
+                "jnp.mean), or keep arrays in the state."
+            )

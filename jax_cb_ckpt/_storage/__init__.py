@@ -1,0 +1,1 @@
+"""Where the steps live: see README.md beside this file."""

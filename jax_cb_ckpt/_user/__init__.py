@@ -1,0 +1,1 @@
+"""The object users hold: see README.md beside this file."""

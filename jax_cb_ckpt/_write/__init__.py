@@ -1,0 +1,1 @@
+"""The writer thread: see README.md beside this file."""
