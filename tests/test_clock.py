@@ -29,9 +29,9 @@ def test_due_counts_from_the_last_hand_off():
 
 
 def test_a_fresh_recorder_counts_from_the_opening():
-    clock = SaveClock(0.05, StatsRecorder())
+    clock = SaveClock(0.3, StatsRecorder())
     assert not clock.due()
-    time.sleep(0.06)
+    time.sleep(0.31)
     assert clock.due()
 
 
