@@ -152,3 +152,14 @@ def test_an_item_with_nothing_stored_gets_the_placeholder():
     out = stored_leaves((_spec(("e",), shape=(0, 3)),), [np.zeros((0, 3), np.float32)])
     assert [n for n, _ in out] == [(EMPTY_NAME,)]
     assert out[0][1].shape == () and out[0][1].dtype == np.int8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reported: from_json accepts any numpy dtype name (object, str), which no save "
+    "writes; a U3 leaf even comes back named 'str96'",
+)
+@pytest.mark.parametrize("dtype", ["object", "U3", "V8", "datetime64[s]"])
+def test_from_json_refuses_a_dtype_no_save_writes(dtype):
+    with pytest.raises((TypeError, ValueError)):
+        LeafSpec.from_json(_damaged(kind="array", impl=None, dtype=dtype))

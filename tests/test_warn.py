@@ -54,3 +54,25 @@ def test_the_package_folder_is_the_package_itself():
     assert isinstance(jax_cb_ckpt, types.ModuleType)
     assert jax_cb_ckpt.__file__.startswith(_warn._PACKAGE)
     assert _warn._PACKAGE.endswith("jax_cb_ckpt/")
+
+
+def test_in_a_thread_that_starts_in_the_package_it_points_at_threading():
+    """The writer thread's case: every frame of ours, the first outside is threading's."""
+    import threading
+
+    code = (
+        "def target(out):\n"
+        "    import warnings\n"
+        "    with warnings.catch_warnings(record=True) as got:\n"
+        "        warnings.simplefilter('always')\n"
+        "        warn('from our thread', category)\n"
+        "    out.extend(got)\n"
+    )
+    namespace = {"warn": _warn.warn, "category": CheckpointWarning}
+    exec(compile(code, _warn._PACKAGE + "_fake_writer.py", "exec"), namespace)
+    caught = []
+    thread = threading.Thread(target=namespace["target"], args=(caught,))
+    thread.start()
+    thread.join()
+    assert len(caught) == 1
+    assert caught[0].filename == threading.__file__
