@@ -128,3 +128,37 @@ def test_widen_turns_packed_types_into_exact_bytes():
 def test_the_buffer_crossing_is_the_default_on_cpu():
     assert jax.default_backend() == "cpu"
     assert _traced.buffer_by_default() is True
+
+
+# -- through the façade: raised while tracing, before any callback is compiled in -------
+
+
+def test_a_bad_step_raises_while_tracing_and_nothing_crosses(make_ckpt, ckpt_dir):
+    import jax_cb_ckpt
+
+    ckpt = make_ckpt()
+    state = {"w": jnp.zeros(3)}
+
+    def step_fn(state, step):
+        ckpt.maybe_save(state, step)
+        return state
+
+    with pytest.raises(InvalidStateError, match=r"^maybe_save: step must be an integer scalar"):
+        jax.jit(step_fn).trace(state, jnp.float32(1))
+    ckpt.wait()
+    assert ckpt.stats.crossings == 0
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == []
+
+
+def test_a_metric_that_is_not_one_number_per_member_is_refused_under_vmap(make_ckpt):
+    ckpt = make_ckpt()
+
+    def step_fn(w, step):
+        ckpt.maybe_save({"w": w}, step, when=step >= 0, metrics={"loss": w})
+        return w
+
+    with pytest.raises(
+        InvalidStateError,
+        match=r"metrics=\.\.\.\) under vmap: metrics\['loss'\] is float32\[3\] per member",
+    ):
+        jax.jit(jax.vmap(step_fn, in_axes=(0, None))).trace(jnp.zeros((2, 3)), jnp.int32(0))
