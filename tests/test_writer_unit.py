@@ -140,3 +140,70 @@ def test_stop_writes_what_was_queued_before_it_then_releases_the_lock(parts):
     assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
     again = _places.at(p.options.directory).lock(_format.LOCK_NAME)  # free again
     again.release()
+
+
+# -- the writer's life: opening, finish, exit (issue 46 item 5) -------------------------
+
+
+def test_opening_removes_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    temp = directory / _format.temp_name(3)
+    (temp / "state").mkdir(parents=True)
+    deleting = directory / f"2.jax_cb_ckpt-deleting-{'a' * 32}"
+    deleting.mkdir()
+    mine = directory / "3.my-notes"
+    mine.mkdir()
+    p = Parts(str(directory))
+    try:
+        assert not temp.exists() and not deleting.exists()
+        assert mine.is_dir()
+    finally:
+        p.writer.stop()
+
+
+def test_finish_ends_the_thread_once_the_queued_saves_are_written(parts):
+    p = parts()
+    released = []
+    p.save(_item(1, {"b": np.ones(4, np.int64)}, released))
+    p.writer.finish()
+    assert p.lock.finishing  # a new Checkpointer on the directory waits for it
+    p.writer._thread.join(30)
+    assert not p.writer._thread.is_alive()
+    assert released == [1] and jax_cb_ckpt.all_steps(p.options.directory) == [1]
+    again = _places.at(p.options.directory).lock(_format.LOCK_NAME)  # released at its end
+    again.release()
+
+
+def test_flush_at_exit_writes_pending_saves_and_says_so(parts):
+    from jax_cb_ckpt import UnflushedSaveWarning
+
+    p = parts()
+    released = []
+    big = np.zeros(2**22, np.float32)  # 16 MiB: still pending when flush_at_exit asks
+    for step in (1, 2):
+        p.save(_item(step, {"w": big + step}, released))
+    with pytest.warns(
+        UnflushedSaveWarning,
+        match=r"save\(s\) to .* were still pending at "
+        r"interpreter exit and were written now",
+    ):
+        p.writer.flush_at_exit()
+    assert p.exited == [True]  # the Checkpointer was marked closed first
+    assert released == [1, 2]
+    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
+
+
+def test_a_step_records_its_leaves_and_is_read_back_by_plain_numpy_readers(parts):
+    p = parts()
+    p.save(_item(4, {"a": np.arange(3, dtype=np.int16), "b": np.ones((2, 2), np.float64)}, []))
+    p.exchange.drain()
+    meta = jax_cb_ckpt.metadata(p.options.directory, step=4)
+    assert json_leaves(meta) == {"'a'": ("int16", [3]), "'b'": ("float64", [2, 2])}
+    assert jax_cb_ckpt.verify(p.options.directory) == [4]
+
+
+def json_leaves(meta):
+    """{path: (dtype, shape)} of a step's described leaves."""
+    leaves = meta.get("leaves") or meta.get("specs") or []
+    return {leaf["path"]: (leaf["dtype"], leaf["shape"]) for leaf in leaves}

@@ -1,0 +1,67 @@
+"""`_write/_exit.py`: the exit hook. A Checkpointer left unclosed has what it was handed
+written before the interpreter ends (its writer thread is a daemon: without the hook
+the saves would be lost); a non-daemon thread still training when the main thread
+ends is waited for first, so a Checkpointer it creates later still writes. A writer is
+in `LIVE` while its thread runs and leaves it once closed; the hook is registered with
+`threading`'s exit hooks (before the thread pools shut down) at import."""
+
+import os
+
+import jax.numpy as jnp
+from helpers import run_child
+
+import jax_cb_ckpt
+from jax_cb_ckpt._write import _exit
+
+# One child for both scenarios (a JAX child costs seconds): the main thread hands
+# saves to a Checkpointer it never closes, and a thread creates its own Checkpointer
+# only after the main thread has ended.
+CHILD = """
+import sys, threading, time
+import jax.numpy as jnp
+import jax_cb_ckpt
+
+def train():
+    time.sleep(0.5)  # the main thread has ended by now
+    late = jax_cb_ckpt.Checkpointer(sys.argv[2])
+    for step in range(3):
+        late.save({"w": jnp.full((4,), float(step))}, step)
+
+ckpt = jax_cb_ckpt.Checkpointer(sys.argv[1], queue_size=16)
+for step in range(6):
+    ckpt.save({"w": jnp.full((20000,), float(step))}, step)
+threading.Thread(target=train).start()
+print("main thread ends", flush=True)
+# no close(), no wait()
+"""
+
+
+def test_unclosed_checkpointers_and_late_threads_are_written_at_exit(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    first, late = tmp_path / "first", tmp_path / "late"
+    done = run_child(["python", script, first, late], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "main thread ends"
+    assert "Traceback" not in done.stderr
+    assert jax_cb_ckpt.all_steps(first) == list(range(6))
+    assert float(jax_cb_ckpt.restore(first, {"w": jnp.zeros((20000,))})["w"][0]) == 5.0
+    assert jax_cb_ckpt.all_steps(late) == [0, 1, 2]
+
+
+def test_a_writer_is_live_while_open_and_not_after_close(make_ckpt, ckpt_dir):
+    def live():
+        return [w for w in _exit.LIVE if w.directory == os.fspath(ckpt_dir)]
+
+    ckpt = make_ckpt()
+    assert len(live()) == 1
+    ckpt.save({"w": jnp.zeros(2)}, 1)
+    ckpt.close()
+    assert live() == []
+
+
+def test_the_hook_is_one_of_threadings_exit_hooks():
+    import threading
+
+    hooks = [getattr(h, "func", h) for h in threading._threading_atexits]  # type: ignore[attr-defined]
+    assert hooks.count(_exit._flush_at_exit) == 1
