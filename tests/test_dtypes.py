@@ -111,11 +111,6 @@ def test_from_storage_refuses_a_dtype_the_type_is_not_stored_as(stored, name):
     assert _dtypes.from_storage(np.zeros(2, stored), _dtypes.named(name)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: numpy reads None as float64 and a dict as a structured dtype, so "
-    "`named` (fed a hostile .zarray's JSON) gives a dtype for what is not a name",
-)
 @pytest.mark.parametrize("name", [None, {"names": ["a"], "formats": ["<f4"]}])
 def test_named_refuses_what_is_not_a_name(name):
     with pytest.raises(TypeError):

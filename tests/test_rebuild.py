@@ -153,11 +153,6 @@ def test_same_bits_ignores_the_treedefs_static_parts():
     assert _rebuild.same_bits(State(jnp.ones(2), lambda: 1), State(jnp.ones(2), lambda: 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: the exactness check compares with !=, and NaN != NaN, so a saved "
-    "Python NaN is refused as 'cannot hold exactly'",
-)
 def test_a_saved_python_nan_restores_into_a_float32_scalar():
     spec, saved = _array("a", "float32", ()), _scalar("a", "float", "float64")
     out = _rebuild.rebuild(jnp.float32(0), spec, saved, np.asarray(np.nan), "restore")

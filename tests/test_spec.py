@@ -154,11 +154,6 @@ def test_an_item_with_nothing_stored_gets_the_placeholder():
     assert out[0][1].shape == () and out[0][1].dtype == np.int8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: from_json accepts any numpy dtype name (object, str), which no save "
-    "writes; a U3 leaf even comes back named 'str96'",
-)
 @pytest.mark.parametrize("dtype", ["object", "U3", "V8", "datetime64[s]"])
 def test_from_json_refuses_a_dtype_no_save_writes(dtype):
     with pytest.raises((TypeError, ValueError)):

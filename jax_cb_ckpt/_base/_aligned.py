@@ -20,6 +20,7 @@ def empty_aligned(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """An uninitialised array whose data starts on an ALIGNMENT-byte boundary."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    raw = np.empty(max(nbytes, 1) + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    # (an empty slice keeps its base's pointer: a zero-size array is cut from one byte)
+    return raw[start : start + max(nbytes, 1)][:nbytes].view(dtype).reshape(shape)

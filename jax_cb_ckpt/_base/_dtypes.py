@@ -31,10 +31,14 @@ def named(name: str) -> np.dtype:
     """The dtype called `name` in a checkpoint's description or `.zarray`: numpy's, or
     an ml_dtypes type (bfloat16, float8_*, int4, ...), imported only then (~0.5 s: the
     command line reads numpy-only steps without it). TypeError for an unknown name."""
+    if not isinstance(name, str):
+        # numpy would read None as float64 and a dict as a structured dtype: a hostile
+        # `.zarray` may give any JSON.
+        raise TypeError(f"a dtype name must be a string, got {type(name).__name__} {name!r}")
     try:
-        return np.dtype(name)  # a hostile .zarray may give any JSON: numpy checks it
+        return np.dtype(name)
     except TypeError:
-        if not isinstance(name, str) or not name.startswith(ML_DTYPES):
+        if not name.startswith(ML_DTYPES):
             raise
     import ml_dtypes  # noqa: F401  registers its types with numpy by name
 

@@ -105,6 +105,9 @@ class LeafSpec:
         ):
             raise ValueError(f"leaf shape {shape!r} is not a list of non-negative ints")
         dtype = _dtypes.named(str(data["dtype"]))  # TypeError for an unknown dtype
+        if not (dtype.kind in "biufc" or dtype.name.startswith(_dtypes.ML_DTYPES)):
+            # (numpy also names objects, strings, raw bytes and dates: no save writes them)
+            raise ValueError(f"leaf dtype {data['dtype']!r} is not a number type")
         impl = data.get("impl")
         if kind == KEY and not isinstance(impl, str):
             raise ValueError(f"key leaf has no PRNG implementation name (impl={impl!r})")

@@ -139,7 +139,8 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
     `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
         cast = array.astype(spec.dtype)
-        if cast.astype(saved.dtype) != array:
+        back = cast.astype(saved.dtype)
+        if back != array and not (np.isnan(back) and np.isnan(array)):  # (NaN stays NaN)
             raise StructureMismatchError(
                 f"{where}: leaf {spec.path}: the checkpoint has the Python number "
                 f"{array.item()!r}, which like's {spec.describe()} cannot hold exactly. "
