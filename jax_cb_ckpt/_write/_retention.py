@@ -27,7 +27,7 @@ from .._layout import _format, _policy
 from .._layout._policy import Entry, Keeper, Rules
 from .._read import _steps
 from .._storage import _remote
-from .._storage._places import Bucket, Local
+from .._storage._protocol import Storage
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -36,7 +36,7 @@ class Retention:
     """Which steps one writer keeps under `rules`, and what it set aside."""
 
     def __init__(
-        self, rules: Rules, storage: Local | Bucket, note: Callable[[type[Warning], str], None]
+        self, rules: Rules, storage: Storage, note: Callable[[type[Warning], str], None]
     ) -> None:
         self.rules = rules
         self._storage = storage
