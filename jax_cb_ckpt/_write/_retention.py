@@ -152,7 +152,9 @@ class Retention:
             if self._stuck:
                 record = {str(step): why for step, why in sorted(self._stuck.items())}
                 self._storage.put_file(_format.STUCK_NAME, json.dumps(record).encode())
-            elif self._storage.exists(_format.STUCK_NAME):
+            elif self._storage.read_file(_format.STUCK_NAME, 1) is not None:
+                # (not `exists`: that is a folder's or step's test; in a bucket a
+                # file is no prefix, and the report was never removed there)
                 self._storage.remove_file(_format.STUCK_NAME)
         except OSError:
             pass  # (a report: the warning said it already)
