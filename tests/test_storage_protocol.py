@@ -42,30 +42,30 @@ def where(request, tmp_path, remote_on):
     return remote_on(request.param).url
 
 
-def _begun(storage: Storage, step: int, token: str) -> str:
-    """A step begun and its arrays written, not yet described nor committed."""
+def _begun(storage: Storage, step: int, token: str) -> tuple[str, _format.Sums]:
+    """A step begun and its arrays written, not yet described nor committed: where,
+    and its checksums."""
     temp = storage.temp_path(step, _format.temp_name(step))
     storage.begin(temp, token)
     store = _store.StoreWriter(compression=False, kvstore_spec=storage.kvstore_spec)
     finish = store.write(
         os.path.join(temp, _format.STATE_ITEM), {("w",): W + step}, index=0, zarrays=True
     )
-    _begun.sums = finish(None)[0]  # type: ignore[attr-defined]
-    return temp
+    return temp, finish(None)[0]
 
 
 def _committed(storage: Storage, step: int, token: str = "") -> str:
     """One step written in the writer's order of verbs (`_writer._write_as_primary`)."""
     token = token or uuid.uuid4().hex
     with storage.step_sync() as sync:
-        temp = _begun(storage, step, token)
+        temp, sums = _begun(storage, step, token)
         text = _store.state_metadata((("w",),))
         storage.write_file(
             os.path.join(temp, _format.STATE_ITEM, _format.STATE_METADATA), text.encode()
         )
         leaves = [LeafSpec("['w']", ("w",), ARRAY, "float32", W.shape).to_json()]
         meta = _format.meta_record(step, leaves, {}, shardings={}, batch_shape=(), members=[])
-        storage.write_meta(temp, dict(meta, checksums=_begun.sums))  # type: ignore[attr-defined]
+        storage.write_meta(temp, dict(meta, checksums=sums))
         storage.fence(str(step), token, lambda: None)
         storage.commit(temp, storage.step_path(step), W.nbytes, sync)
     return temp
@@ -101,7 +101,7 @@ def test_a_step_is_listed_only_once_committed(where):
     assert storage.list_steps() == [] and storage.examine_all() == {}
     token = uuid.uuid4().hex
     with storage.step_sync():
-        temp = _begun(storage, 3, token)
+        temp, _ = _begun(storage, 3, token)
     assert storage.list_steps() == [] and not storage.is_checkpoint(3)
     assert [step for step, _ in storage.unfinished_steps()] == [3]
     storage.remove_temp(os.path.basename(temp), token)
@@ -267,7 +267,7 @@ def test_a_failed_step_leaves_nothing_listed_and_its_files_go(where):
     storage = _places.at(where)
     token = uuid.uuid4().hex
     with storage.step_sync():
-        temp = _begun(storage, 5, token)
+        temp, _ = _begun(storage, 5, token)
     later = storage.clean_failed(os.path.basename(temp), token, OSError("disk full"))
     if later is not None:  # removed after the failure is reported
         storage.remove_temp(later, token)
