@@ -145,8 +145,9 @@ def _with_tensorstore_index(read: Callable[[], Any]) -> Any:
     reader refuses it, as it refuses an index it does not understand)."""
     from jax_cb_ckpt._layout import _ocdbt
     from jax_cb_ckpt._storage import _places
+    from jax_cb_ckpt._storage._protocol import OpenedStep
 
-    def refuse(self: _places.Local, step: int) -> _ocdbt.Database:
+    def refuse(self: _places.Local, opened: OpenedStep) -> _ocdbt.Database:
         raise _ocdbt.Unsupported("read by TensorStore (benchmark)")
 
     own = _places.Local.index

@@ -180,7 +180,7 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save({"w": np.arange(3.0)}, 1)
     storage = _places.at(str(tmp_path / "c"))
-    seen = storage.open_step(1)[0]
+    seen = storage.open_step(1).identity
 
     def classified(error):
         return type(_steps.read_failure(error, storage, 1, seen, "restore(step=1)", "leaf w"))

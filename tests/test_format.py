@@ -1,5 +1,5 @@
 """Unit tests of the layout's names (`_format`), of a local directory's steps
-(`_places.Local`) and of object-storage URLs (`_remote`): no JAX program, no server
+(`_local.Local`) and of object-storage URLs (`_remote`): no JAX program, no server
 (milliseconds each)."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from jax_cb_ckpt import ConfigError
 from jax_cb_ckpt._layout import _format as fmt
-from jax_cb_ckpt._storage import _places, _remote
+from jax_cb_ckpt._storage import _local, _places, _remote
 
 
 @pytest.mark.parametrize(
@@ -195,12 +195,12 @@ def test_what_is_remembered_of_a_step_goes_with_it(tmp_path):
     for n in range(3):
         _bare_step(tmp_path / str(n), n)
     assert _places.at(str(tmp_path)).list_steps() == [0, 1, 2]
-    remembered = [k for k in _places._TAGS if k.startswith(str(tmp_path))]
+    remembered = [k for k in _local._TAGS if k.startswith(str(tmp_path))]
     assert len(remembered) == 3
     local = _places.at(str(tmp_path))
     local.remove_aside(local.set_aside(0))
     local.remove_step(1)
-    assert [k for k in _places._TAGS if k.startswith(str(tmp_path))] == [
+    assert [k for k in _local._TAGS if k.startswith(str(tmp_path))] == [
         str(tmp_path / "2" / fmt.META_ITEM / fmt.META_FILE)
     ]
     assert _places.at(str(tmp_path)).list_steps() == [2]

@@ -276,8 +276,7 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save(state, 1)
     storage = _places.at(remote.url)
-    storage.open_step(1)
-    index = storage.index(1)
+    index = storage.index(storage.open_step(1))
     assert isinstance(index.files, _ocdbt.Held) and len(index.values) >= 6
 
     def no_database(*args, **kwargs):
@@ -291,16 +290,16 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
 
 
 def test_a_bucket_step_larger_than_held_bytes_is_read_by_tensorstore(remote, monkeypatch):
-    from jax_cb_ckpt._storage import _places
+    from jax_cb_ckpt._storage import _bucket, _places
 
     state = _bucket_state()
     with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
         ckpt.save(state, 1)
-    monkeypatch.setattr(_places, "HELD_BYTES", 1000)
+    monkeypatch.setattr(_bucket, "HELD_BYTES", 1000)
     storage = _places.at(remote.url)
-    storage.open_step(1)
+    opened = storage.open_step(1)
     with pytest.raises(_ocdbt.Unsupported, match="bytes"):
-        storage.index(1)
+        storage.index(opened)
     like = {k: np.zeros_like(v) for k, v in state.items()}
     assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
 
@@ -726,9 +725,9 @@ def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote
     fetched = []
     monkeypatch.setattr(_remote, "read_ranges", lambda ranges: fetched.append(ranges) or [])
     storage = _places.at(remote.url)
-    storage.open_step(1)
+    opened = storage.open_step(1)
     with pytest.raises(_ocdbt.Unsupported, match=r"a step of \d+ bytes"):
-        storage.index(1)
+        storage.index(opened)
     assert fetched == []
 
 

@@ -21,13 +21,14 @@ def _saved(directory, state, step=1):
     with jax_cb_ckpt.Checkpointer(directory) as ckpt:
         ckpt.save(state, step)
     step_dir = os.path.join(directory, str(step))
-    meta = _format.StepMeta.parse(_places.at(str(directory)).open_step(step)[1])
+    meta = _format.StepMeta.parse(_places.at(str(directory)).open_step(step).meta)
     return step_dir, meta
 
 
 def _arrays(step_dir, meta):
     storage = _places.at(os.path.dirname(step_dir))
-    arrays = _read.StepArrays(storage, int(os.path.basename(step_dir)), meta.leaves)
+    opened = storage.open_step(int(os.path.basename(step_dir)))
+    arrays = _read.StepArrays(storage, opened, meta.leaves)
     arrays.check_layouts()
     return arrays
 

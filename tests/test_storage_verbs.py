@@ -1,4 +1,4 @@
-"""The storage object's verbs (`_places.Local`, `_places.Bucket`) as the writer calls
+"""The storage object's verbs (`_local.Local`, `_bucket.Bucket`) as the writer calls
 them, without a Checkpointer or JAX: a step written with the verbs alone (and
 `_store.StoreWriter` for its arrays) is one that the public readers list, verify and
 restore; and each verb's refusal, the rules a new kind of storage must keep too. The
@@ -177,7 +177,7 @@ def test_bucket_a_step_is_begun_written_and_committed_once(where):
     token = uuid.uuid4().hex
     temp = storage.temp_path(5, "")
     storage.begin(temp, token)
-    assert storage.step_writer("5") == token
+    assert storage._step_writer("5") == token
     with pytest.raises(FileExistsError, match="begun by another writer"):
         storage.begin(temp, uuid.uuid4().hex)
     storage.write_file(f"{temp}/x", b"1")

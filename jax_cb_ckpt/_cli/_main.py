@@ -32,7 +32,7 @@ from .._layout import _format, _policy, _spec
 from .._layout._policy import Rules
 from .._read import _plain
 from .._storage import _places
-from .._storage._places import Storage
+from .._storage._protocol import Storage
 
 _FAILED = 1
 _UNUSABLE = 2
@@ -393,7 +393,7 @@ def _meta(storage: Storage, step: int | None) -> tuple[dict[str, Any], _format.S
 def _step_meta(storage: Storage, step: int) -> tuple[dict[str, Any], _format.StepMeta]:
     """`_meta` of a step known to be there (`ls` lists each step once)."""
     try:
-        meta = storage.open_step(step)[1]
+        meta = storage.open_step(step).meta
         return meta, _format.StepMeta.parse(meta)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise RestoreError(f"step {step} of {storage.path} is damaged: {e}") from e

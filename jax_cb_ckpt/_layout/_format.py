@@ -29,7 +29,7 @@ are written under `<step>/` directly, `<step>/.jax_cb_ckpt` first and Orbax's co
 marker `<step>/commit_success.txt` last, and only a step holding both (and the item
 files) is listed. Deleting a step removes its commit marker first (unlisted at once),
 our marker last. At an opening, an uncommitted step prefix is deleted only when our
-marker names a writer token (`step_writer`) and the prefix either lacks a file of a
+marker names a writer token (`Bucket._step_writer`) and the prefix either lacks a file of a
 whole step (a write cut short) or was begun by the holder whose lock the opening
 took over (it died at its commit). A prefix without our marker is never deleted, nor
 is a whole step begun by another writer (a step copied here without its commit
@@ -87,7 +87,7 @@ _TOKEN = re.compile(r"[0-9a-f]{32}", re.ASCII)  # a lock token (`_lock.ObjectLoc
 
 MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal names
 # A leaf written whole is split along its leading axes into chunks of at most this many
-# bytes (`_store`); a reader asks for them one request each (`_places.Bucket`).
+# bytes (`_store`); a reader asks for them one request each (`_bucket.Bucket`).
 CHUNK_BYTES = 16 << 20
 SMALL_BYTES = 64 << 10  # smaller leaves: their raw chunk bytes, never compressed
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of a stored block

@@ -3,7 +3,7 @@
 
 `restore`, `restore(member=)`, `verify` and the command line read through `StepArrays`:
 
-1. `StepArrays(storage, step, leaves, light=True)` reads the state item's OCDBT index
+1. `StepArrays(storage, opened, leaves, light=True)` reads the state item's OCDBT index
    with the package's own reader where the storage gives one (`Storage.index`: a
    local step, a small bucket step read at once; `_ocdbt`), and opens TensorStore's
    database only for what needs it (`Local.database`, `Bucket.database`), with a
@@ -61,7 +61,7 @@ from .._layout._spec import LeafSpec
 if TYPE_CHECKING:
     import tensorstore
 
-    from .._storage._places import Storage
+    from .._storage._protocol import OpenedStep, Storage
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension; () for a scalar
 
@@ -167,19 +167,20 @@ class StepArrays:
     def __init__(
         self,
         storage: Storage,
-        step: int,
+        opened: OpenedStep,
         leaves: tuple[LeafSpec, ...],
         *,
         light: bool = False,
     ) -> None:
-        """`storage`: where the step lives (`_places.at`), which opens its database.
+        """`storage`: where the step lives (`_places.at`), which opens its database;
+        `opened`: the step, as `storage.open_step` returned it.
         `light`: read its index with `_ocdbt` where that reader can (a local step the
         writer wrote; a small step in a bucket, read in one round trip:
         `Bucket.index`), and TensorStore's database is opened only for what needs it (a
         large or compressed leaf): `verify` then starts without TensorStore's import,
         and a small step from a bucket is read in one round trip after its opening."""
         self.leaves = {spec.name: spec for spec in leaves}
-        self._storage, self._step, self._count = storage, step, len(leaves)
+        self._storage, self._step, self._count = storage, opened, len(leaves)  # (an OpenedStep)
         self.layouts: dict[tuple[str, ...], Layout] = {}
         self._opened: tensorstore.KvStore | None = None
         # Where keys are read, chosen once: the index `_ocdbt` read, else TensorStore's
@@ -187,7 +188,7 @@ class StepArrays:
         self._keys: OwnIndex | TensorStoreKeys | None = None
         if light:
             try:
-                self._keys = OwnIndex(storage.index(step))
+                self._keys = OwnIndex(storage.index(opened))
             except _ocdbt.Unsupported:
                 pass
         if self._keys is None:

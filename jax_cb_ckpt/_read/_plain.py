@@ -36,7 +36,7 @@ from .._base._errors import ConfigError, DamagedStepError, RestoreError, Structu
 from .._layout import _format, _spec
 from .._layout._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
 from .._storage import _remote
-from .._storage._places import Storage
+from .._storage._protocol import Storage
 
 # The handlers of a pytree item, by the name Orbax records (its module paths move).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")

@@ -34,6 +34,7 @@ from .._base._errors import (
 from .._base._types import OnDamaged
 from .._layout import _describe, _format, _spec
 from .._storage import _places
+from .._storage._protocol import OpenedStep, Storage
 from . import _arrays, _plain, _rebuild, _resume, _steps
 from ._resume import check_on_damaged
 
@@ -123,7 +124,7 @@ def restore(
 
 
 def resume(
-    storage: _places.Storage,
+    storage: Storage,
     like: Callable[[], Any],
     where: str,
     *,
@@ -139,7 +140,7 @@ def resume(
 
     def ours(step: int) -> Restart:
         if member is not None:  # one member: from the newest step it asked for
-            meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+            meta = _steps.parsed(_steps.open_step(storage, step, where).meta, where)
             index = _member_position(member, meta, where)
             source = step
             if not meta.members[index]:
@@ -175,14 +176,14 @@ class Restart:
 
 
 def _each_newest(
-    storage: _places.Storage, like: Any, step: int, state: Any, verify: bool, where: str
+    storage: Storage, like: Any, step: int, state: Any, verify: bool, where: str
 ) -> Restart:
     """`state`, read from the batch saved at `step`, with each member that did not ask
     for that step (its predicate was false: a finished member of a vmapped while_loop,
     whose body still ran, holds a state it never had there) taken from the newest older
     step it asked for that passes its checks, and each member's step. A member that
     asked for no such step keeps what `step` holds, said in a warning."""
-    meta = _steps.parsed(_steps.open_step(storage, step, where)[1], where)
+    meta = _steps.parsed(_steps.open_step(storage, step, where).meta, where)
     batch = meta.batch_shape
     if not batch or meta.members.all():
         return Restart(state)
@@ -233,7 +234,7 @@ def _each_newest(
 
 
 def _newest_asked(
-    storage: _places.Storage,
+    storage: Storage,
     step: int,
     batch: tuple[int, ...],
     members: set[tuple[int, ...]],
@@ -251,7 +252,7 @@ def _newest_asked(
         if candidate in passed:
             continue
         try:
-            meta = _steps.parsed(_steps.open_step(storage, candidate, where)[1], where)
+            meta = _steps.parsed(_steps.open_step(storage, candidate, where).meta, where)
         except DamagedStepError as e:
             passed[candidate] = e.why
             continue
@@ -300,7 +301,7 @@ def _with_member(state: Any, index: tuple[int, ...], one: Any, meta: _format.Ste
 
 
 def read_step(
-    storage: _places.Storage,
+    storage: Storage,
     like: Any,
     step: int,
     *,
@@ -315,12 +316,12 @@ def read_step(
     treedef, like_specs, like_leaves = _describe.describe_state(
         like, where, prefix="like", abstract_ok=True
     )
-    seen, described = _steps.open_step(storage, step, where, "restore" if named else None)
-    meta = _steps.parsed(described, where)
+    opened = _steps.open_step(storage, step, where, "restore" if named else None)
+    seen, meta = opened.identity, _steps.parsed(opened.meta, where)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
         index = _member_index(member, meta, where)
-        return _restore_member(storage, step, seen, meta, like, index, verify)
+        return _restore_member(storage, opened, meta, like, index, verify)
     if batch:
         _check_batched_like(like_specs, saved_specs, batch, where)
     _rebuild.check_like(like_specs, saved_specs, where)
@@ -328,7 +329,7 @@ def read_step(
     saved_of = [by_name[spec.name] for spec in like_specs]
     stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
+    arrays = _steps.open_arrays(storage, opened, where, meta, stored, light=True)
     requests: list[tuple[_spec.LeafSpec, _arrays.Box | None]] = []
     placements = []  # per like leaf: (sharding, {box: index into results}) or None
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
@@ -469,15 +470,15 @@ def _check_batched_like(
 
 
 def _restore_member(
-    storage: _places.Storage,
-    step: int,
-    seen: _places.StepIdentity,
+    storage: Storage,
+    opened: OpenedStep,
     meta: _format.StepMeta,
     like: Any,
     index: tuple[int, ...],
     verify: bool,
 ) -> Any:
     """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
+    step, seen = opened.step, opened.identity
     shown = index[0] if len(index) == 1 else index
     where = f"restore(step={step}, member={shown}) from {storage.path!r}"
     treedef, like_specs, like_leaves = _describe.describe_state(
@@ -503,7 +504,7 @@ def _restore_member(
     full = {s.name: s for s in meta.leaves}
     stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
     sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, step, seen, where, meta, stored, light=True)
+    arrays = _steps.open_arrays(storage, opened, where, meta, stored, light=True)
     requests = []
     for saved in stored:
         if saved.name in batched:  # only the chunks holding the member are read

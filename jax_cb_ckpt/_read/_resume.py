@@ -33,7 +33,7 @@ from typing import Generic, Literal, TypeVar
 from .._base import _warn
 from .._base._errors import ConfigError, DamagedStepError, DamagedStepWarning, RestoreError, shown
 from .._base._types import OnDamaged
-from .._storage._places import Storage
+from .._storage._protocol import Storage
 from . import _plain
 
 T = TypeVar("T")

@@ -17,7 +17,6 @@ the read gave.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import inspect
 import math
@@ -42,7 +41,7 @@ from .._layout import _format, _ocdbt, _policy
 from .._layout._format import META_ITEM, STATE_ITEM
 from .._layout._spec import LeafSpec
 from .._storage import _places, _remote
-from .._storage._places import StepIdentity, Storage
+from .._storage._protocol import OpenedStep, StepIdentity, Storage
 from . import _arrays
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -127,10 +126,11 @@ def check_step_arg(step: object, what: str) -> int | None:
 def pick_step(storage: Storage, step: int | None, what: str) -> int:
     """The step to read: `step`, or the latest when None; `NoCheckpointError` /
     `RestoreError` saying what the directory holds when there is no such complete
-    step. A named step of a storage whose `open_step` checks it (a bucket: the check
-    and the reads are one round trip) is taken as named here, and `open_step` below
-    says what is wrong with it."""
-    if step is not None and storage.open_checks_step:
+    step. A named step is taken as named here: `Storage.open_step` checks that it is
+    complete in the reads it makes anyway (in a bucket, one round trip), and
+    `open_step` below lists the directory to say what is wrong with it only when it
+    cannot be opened."""
+    if step is not None:
         return step
     return _listed_step(storage, step, what)
 
@@ -219,14 +219,13 @@ def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
     )
 
 
-def open_step(
-    storage: Storage, step: int, where: str, what: str | None = None
-) -> tuple[StepIdentity, dict[str, Any]]:
-    """(the identity of checkpoint `step`, its `meta` item), read and checked before
-    its arrays are read (`Storage.open_step`); errors say whether it was removed
-    meanwhile or is damaged. `what` (the caller's name), for a step the caller named:
-    `pick_step` may have left it to this to check (`Storage.open_checks_step`), so a
-    step that is not there is reported as `pick_step` reports it, not as removed."""
+def open_step(storage: Storage, step: int, where: str, what: str | None = None) -> OpenedStep:
+    """Checkpoint `step` opened (its identity, its `meta` item: `Storage.open_step`),
+    read and checked before its arrays are read, and free of symlinks; errors say
+    whether it was removed meanwhile or is damaged. `what` (the caller's name), for a
+    step the caller named: `pick_step` left it to this to check, so a step that is not
+    there is reported as `pick_step` reports it, not as removed."""
+    opened = _opened(storage, step, where, what)
     links = storage.symlinks_inside(step)
     if links:
         raise DamagedStepError(
@@ -236,10 +235,14 @@ def open_step(
             "the files they point to if you trust them.",
             f"it contains symlinks ({links[0]!r}, ...)",
         )
+    return opened
+
+
+def _opened(storage: Storage, step: int, where: str, what: str | None) -> OpenedStep:
     try:
         return storage.open_step(step)
     except Exception as e:
-        if what is None or not storage.open_checks_step or isinstance(e, _remote.StorageError):
+        if what is None or isinstance(e, _remote.StorageError):
             raise _open_failure(e, storage, step, where) from e
     # A named step that nothing listed before it was opened, and that could not be
     # opened: the directory's listing says what is wrong with it (`_listed_step`
@@ -448,24 +451,22 @@ def step_metas(
     """The checked meta of each of `steps`; a step removed meanwhile or whose meta is
     damaged is left out (a listing reports damaged steps; with `warn`, the caller's
     name, a `DamagedStepWarning` names each step still there whose meta did not read,
-    which a listing by files alone cannot see). From a bucket, 16 steps are read at a
-    time (each is one round trip); a local directory's one by one (threads cost more
-    than they save there: 300 steps 42 ms one by one, 106 ms 16 at a time)."""
+    which a listing by files alone cannot see). The storage opens them as suits it
+    (`Storage.open_steps`: a bucket's 16 at a time, a local directory's one by one)."""
 
     unreadable: dict[int, str] = {}
 
-    def one(step: int) -> _format.StepMeta | None:
+    def one(step: int, opened: OpenedStep | Exception) -> _format.StepMeta | None:
         try:
-            return _format.StepMeta.parse(storage.open_step(step)[1])
+            if isinstance(opened, Exception):
+                raise opened
+            return _format.StepMeta.parse(opened.meta)
         except Exception as e:  # removed by retention meanwhile, or damaged since listed
             unreadable[step] = f"{type(e).__name__}: {e}"[:300]
             return None
 
-    if storage.open_checks_step and len(steps) > 1:  # a bucket
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            found = list(pool.map(one, steps))
-    else:
-        found = [one(step) for step in steps]
+    opened = storage.open_steps(steps)
+    found = [one(step, opened[step]) for step in steps]
     if warn is not None:
         damaged = {s: why for s, why in sorted(unreadable.items()) if storage.exists(str(s))}
         if damaged:
@@ -486,7 +487,7 @@ def _metadata(
     named = check_step_arg(step, what)
     step = pick_step(storage, named, what)
     where = f"{what}(step={step}) from {storage.path!r}"
-    return open_step(storage, step, where, None if named is None else what)[1], where
+    return open_step(storage, step, where, None if named is None else what).meta, where
 
 
 def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
@@ -503,8 +504,7 @@ def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
 
 def open_arrays(
     storage: Storage,
-    step: int,
-    seen: StepIdentity,
+    opened: OpenedStep,
     where: str,
     meta: _format.StepMeta,
     specs: list[LeafSpec],
@@ -513,8 +513,9 @@ def open_arrays(
 ) -> _arrays.StepArrays:
     """The step's arrays, opened, with the stored layouts of `specs` checked against
     their descriptions before anything of them is read (`light`: `StepArrays`')."""
+    step, seen = opened.step, opened.identity
     try:
-        arrays = _arrays.StepArrays(storage, step, meta.leaves, light=light)
+        arrays = _arrays.StepArrays(storage, opened, meta.leaves, light=light)
         arrays.check_layouts(specs)
     except _arrays.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
@@ -635,13 +636,13 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
         steps = [pick_step(storage, named, "verify")]
     for one in steps:
         where = f"verify(step={one}) of {storage.path!r}"
-        seen, described = open_step(storage, one, where, None if named is None else "verify")
-        meta = parsed(described, where)
+        opened = open_step(storage, one, where, None if named is None else "verify")
+        seen, meta = opened.identity, parsed(opened.meta, where)
         stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
         # Without checksums (an older version's step) every byte is still read: a cut
         # or missing file fails here, where it would fail a restore.
         sums = sums_to_check(meta, stored, True, where)
-        arrays = open_arrays(storage, one, seen, where, meta, stored, light=True)
+        arrays = open_arrays(storage, opened, where, meta, stored, light=True)
         for group in _by_size(stored, _VERIFY_GROUP_BYTES):
             requests: list[tuple[LeafSpec, _arrays.Box | None]] = [(s, None) for s in group]
             read_leaves(arrays, requests, sums, storage, one, seen, where, keep=False)

@@ -17,7 +17,7 @@ must reach the disk. Two ways, the same guarantee:
   (`/proc/meminfo`), so that another program's writes never make a save wait.
 
 Object storage needs neither: an object is durable once its write returns
-(`_places.Bucket.step_sync` does nothing).
+(`NoSync`: `_bucket.Bucket.step_sync`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,22 @@ class StepSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class NoSync:
+    """A bucket's step sync: nothing to do, an object is durable once written."""
+
+    def tree(self, path: str, nbytes: int) -> None:
+        pass
+
+    def __enter__(self) -> NoSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+Sync = StepSync | NoSync  # how a step is made durable (`Storage.step_sync`)
 
 
 def syncfs_fits(path: str, nbytes: int) -> bool:

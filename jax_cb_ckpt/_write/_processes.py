@@ -51,6 +51,7 @@ from .._base._errors import CheckpointError, ConfigError, SaveError
 from .._base._heartbeat import Heartbeat
 from .._layout import _format
 from .._storage import _places, _remote
+from .._storage._protocol import Storage
 
 OK = "ok"
 # The check file of an opening; only ever there while a run opens the directory (a
@@ -422,7 +423,7 @@ class GroupRound:
             raise SaveError("; ".join(problems))
         return sums
 
-    def committed(self, storage: _places.Storage) -> None:
+    def committed(self, storage: Storage) -> None:
         """The primary committed the step: no process writes an earlier attempt now
         (each wrote its part of this step after them), so what is left of them goes."""
         storage.remove_run_temps(self._group.run)
@@ -510,7 +511,7 @@ class SoloRound:
     def collect(self, sums: Sums) -> Sums:
         return sums
 
-    def committed(self, storage: _places.Storage) -> None:
+    def committed(self, storage: Storage) -> None:
         pass
 
     def decide(self, error: BaseException | None) -> None:
@@ -529,7 +530,7 @@ def _reason(e: BaseException) -> str:
     return _remote.scrub(f"{type(e).__name__}: {e}")
 
 
-def _write_nonce(storage: _places.Storage, run: str) -> tuple[str, str | None]:
+def _write_nonce(storage: Storage, run: str) -> tuple[str, str | None]:
     """Process 0's check file of this opening, holding a fresh nonce: the nonce, and
     what went wrong (None when written). Leftovers of earlier openings go first: this
     process holds the directory's lock, so no other run is opening it."""
@@ -547,7 +548,7 @@ def _write_nonce(storage: _places.Storage, run: str) -> tuple[str, str | None]:
     return nonce, None
 
 
-def _read_nonce(storage: _places.Storage, name: str, nonce: str) -> str:
+def _read_nonce(storage: Storage, name: str, nonce: str) -> str:
     """What this process finds in process 0's check file `name`: OK, or how it differs.
     A name never looked up before: no cache of a network file system can answer for it."""
     try:
@@ -561,7 +562,7 @@ def _read_nonce(storage: _places.Storage, name: str, nonce: str) -> str:
     return OK
 
 
-def _remove_nonce(storage: _places.Storage, name: str) -> None:
+def _remove_nonce(storage: Storage, name: str) -> None:
     """Remove a check file (locally: a regular file of ours only, never a link)."""
     try:
         storage.remove_file(name)

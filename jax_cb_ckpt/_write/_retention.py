@@ -27,7 +27,7 @@ from .._layout import _format, _policy
 from .._layout._policy import Entry, Keeper, Rules
 from .._read import _steps
 from .._storage import _remote
-from .._storage._places import Bucket, Local
+from .._storage._protocol import Storage
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -36,7 +36,7 @@ class Retention:
     """Which steps one writer keeps under `rules`, and what it set aside."""
 
     def __init__(
-        self, rules: Rules, storage: Local | Bucket, note: Callable[[type[Warning], str], None]
+        self, rules: Rules, storage: Storage, note: Callable[[type[Warning], str], None]
     ) -> None:
         self.rules = rules
         self._storage = storage
@@ -152,7 +152,9 @@ class Retention:
             if self._stuck:
                 record = {str(step): why for step, why in sorted(self._stuck.items())}
                 self._storage.put_file(_format.STUCK_NAME, json.dumps(record).encode())
-            elif self._storage.exists(_format.STUCK_NAME):
+            elif self._storage.read_file(_format.STUCK_NAME, 1) is not None:
+                # (not `exists`: that is a folder's or step's test; in a bucket a
+                # file is no prefix, and the report was never removed there)
                 self._storage.remove_file(_format.STUCK_NAME)
         except OSError:
             pass  # (a report: the warning said it already)

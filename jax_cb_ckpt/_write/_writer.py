@@ -47,6 +47,7 @@ from .._save._exchange import Exchange, SaveItem
 from .._save._shards import ShardedArray
 from .._save._stats import SaveRecord
 from .._storage import _places, _remote
+from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
 from .._version import version
 from . import _exit, _store
@@ -181,7 +182,7 @@ class Writer:
         ours = _format.is_step_name(step) and self._storage.is_checkpoint(int(step))
         return _in_the_way_message(final, ours)
 
-    def _commit(self, temp: str, final: str, nbytes: int, sync: _places.Sync) -> None:
+    def _commit(self, temp: str, final: str, nbytes: int, sync: Sync) -> None:
         """A complete step: made durable, then renamed into place (atomic); in object
         storage, its commit marker written."""
         if temp != final and os.path.lexists(final):  # appeared while writing: keep it
@@ -232,7 +233,7 @@ class Writer:
         return None
 
     def _write_as_primary(
-        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: _places.Sync
+        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: Sync
     ) -> float:
         """Process 0 (or the only one): start the step, write its part, collect the
         others', write the step's description, commit, decide. The seconds spent on
@@ -246,10 +247,13 @@ class Writer:
                 round_.start(e)
                 raise
             round_.start(None)
-            # The description files while the arrays commit, where the storage lists a
-            # step only at its commit (local: the rename); the meta needs every
-            # process's checksums, so with several processes it waits for them.
-            described_during_commit = self._storage.describes_early
+            # The description files while the arrays commit where the step is written
+            # under a temporary name (local): nothing can list it, or write into it,
+            # before its commit renames it. A step written under its final name (a
+            # bucket) is described after the fence, which says the step is still the
+            # one this writer began. The meta needs every process's checksums, so with
+            # several processes it waits for them.
+            described_during_commit = temp != final
             alone = round_.count == 1
 
             def during_commit(sums: _format.Sums) -> None:
@@ -280,7 +284,7 @@ class Writer:
         return checksum_s
 
     def _write_as_peer(
-        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: _places.Sync
+        self, item: SaveItem, step: _Described, round_: Round, temp: str, sync: Sync
     ) -> float:
         """Another process: once process 0 started the step, write this process's part,
         then wait for process 0's decision. The seconds spent on checksums."""
@@ -295,7 +299,7 @@ class Writer:
         step: _Described,
         round_: Round,
         temp: str,
-        sync: _places.Sync,
+        sync: Sync,
         during_commit: Callable[[_format.Sums], None] | None,
     ) -> tuple[_format.Sums, float]:
         """This process's arrays of the step, reported to the others (or why they could
