@@ -247,7 +247,7 @@ class Checkpointer:
         self._finalizer = weakref.finalize(self, _collected, self._exchange, self._writer)
         self._finalizer.atexit = False
 
-    # -- configuration (read-only: fixed when the writer starts) ---------------------
+    # -- configuration (the options are fixed when the writer starts; users read this)
 
     @property
     def directory(self) -> str:

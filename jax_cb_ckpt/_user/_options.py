@@ -236,18 +236,15 @@ class Options:
     failures: Failures
 
 
+Group = Where | When | Keep | Queue | Failures
+_G = typing.TypeVar("_G", Where, When, Keep, Queue, Failures)
+
 # Each group under its name in `Options`; a keyword of `Checkpointer(...)` belongs to
 # the group with a field of its name.
-GROUPS: dict[str, type[Any]] = {
-    "where": Where,
-    "when": When,
-    "keep": Keep,
-    "queue": Queue,
-    "failures": Failures,
-}
+GROUPS: dict[str, type[Group]] = typing.get_type_hints(Options)
 
 
-def keywords(group: type[Any]) -> tuple[str, ...]:
+def keywords(group: type[Group]) -> tuple[str, ...]:
     """The keywords of `Checkpointer(...)` that `group` holds (its fields given by
     the caller, not those it derives)."""
     return tuple(f.name for f in dataclasses.fields(group) if f.init)
@@ -261,12 +258,11 @@ def checked(directory: object, **given: Any) -> Options:
     if unknown:
         raise TypeError(f"checked: no option {sorted(unknown)}")  # (a bug of ours)
     given["directory"] = directory
-    return Options(
-        **{
-            name: group(**{k: given[k] for k in keywords(group) if k in given})
-            for name, group in GROUPS.items()
-        }
-    )
+
+    def made(group: type[_G]) -> _G:
+        return group(**{k: given[k] for k in keywords(group) if k in given})
+
+    return Options(made(Where), made(When), made(Keep), made(Queue), made(Failures))
 
 
 def _positive_seconds(value: object, name: str, meaning: str) -> float | None:
