@@ -101,12 +101,12 @@ def test_shardings_that_do_not_fit_the_state_are_refused():
 
 def test_options_are_checked_once_and_frozen(tmp_path):
     made = checked_options(str(tmp_path / "d"), every=100, max_to_keep=3, peer_timeout=5)
-    assert (made.every, made.max_to_keep, made.peer_timeout) == (100, 3, 5.0)
-    assert made.directory == str(tmp_path / "d")
+    assert (made.when.every, made.keep.max_to_keep, made.failures.peer_timeout) == (100, 3, 5.0)
+    assert made.where.directory == str(tmp_path / "d")
     with pytest.raises(AttributeError):
-        made.every = 1  # frozen: what the host side and the writer read never changes
-    assert checked_options(str(tmp_path), on_full="newest").slots == 3  # one more in flight
-    assert checked_options(str(tmp_path), on_full="block").slots == 2
+        made.when.every = 1  # frozen: what the host side and the writer read never changes
+    assert checked_options(str(tmp_path), on_full="newest").queue.slots == 3  # one more in flight
+    assert checked_options(str(tmp_path), on_full="block").queue.slots == 2
 
 
 @pytest.mark.parametrize(

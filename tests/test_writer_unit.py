@@ -47,17 +47,22 @@ class Parts:
     def __init__(self, directory, max_to_keep=None):
         self.options = checked_options(directory, max_to_keep=max_to_keep, peer_timeout=10.0)
         self.exchange = Exchange(
-            self.options.directory, queue_size=self.options.slots, on_existing="raise", old_steps=[]
+            self.options.where.directory,
+            queue_size=self.options.queue.slots,
+            on_existing="raise",
+            old_steps=[],
         )
         self.stats = self.exchange.stats
-        storage = _places.at(self.options.directory)
+        storage = _places.at(self.options.where.directory)
         storage.make()  # (as the Checkpointer does before it takes the lock)
         self.lock = storage.lock(_format.LOCK_NAME)
         self.exited = []
         self.writer = Writer(
             self.exchange,
             self.lock,
-            self.options,
+            self.options.where.directory,
+            rules=self.options.keep.rules,
+            compression=self.options.where.compression,
             on_exit=lambda: self.exited.append(True),
         )
 
@@ -88,15 +93,15 @@ def test_saves_are_written_in_order_and_their_buffers_given_back(parts):
         p.save(_item(step, {"w": w + step, "i": np.array([step], np.int32)}, released))
     p.exchange.drain()
     assert released == [1, 2, 3]
-    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2, 3]
+    assert jax_cb_ckpt.all_steps(p.options.where.directory) == [1, 2, 3]
     like = {"w": np.zeros_like(w), "i": np.zeros(1, np.int32)}
-    got = jax_cb_ckpt.restore(p.options.directory, like, step=2)
+    got = jax_cb_ckpt.restore(p.options.where.directory, like, step=2)
     np.testing.assert_array_equal(got["w"], w + 2)
     stats = p.stats.snapshot()
     assert stats.saves == 3 and stats.failed == 0
     assert [r.step for r in stats.recent] == [1, 2, 3]
     assert p.exchange.take_error() is None
-    assert not [n for n in os.listdir(p.options.directory) if "tmp" in n]  # no leftovers
+    assert not [n for n in os.listdir(p.options.where.directory) if "tmp" in n]  # no leftovers
 
 
 def test_retention_keeps_the_newest_after_each_save(parts):
@@ -105,15 +110,15 @@ def test_retention_keeps_the_newest_after_each_save(parts):
     for step in (10, 20, 30, 40):
         p.save(_item(step, {"b": np.full(8, step, np.int64)}, released))
         p.exchange.drain()
-        assert jax_cb_ckpt.all_steps(p.options.directory)[-1] == step
-    assert jax_cb_ckpt.all_steps(p.options.directory) == [30, 40]
+        assert jax_cb_ckpt.all_steps(p.options.where.directory)[-1] == step
+    assert jax_cb_ckpt.all_steps(p.options.where.directory) == [30, 40]
     p.writer.stop()  # (the steps set aside are deleted after each save is reported)
-    assert sorted(os.listdir(p.options.directory)) == sorted(["30", "40", _format.LOCK_NAME])
+    assert sorted(os.listdir(p.options.where.directory)) == sorted(["30", "40", _format.LOCK_NAME])
 
 
 def test_a_failed_save_is_recorded_its_slot_freed_and_its_step_may_come_again(parts):
     p = parts()
-    os.makedirs(os.path.join(p.options.directory, "5"))  # a user's folder in the way
+    os.makedirs(os.path.join(p.options.where.directory, "5"))  # a user's folder in the way
     released = []
     p.save(_item(5, {"b": np.ones(3, np.int64)}, released))
     p.exchange.drain()
@@ -122,12 +127,12 @@ def test_a_failed_save_is_recorded_its_slot_freed_and_its_step_may_come_again(pa
     assert isinstance(error, SaveError) and "step 5" in str(error)
     assert "Earlier checkpoints in it are untouched" in str(error)
     assert p.stats.snapshot().failed == 1
-    assert os.listdir(os.path.join(p.options.directory, "5")) == []  # not touched
-    os.rmdir(os.path.join(p.options.directory, "5"))
+    assert os.listdir(os.path.join(p.options.where.directory, "5")) == []  # not touched
+    os.rmdir(os.path.join(p.options.where.directory, "5"))
     p.save(_item(5, {"b": np.ones(3, np.int64)}, released))  # claimed again: allowed
     p.exchange.drain()
     assert p.exchange.take_error() is None
-    assert jax_cb_ckpt.all_steps(p.options.directory) == [5]
+    assert jax_cb_ckpt.all_steps(p.options.where.directory) == [5]
 
 
 def test_stop_writes_what_was_queued_before_it_then_releases_the_lock(parts):
@@ -137,8 +142,8 @@ def test_stop_writes_what_was_queued_before_it_then_releases_the_lock(parts):
         p.save(_item(step, {"b": np.full(4, step, np.int64)}, released))
     p.writer.stop()  # blocks until both are written
     assert released == [1, 2]
-    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
-    again = _places.at(p.options.directory).lock(_format.LOCK_NAME)  # free again
+    assert jax_cb_ckpt.all_steps(p.options.where.directory) == [1, 2]
+    again = _places.at(p.options.where.directory).lock(_format.LOCK_NAME)  # free again
     again.release()
 
 

@@ -41,7 +41,6 @@ from .._base._errors import (
     InvalidStateError,
     UnflushedSaveWarning,
 )
-from .._base._types import Options
 from .._layout._spec import Signature
 from . import _assembly, _cuda, _shards
 from ._exchange import Claim, Closed, Exchange, SaveItem
@@ -82,11 +81,11 @@ def probe_callback_arrays() -> bool:
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
-    def __init__(self, exchange: Exchange, options: Options):
+    def __init__(self, exchange: Exchange, queue_size: int):
         self._exchange = exchange
         self._stats = exchange.stats
-        self._queue_size = options.queue_size
-        self._pool = StagingPool(keep=options.queue_size)
+        self._queue_size = queue_size
+        self._pool = StagingPool(keep=queue_size)
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
         self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _assembly.Assemblies()

@@ -181,29 +181,11 @@ class Checkpointer:
         mode: BestMode = "max",
         on_damaged: OnDamaged = "fall_back",
     ) -> None:
-        options = _options.checked(
-            directory,
-            every=every,
-            max_to_keep=max_to_keep,
-            queue_size=queue_size,
-            on_full=on_full,
-            compression=compression,
-            on_error=on_error,
-            on_existing=on_existing,
-            crossing=crossing,
-            peer_timeout=peer_timeout,
-            every_seconds=every_seconds,
-            check_every=check_every,
-            initial_save=initial_save,
-            keep_every=keep_every,
-            keep_every_seconds=keep_every_seconds,
-            keep_best=keep_best,
-            best=best,
-            mode=mode,
-            on_damaged=on_damaged,
-        )
-        path = options.directory
-        self._options = options
+        # The parameters by name (`locals()` holds nothing else yet): each goes to the
+        # group with a field of its name, so the signature above is the only list.
+        given = {name: value for name, value in locals().items() if name != "self"}
+        options = self._options = _options.checked(**given)
+        path = options.where.directory
         self._storage = _places.at(path)  # where the steps live: chosen once
         self._run_loops: dict[Hashable, _run.Loop] = {}  # run()'s jitted loops, reused on resume
         probe_callback_arrays()  # once per process; decides copy-free hand-off
@@ -219,31 +201,33 @@ class Checkpointer:
         self._closed = False
         self._stats = StatsRecorder()
         self._told_best: set[tuple[str, ...]] = set()  # (_check_best)
-        seconds = options.every_seconds
+        seconds = options.when.every_seconds
         self._clock = None if seconds is None else SaveClock(seconds, self._stats)
         # refuses a second live writer of this directory (one per process of a run)
         lock = self._storage.lock(_lock_name())
         self._group = None
         try:
             list_steps = self._storage.list_steps
-            self._group = _processes.current(path, options.peer_timeout, list_steps)
+            self._group = _processes.current(path, options.failures.peer_timeout, list_steps)
             old_steps = self._steps_on_disk() if self._group is None else self._group.old_steps
             self._exchange = Exchange(
                 path,
-                queue_size=options.slots,
-                on_existing=options.on_existing,
+                queue_size=options.queue.slots,
+                on_existing=options.failures.on_existing,
                 old_steps=old_steps,
-                on_full=options.on_full,
-                on_error=options.on_error,
+                on_full=options.queue.on_full,
+                on_error=options.failures.on_error,
                 stats=self._stats,
             )
-            self._host = HostSide(self._exchange, options)
+            self._host = HostSide(self._exchange, options.queue.queue_size)
             if self._group is not None:
                 self._host.on_step = self._group.hand_over
             self._writer = Writer(
                 self._exchange,
                 lock,
-                options,
+                path,
+                rules=options.keep.rules,
+                compression=options.where.compression,
                 # Not a bound method: the writer must not keep this object alive.
                 on_exit=functools.partial(self._exchange.close, Closed.AT_EXIT),
                 group=self._group,
@@ -263,62 +247,12 @@ class Checkpointer:
         self._finalizer = weakref.finalize(self, _collected, self._exchange, self._writer)
         self._finalizer.atexit = False
 
-    # -- configuration (read-only: fixed when the writer starts) ---------------------
+    # -- configuration (the options are fixed when the writer starts; users read this)
 
     @property
     def directory(self) -> str:
         """The checkpoint directory, absolute (or its gs:// / s3:// URL)."""
-        return self._options.directory
-
-    @property
-    def every(self) -> int | None:
-        return self._options.every
-
-    @property
-    def max_to_keep(self) -> int | None:
-        return self._options.max_to_keep
-
-    @property
-    def every_seconds(self) -> float | None:
-        return self._options.every_seconds
-
-    @property
-    def check_every(self) -> int:
-        return self._options.check_every
-
-    @property
-    def initial_save(self) -> bool:
-        return self._options.initial_save
-
-    @property
-    def rules(self) -> str:
-        """The retention rules in force, said (e.g. "max_to_keep=3, keep_every=100")."""
-        rules = self._options.rules
-        return "keep all" if rules is None else rules.describe()
-
-    @property
-    def queue_size(self) -> int:
-        return self._options.queue_size
-
-    @property
-    def on_full(self) -> OnFull:
-        return self._options.on_full
-
-    @property
-    def on_error(self) -> OnError:
-        return self._options.on_error
-
-    @property
-    def on_existing(self) -> OnExisting:
-        return self._options.on_existing
-
-    @property
-    def crossing(self) -> Crossing:
-        return self._options.crossing
-
-    @property
-    def on_damaged(self) -> OnDamaged:
-        return self._options.on_damaged
+        return self._options.where.directory
 
     def __copy__(self) -> Checkpointer:
         return self  # one writer and one lock per directory: a copy is the same object
@@ -330,17 +264,17 @@ class Checkpointer:
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise ConfigError(
-            f"a Checkpointer (on {self._options.directory!r}) cannot be pickled: it owns a writer "
+            f"a Checkpointer (on {self.directory!r}) cannot be pickled: it owns a writer "
             "thread and the directory's lock. Fix: pickle its directory and settings, and "
             "create a Checkpointer from them where they are unpickled."
         )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state, options = "closed" if self._closed else "open", self._options
         return (
-            f"Checkpointer({self.directory!r}, every={self._options.every}, "
-            f"max_to_keep={self._options.max_to_keep}, queue_size={self.queue_size}, "
-            f"on_full={self.on_full!r}; {state})"
+            f"Checkpointer({self.directory!r}, every={options.when.every}, "
+            f"max_to_keep={options.keep.max_to_keep}, queue_size={options.queue.queue_size}, "
+            f"on_full={options.queue.on_full!r}; {state})"
         )
 
     # -- saving ---------------------------------------------------------------------
@@ -454,14 +388,14 @@ class Checkpointer:
         """`maybe_save` without `when=`: `step % every == 0`, or (`every_seconds`) the
         clock says a save is due, asked every `check_every` steps. (wanted, condition):
         decided in Python where it can be (no cond in the program)."""
-        every, clock = self._options.every, self._clock
+        every, clock = self._options.when.every, self._clock
         if every is None and clock is None:
             raise ConfigError(
                 f"{where}: no predicate. Fix: pass when=<bool scalar>, or create the "
                 "Checkpointer with every=N to save when step % N == 0 (or "
                 "every_seconds=T to save when T seconds have passed since the last save)."
             )
-        check = self._options.check_every
+        check = self._options.when.check
         if step_value is not None:
             if every is not None and step_value % every == 0:
                 return True, None
@@ -510,8 +444,7 @@ class Checkpointer:
         if metrics is None:
             return
         names = _describe.describe_metrics(metrics, where)[0]
-        rules = self._options.rules
-        best = None if rules is None else rules.best
+        best = self._options.keep.best
         if best is None or best in names or names in self._told_best:
             return
         self._told_best.add(names)
@@ -535,9 +468,8 @@ class Checkpointer:
             self._host.eager(route.signature, route.step, route.hosts)
             self._raise_writer_error()
             return
-        by_buffer = self._options.crossing == "buffer" or (
-            self._options.crossing == "auto" and _traced.buffer_by_default()
-        )
+        crossing = self._options.where.crossing
+        by_buffer = crossing == "buffer" or (crossing == "auto" and _traced.buffer_by_default())
         if route.layout is not None:
             assert route.mesh is not None  # (a route's layout and mesh are set together)
             _traced.cross_sharded(
@@ -769,6 +701,7 @@ class Checkpointer:
         self._check_usable("run")
         return _run.run(
             self,
+            self._options.when,
             self._stop,
             body,
             init,
@@ -821,7 +754,7 @@ class Checkpointer:
             state, losses = ckpt.scan(train_step, state, batches, every=100)
             ```
         """
-        every = self._options.every if every is None else every
+        every = self._options.when.every if every is None else every
         if every is None and self._clock is None:
             raise ConfigError(
                 "scan: no every. Fix: pass every=N, or create the Checkpointer with "
@@ -829,6 +762,7 @@ class Checkpointer:
             )
         return _scan.scan(
             self,
+            self._options.when,
             f,
             init,
             xs,
@@ -903,15 +837,15 @@ class Checkpointer:
         k's best step; without it, the step holding the best value of any member.
         Reads each step's meta (one small file per step); does not wait for pending
         saves. Example: `ckpt.restore(like, step=ckpt.best_step())`."""
-        rules = self._options.rules
-        if rules is None or rules.best is None:
+        keep = self._options.keep
+        if keep.best is None:
             raise ConfigError(
                 "best_step: this Checkpointer ranks no metric. Fix: create it with "
                 "keep_best=N, best='<metric name>' (and mode='max' or 'min'), or use "
                 "jax_cb_ckpt.best_step(directory, best=..., mode=...)."
             )
         return _steps.best_step(
-            self.directory, best=rules.best, mode=rules.mode, member=member, ignore_recorded=True
+            self.directory, best=keep.best, mode=keep.mode, member=member, ignore_recorded=True
         )
 
     def metrics(self, step: int | None = None) -> dict[str, Any]:
@@ -988,7 +922,12 @@ class Checkpointer:
         self.wait()
         storage = self._storage
         resumed = _restore.resume(
-            storage, like, where, verify=verify, member=member, on_damaged=self.on_damaged
+            storage,
+            like,
+            where,
+            verify=verify,
+            member=member,
+            on_damaged=self._options.failures.on_damaged,
         )
         if resumed.step is None:
             if resumed.error is not None and where == "restore":
@@ -1071,7 +1010,7 @@ class Checkpointer:
         init = init_fn(*args)
         if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
             init = _rebuild.as_carried(init, given)
-        if self._options.initial_save:
+        if self._options.when.initial_save:
             self.save(init, 0)
             self.wait()  # on disk before the run goes on (and lists its steps)
         return init, 0

@@ -1,24 +1,31 @@
-"""A Checkpointer's options: checked once, in one place, then read by every part.
+"""A Checkpointer's options: frozen groups that check themselves, in one object.
 
-`checked(...)` validates every argument of `Checkpointer(...)` (each error names the
-argument, what it got, what is allowed and how to fix it) and returns a frozen
-`_types.Options`, which the Checkpointer hands to the host side and the writer; nothing
-changes it afterwards.
+`Checkpointer(...)`'s flat keywords are the public spelling. `checked(...)` hands each
+keyword to the group whose field it is (`GROUPS`: the groups' fields are the one list
+of them) and returns the frozen `Options`; nothing changes it afterwards. Each group
+checks its own fields in `__post_init__` (every error names the argument, what it got,
+what is allowed and how to fix it), so no group holds a bad value however it is made.
+
+The stages below the façade get what they read as arguments (`HostSide` the queue
+size, `Writer` the directory, the rules and compression, `Exchange` the failure
+rules): none of them imports this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import os
 import typing
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from .._base._errors import ConfigError, shown
-from .._base._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull, Options
+from .._base._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull
 from .._layout import _format
 from .._layout._policy import Rules
 from .._read._resume import check_on_damaged
@@ -30,176 +37,232 @@ _ON_EXISTING = typing.get_args(OnExisting)
 _CROSSING = typing.get_args(Crossing)
 _MODES = typing.get_args(BestMode)
 
-
-def checked(
-    directory: str | os.PathLike[str],
-    *,
-    every: int | None,
-    max_to_keep: int | None,
-    queue_size: int,
-    on_full: OnFull,
-    compression: bool,
-    on_error: OnError,
-    on_existing: OnExisting,
-    crossing: Crossing,
-    peer_timeout: float,
-    every_seconds: float | None = None,
-    check_every: int | None = None,
-    initial_save: bool = False,
-    keep_every: int | None = None,
-    keep_every_seconds: float | None = None,
-    keep_best: int | None = None,
-    best: str | None = None,
-    mode: BestMode = "max",
-    on_damaged: OnDamaged = "fall_back",
-) -> Options:
-    """The options, or a `ConfigError` for the first invalid one. (Typed as the
-    Checkpointer declares them; checked all the same, for callers that are not
-    type-checked.)"""
-    path = _places.resolve(directory, "Checkpointer(directory=...)")
-    if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(
-            f"Checkpointer(directory={path!r}): that path is an existing file, not "
-            "a directory. Fix: pass a directory path (it is created if missing)."
-        )
-    every = _positive_int(every, "every", "save when step % every == 0", optional=True)
-    max_to_keep = _positive_int(
-        max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
-    )
-    size = _positive_int(queue_size, "queue_size", "saves in flight at most", optional=False)
-    assert size is not None
-    if on_full not in _ON_FULL:
-        raise ConfigError(
-            f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
-            "'block' makes the device wait when the queue is full (nothing lost), "
-            "'skip' drops that save and counts it, 'newest' drops the oldest save "
-            "still waiting instead (the device never waits for the disk)."
-        )
-    if on_error not in _ON_ERROR:
-        raise ConfigError(
-            f"Checkpointer(on_error={on_error!r}): on_error must be one of {_ON_ERROR}: "
-            "'raise' stops the run at a failed write, 'continue' trains on and counts it."
-        )
-    if on_existing not in _ON_EXISTING:
-        raise ConfigError(
-            f"Checkpointer(on_existing={on_existing!r}): on_existing must be one of "
-            f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
-            "run's steps in the directory, 'replace' deletes that run's steps from "
-            "the saved step on and writes the new one."
-        )
-    check_on_damaged(on_damaged, "Checkpointer")
-    if crossing not in _CROSSING:
-        raise ConfigError(
-            f"Checkpointer(crossing={crossing!r}): crossing must be one of {_CROSSING}: "
-            "'auto' (the copy-once 'buffer' crossing on CPU and CUDA GPUs, 'callback' "
-            "elsewhere), "
-            "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
-        )
-    if (
-        isinstance(peer_timeout, bool)
-        or not isinstance(peer_timeout, int | float)
-        or not peer_timeout > 0
-    ):
-        raise ConfigError(
-            f"Checkpointer(peer_timeout={peer_timeout!r}): peer_timeout must be a "
-            "positive number of seconds (how long a process of a multi-process run "
-            "waits for the others at each save)."
-        )
-    if on_full != "block" and jax.process_count() > 1:
-        raise ConfigError(
-            f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
-            "queue fills at its own pace, so the processes would drop different "
-            "steps and no checkpoint would be complete. Fix: use on_full='block' "
-            "(the default) and a larger queue_size."
-        )
-    every_seconds = _positive_seconds(every_seconds, "every_seconds", "save when this long passed")
-    check = _positive_int(
-        check_every, "check_every", "ask the clock every this many steps", optional=True
-    )
-    if check is not None and every_seconds is None:
-        raise ConfigError(
-            f"Checkpointer(check_every={check}): check_every says how often a maybe_save "
-            "asks whether every_seconds have passed, and there is no every_seconds. Fix: "
-            "pass every_seconds=T too, or leave check_every out (run()'s own check_every "
-            "says how often it reads the stop request)."
-        )
-    if not isinstance(initial_save, bool):
-        raise ConfigError(
-            f"Checkpointer(initial_save={shown(initial_save)}): initial_save must be True "
-            "or False (save the starting state of a fresh run: run(), ckpt.scan, "
-            "restore_or_init)."
-        )
-    return Options(
-        path,
-        every,
-        max_to_keep,
-        size,
-        on_full,
-        bool(compression),
-        on_error,
-        on_existing,
-        crossing,
-        float(peer_timeout),
-        every_seconds=every_seconds,
-        check_every=_DEFAULT_CHECK_EVERY if check is None else check,
-        initial_save=initial_save,
-        on_damaged=on_damaged,
-        rules=_rules(max_to_keep, keep_every, keep_every_seconds, keep_best, best, mode),
-    )
-
-
 # How often a bare maybe_save asks the host whether `every_seconds` have passed: one
 # scalar crossing per 100 steps (benchmarks.policies measures its cost).
-_DEFAULT_CHECK_EVERY = 100
+DEFAULT_CHECK_EVERY = 100
 
 
-def _rules(
-    max_to_keep: int | None,
-    keep_every: object,
-    keep_every_seconds: object,
-    keep_best: object,
-    best: object,
-    mode: object,
-) -> Rules | None:
-    """The retention rules (None: keep every step), each checked."""
-    keep_every = _positive_int(
-        keep_every, "keep_every", "keep every step that is a multiple of it", optional=True
-    )
-    keep_every_seconds = _positive_seconds(
-        keep_every_seconds, "keep_every_seconds", "keep one step per this many seconds"
-    )
-    keep_best = _positive_int(
-        keep_best, "keep_best", "keep the best this many steps by a metric", optional=True
-    )
-    if mode not in _MODES:
-        raise ConfigError(
-            f"Checkpointer(mode={shown(mode)}): mode must be one of {_MODES}: 'max' keeps "
-            "the steps with the highest `best` metric (a return), 'min' the lowest (a loss)."
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where the steps go, and how a save travels there."""
+
+    directory: str  # given: a str or PathLike; kept: absolute, or a canonical URL
+    crossing: Crossing = "auto"  # how traced arrays reach the host
+    compression: bool = False  # zstd for the stored arrays
+
+    def __post_init__(self) -> None:
+        path = _places.resolve(self.directory, "Checkpointer(directory=...)")
+        if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(
+                f"Checkpointer(directory={path!r}): that path is an existing file, not "
+                "a directory. Fix: pass a directory path (it is created if missing)."
+            )
+        if self.crossing not in _CROSSING:
+            raise ConfigError(
+                f"Checkpointer(crossing={self.crossing!r}): crossing must be one of "
+                f"{_CROSSING}: 'auto' (the copy-once 'buffer' crossing on CPU and CUDA "
+                "GPUs, 'callback' elsewhere), "
+                "'buffer' or 'callback' (jax.debug.callback, JAX's by-value copy)."
+            )
+        object.__setattr__(self, "directory", path)
+        object.__setattr__(self, "compression", bool(self.compression))
+
+
+@dataclasses.dataclass(frozen=True)
+class When:
+    """When `maybe_save` (and `run`, `ckpt.scan`, `restore_or_init`) save."""
+
+    every: int | None = None  # save when step % every == 0
+    every_seconds: float | None = None  # also save when this long has passed
+    check_every: int | None = None  # a bare maybe_save asks the clock (None: `check`)
+    initial_save: bool = False  # run / scan / restore_or_init save the starting state
+
+    def __post_init__(self) -> None:
+        _positive_int(self.every, "every", "save when step % every == 0", optional=True)
+        seconds = _positive_seconds(
+            self.every_seconds, "every_seconds", "save when this long passed"
         )
-    if (keep_best is None) != (best is None):
-        raise ConfigError(
-            f"Checkpointer(keep_best={shown(keep_best)}, best={shown(best)}): keep_best and "
-            "best go together: keep_best=N keeps the N best steps by the metric named "
-            "best. Fix: pass both, e.g. keep_best=3, best='return', mode='max'."
+        check = _positive_int(
+            self.check_every, "check_every", "ask the clock every this many steps", optional=True
         )
-    if best is not None and (
-        not isinstance(best, str) or not best or len(best) > _format.MAX_METRIC_NAME
-    ):
-        raise ConfigError(
-            f"Checkpointer(best={shown(best)}): best must name a metric passed as "
-            "metrics= (its key; nested keys joined with '/', e.g. 'eval/return')."
+        if check is not None and seconds is None:
+            raise ConfigError(
+                f"Checkpointer(check_every={check}): check_every says how often a maybe_save "
+                "asks whether every_seconds have passed, and there is no every_seconds. Fix: "
+                "pass every_seconds=T too, or leave check_every out (run()'s own check_every "
+                "says how often it reads the stop request)."
+            )
+        if not isinstance(self.initial_save, bool):
+            raise ConfigError(
+                f"Checkpointer(initial_save={shown(self.initial_save)}): initial_save must be "
+                "True or False (save the starting state of a fresh run: run(), ckpt.scan, "
+                "restore_or_init)."
+            )
+        object.__setattr__(self, "every_seconds", seconds)
+
+    @property
+    def check(self) -> int:
+        """Every how many steps a bare maybe_save asks the clock (`every_seconds`)."""
+        return DEFAULT_CHECK_EVERY if self.check_every is None else self.check_every
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """What retention keeps: a step any rule keeps, and the newest (no rule: every
+    step). `rules` is the same, as the writer's retention reads it (None: keep all)."""
+
+    max_to_keep: int | None = None
+    keep_every: int | None = None
+    keep_every_seconds: float | None = None
+    keep_best: int | None = None
+    best: str | None = None
+    mode: BestMode = "max"
+    rules: Rules | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        _positive_int(
+            self.max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
         )
-    if max_to_keep is None and keep_every is None and keep_every_seconds is None:
-        if keep_best is None:
-            return None
-    return Rules(
-        max_to_keep=max_to_keep,
-        keep_every=keep_every,
-        keep_every_seconds=keep_every_seconds,
-        keep_best=keep_best,
-        best=best if isinstance(best, str) else None,
-        mode="min" if mode == "min" else "max",
-    )
+        _positive_int(
+            self.keep_every, "keep_every", "keep every step that is a multiple of it", optional=True
+        )
+        seconds = _positive_seconds(
+            self.keep_every_seconds, "keep_every_seconds", "keep one step per this many seconds"
+        )
+        keep_best, best, mode = self.keep_best, self.best, self.mode
+        _positive_int(
+            keep_best, "keep_best", "keep the best this many steps by a metric", optional=True
+        )
+        if mode not in _MODES:
+            raise ConfigError(
+                f"Checkpointer(mode={shown(mode)}): mode must be one of {_MODES}: 'max' keeps "
+                "the steps with the highest `best` metric (a return), 'min' the lowest (a loss)."
+            )
+        if (keep_best is None) != (best is None):
+            raise ConfigError(
+                f"Checkpointer(keep_best={shown(keep_best)}, best={shown(best)}): keep_best and "
+                "best go together: keep_best=N keeps the N best steps by the metric named "
+                "best. Fix: pass both, e.g. keep_best=3, best='return', mode='max'."
+            )
+        if best is not None and (
+            not isinstance(best, str) or not best or len(best) > _format.MAX_METRIC_NAME
+        ):
+            raise ConfigError(
+                f"Checkpointer(best={shown(best)}): best must name a metric passed as "
+                "metrics= (its key; nested keys joined with '/', e.g. 'eval/return')."
+            )
+        object.__setattr__(self, "keep_every_seconds", seconds)
+        rules = None
+        if (self.max_to_keep, self.keep_every, seconds, keep_best) != (None,) * 4:
+            rules = Rules(self.max_to_keep, self.keep_every, seconds, keep_best, best, mode)
+        object.__setattr__(self, "rules", rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue:
+    """Saves in flight, and what a save does when they fill the queue."""
+
+    queue_size: int = 2  # saves handed over and not yet written, at most
+    on_full: OnFull = "block"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.queue_size, "queue_size", "saves in flight at most", optional=False)
+        on_full = self.on_full
+        if on_full not in _ON_FULL:
+            raise ConfigError(
+                f"Checkpointer(on_full={on_full!r}): on_full must be one of {_ON_FULL}: "
+                "'block' makes the device wait when the queue is full (nothing lost), "
+                "'skip' drops that save and counts it, 'newest' drops the oldest save "
+                "still waiting instead (the device never waits for the disk)."
+            )
+        if on_full != "block" and jax.process_count() > 1:
+            raise ConfigError(
+                f"Checkpointer(on_full={on_full!r}): in a multi-process run each process's "
+                "queue fills at its own pace, so the processes would drop different "
+                "steps and no checkpoint would be complete. Fix: use on_full='block' "
+                "(the default) and a larger queue_size."
+            )
+
+    @property
+    def slots(self) -> int:
+        """Saves in flight at most: with "newest", `queue_size` wait and one more may
+        be being written."""
+        return self.queue_size + (self.on_full == "newest")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failures:
+    """What a failed write, another run's steps, a damaged newest step and a silent
+    peer process do."""
+
+    on_error: OnError = "raise"
+    on_existing: OnExisting = "raise"
+    on_damaged: OnDamaged = "fall_back"
+    peer_timeout: float = 60.0  # seconds a process waits for the others at a save
+
+    def __post_init__(self) -> None:
+        if self.on_error not in _ON_ERROR:
+            raise ConfigError(
+                f"Checkpointer(on_error={self.on_error!r}): on_error must be one of "
+                f"{_ON_ERROR}: 'raise' stops the run at a failed write, 'continue' trains "
+                "on and counts it."
+            )
+        if self.on_existing not in _ON_EXISTING:
+            raise ConfigError(
+                f"Checkpointer(on_existing={self.on_existing!r}): on_existing must be one of "
+                f"{_ON_EXISTING}: 'raise' refuses a save that would mix with another "
+                "run's steps in the directory, 'replace' deletes that run's steps from "
+                "the saved step on and writes the new one."
+            )
+        check_on_damaged(self.on_damaged, "Checkpointer")
+        timeout = self.peer_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ConfigError(
+                f"Checkpointer(peer_timeout={timeout!r}): peer_timeout must be a "
+                "positive number of seconds (how long a process of a multi-process run "
+                "waits for the others at each save)."
+            )
+        object.__setattr__(self, "peer_timeout", float(timeout))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every option of a Checkpointer, checked, by what it is about."""
+
+    where: Where
+    when: When
+    keep: Keep
+    queue: Queue
+    failures: Failures
+
+
+Group = Where | When | Keep | Queue | Failures
+_G = typing.TypeVar("_G", Where, When, Keep, Queue, Failures)
+
+# Each group under its name in `Options`; a keyword of `Checkpointer(...)` belongs to
+# the group with a field of its name.
+GROUPS: dict[str, type[Group]] = typing.get_type_hints(Options)
+
+
+def keywords(group: type[Group]) -> tuple[str, ...]:
+    """The keywords of `Checkpointer(...)` that `group` holds (its fields given by
+    the caller, not those it derives)."""
+    return tuple(f.name for f in dataclasses.fields(group) if f.init)
+
+
+def checked(directory: object, **given: Any) -> Options:
+    """The options of `Checkpointer(directory, **given)`, or a `ConfigError` for the
+    first invalid one (checked all the same for callers that are not type-checked); an
+    option not given takes its group's default."""
+    unknown = set(given) - {k for group in GROUPS.values() for k in keywords(group)}
+    if unknown:
+        raise TypeError(f"checked: no option {sorted(unknown)}")  # (a bug of ours)
+    given["directory"] = directory
+
+    def made(group: type[_G]) -> _G:
+        return group(**{k: given[k] for k in keywords(group) if k in given})
+
+    return Options(made(Where), made(When), made(Keep), made(Queue), made(Failures))
 
 
 def _positive_seconds(value: object, name: str, meaning: str) -> float | None:

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
+from ._options import When
 from ._preempt import Preempted, StopFlag
 from ._scan import metrics_at_save
 
@@ -41,6 +42,7 @@ _T = TypeVar("_T")
 
 def run(
     ckpt: Saver,
+    when: When,
     stop_flag: StopFlag,
     body: Body,
     init: PyTree,
@@ -54,11 +56,12 @@ def run(
     metrics: Callable[[PyTree], PyTree] | None = None,
     resume: Callable[[PyTree], tuple[PyTree, int | np.ndarray] | None],
 ) -> PyTree:
-    """`Checkpointer.run` (its docstring); `loops`: the Checkpointer's cache of jitted
+    """`Checkpointer.run` (its docstring); `when`: the Checkpointer's saving options;
+    `loops`: the Checkpointer's cache of jitted
     loops (`_jitted_loop`); `resume(like)`: the Checkpointer's restart (the state and
     step to continue from, or None for a fresh run)."""
     loops = {} if loops is None else loops
-    every, by_clock = ckpt.every, ckpt.every_seconds is not None
+    every, by_clock = when.every, when.every_seconds is not None
     if every is None and not by_clock:
         raise ConfigError(
             "run: the Checkpointer needs every=N (run saves after every N steps, at the "
@@ -76,7 +79,7 @@ def run(
     if check_every is not None:
         check = check_every
     else:
-        check = every if every is not None else ckpt.check_every
+        check = every if every is not None else when.check
     if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
         raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
     if not isinstance(progress, bool):
@@ -88,7 +91,7 @@ def run(
     resumed = resume(init)
     if resumed is None:
         state, start = init, 0
-        if ckpt.initial_save:
+        if when.initial_save:
             _save_initial(ckpt, init, metrics, batched)
     else:
         state, start = resumed
@@ -118,7 +121,7 @@ def run(
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
     loop = _jitted_loop(
-        loops, ckpt, stop_flag, body, batched, num_steps, every, check, shardings, metrics
+        loops, ckpt, stop_flag, body, batched, num_steps, every, check, by_clock, shardings, metrics
     )
     # Committed to their devices, as a restored state's arrays are: a fresh state's
     # uncommitted arrays would make the resumed call another entry of jit's cache, and
@@ -248,6 +251,7 @@ def _jitted_loop(
     num_steps: int,
     every: int | None,
     check: int,
+    by_clock: bool,
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None = None,
 ) -> Loop:
@@ -264,7 +268,7 @@ def _jitted_loop(
     if key is None or key not in loops:
         step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
         reads = [stop_flag.traced]
-        if ckpt.every_seconds is not None:
+        if by_clock:  # every_seconds: the clock is asked at the same reads
             reads.append(ckpt.save_due)
         if shardings is not None:
             reads = [_agreed(read, shardings) for read in reads]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
+from ._options import When
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 def scan(
     ckpt: Saver,
+    when: When,
     f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     init: PyTree,
     xs: PyTree,
@@ -54,14 +56,14 @@ def scan(
             "returns the metrics to record with each save, e.g. "
             "metrics=lambda carry: {'loss': carry.loss}."
         )
-    by_clock = ckpt.every_seconds is not None
+    by_clock = when.every_seconds is not None
     # Without the clock, a chunk is `every` iterations and each boundary saves; with
     # it, the boundaries come every `check_every` iterations too, and ask it.
     if every is None:
-        size = ckpt.check_every
+        size = when.check
     else:
-        size = math.gcd(every, ckpt.check_every) if by_clock else every
-    if ckpt.initial_save and isinstance(start, int) and start == 0 and ckpt.latest_step() is None:
+        size = math.gcd(every, when.check) if by_clock else every
+    if when.initial_save and isinstance(start, int) and start == 0 and ckpt.latest_step() is None:
         # A fresh run (decided while tracing): its starting state is step 0.
         ckpt.save(init, start, shardings=shardings, metrics=metrics_at_save(metrics, init, None))
     n = _length(xs, length)

@@ -40,7 +40,6 @@ from .._base._errors import (
     SaveFailedWarning,
     UnflushedSaveWarning,
 )
-from .._base._types import Options
 from .._layout import _format, _spec
 from .._layout._policy import Rules
 from .._save._exchange import Exchange, SaveItem
@@ -70,16 +69,18 @@ class Writer:
         self,
         exchange: Exchange,
         lock: DirectoryLock,
-        options: Options,
+        directory: str,
         *,
+        rules: Rules | None,
+        compression: bool,
         on_exit: Callable[[], None],
         group: Group | None = None,
     ) -> None:
-        directory = self.directory = options.directory
+        self.directory = directory
         self._on_exit = on_exit  # marks the Checkpointer closed
         self._exchange = exchange
         self._lock = lock
-        rules = self._rules = options.rules
+        self._rules = rules
         self._stats = exchange.stats  # (the Checkpointer's, shared with the host side)
         self._storage = _places.at(directory)  # where the steps live: chosen once
         self._identity = self._storage.identity()
@@ -95,7 +96,7 @@ class Writer:
             if untouched:
                 _warn.warn(_untouched_message(untouched), ForeignStepWarning)
         self._store = _store.StoreWriter(
-            compression=options.compression, kvstore_spec=self._storage.kvstore_spec
+            compression=compression, kvstore_spec=self._storage.kvstore_spec
         )
         self._thread = threading.Thread(
             target=self._run,
