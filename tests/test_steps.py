@@ -101,9 +101,12 @@ def test_best_step_by_the_recorded_rule_or_one_given(directory):
 
 
 def test_a_missing_step_names_the_steps_there(directory):
+    """A named step is taken as named (`pick_step`); opening it (`open_step`, given the
+    caller's name) says what the directory holds when it is not there."""
     storage = jax_cb_ckpt._storage._places.at(str(directory))
+    assert _steps.pick_step(storage, 1, "restore") == 1
     with pytest.raises(NoCheckpointError, match=r"no checkpoint for step 1 .*are \[2, 3, 4\]"):
-        _steps.pick_step(storage, 1, "restore")
+        _steps.open_step(storage, 1, "restore", "restore")
     assert _steps.pick_step(storage, None, "restore") == 4
 
 

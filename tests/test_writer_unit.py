@@ -175,8 +175,8 @@ def test_finish_ends_the_thread_once_the_queued_saves_are_written(parts):
     assert p.lock.finishing  # a new Checkpointer on the directory waits for it
     p.writer._thread.join(30)
     assert not p.writer._thread.is_alive()
-    assert released == [1] and jax_cb_ckpt.all_steps(p.options.directory) == [1]
-    again = _places.at(p.options.directory).lock(_format.LOCK_NAME)  # released at its end
+    assert released == [1] and jax_cb_ckpt.all_steps(p.options.where.directory) == [1]
+    again = _places.at(p.options.where.directory).lock(_format.LOCK_NAME)  # released at its end
     again.release()
 
 
@@ -196,16 +196,16 @@ def test_flush_at_exit_writes_pending_saves_and_says_so(parts):
         p.writer.flush_at_exit()
     assert p.exited == [True]  # the Checkpointer was marked closed first
     assert released == [1, 2]
-    assert jax_cb_ckpt.all_steps(p.options.directory) == [1, 2]
+    assert jax_cb_ckpt.all_steps(p.options.where.directory) == [1, 2]
 
 
 def test_a_step_records_its_leaves_and_is_read_back_by_plain_numpy_readers(parts):
     p = parts()
     p.save(_item(4, {"a": np.arange(3, dtype=np.int16), "b": np.ones((2, 2), np.float64)}, []))
     p.exchange.drain()
-    meta = jax_cb_ckpt.metadata(p.options.directory, step=4)
+    meta = jax_cb_ckpt.metadata(p.options.where.directory, step=4)
     assert json_leaves(meta) == {"'a'": ("int16", [3]), "'b'": ("float64", [2, 2])}
-    assert jax_cb_ckpt.verify(p.options.directory) == [4]
+    assert jax_cb_ckpt.verify(p.options.where.directory) == [4]
 
 
 def json_leaves(meta):
