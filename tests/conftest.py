@@ -137,3 +137,14 @@ def remote_on(request, monkeypatch):
         return made
 
     return make
+
+
+@pytest.fixture(params=["local", "gs", "s3"])
+def where(request, tmp_path, remote_on):
+    """A location of each kind (the storage tests run on all three): a directory, or a
+    prefix on a local GCS or S3 server."""
+    if request.param == "local":
+        path = str(tmp_path / "ckpt")
+        os.makedirs(path)
+        return path
+    return remote_on(request.param).url

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -343,3 +344,11 @@ def while_batch(ckpt, ns):
 
     jax.jit(jax.vmap(run))(jnp.zeros(len(ns)), jnp.asarray(ns))
     ckpt.wait()
+
+
+def fresh_copy(written, tmp_path):
+    """A copy of the directory `written` (a module's fixture, saved once) in this test's
+    own `tmp_path`: a test may change or delete its steps."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(written, copy)
+    return copy

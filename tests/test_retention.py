@@ -11,6 +11,7 @@ import shutil
 
 import jax.numpy as jnp
 import pytest
+from helpers import fresh_copy
 
 import jax_cb_ckpt
 from jax_cb_ckpt import DamagedStepWarning
@@ -33,9 +34,7 @@ def written(tmp_path_factory):
 
 @pytest.fixture
 def directory(written, tmp_path):
-    copy = tmp_path / "ckpt"
-    shutil.copytree(written, copy)
-    return copy
+    return fresh_copy(written, tmp_path)
 
 
 def _retention(directory, **rules):

@@ -5,11 +5,10 @@ named in one `DamagedStepWarning`, nothing deleted; a foreign folder is ignored)
 given); a step passed positionally is refused saying to pass `step=`; `verify` checks
 every byte and names a flipped one; a missing step says which steps there are."""
 
-import shutil
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fresh_copy
 
 import jax_cb_ckpt
 from jax_cb_ckpt import (
@@ -38,9 +37,7 @@ def written(tmp_path_factory):
 
 @pytest.fixture
 def directory(written, tmp_path):
-    copy = tmp_path / "ckpt"
-    shutil.copytree(written, copy)
-    return copy
+    return fresh_copy(written, tmp_path)
 
 
 def _damage(directory, step):

@@ -32,16 +32,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_cb_ckpt"
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
 
 
-@pytest.fixture(params=["local", "gs", "s3"])
-def where(request, tmp_path, remote_on):
-    """A location of each kind: a directory, or a prefix on a local GCS or S3 server."""
-    if request.param == "local":
-        path = str(tmp_path / "ckpt")
-        os.makedirs(path)
-        return path
-    return remote_on(request.param).url
-
-
 def _begun(storage: Storage, step: int, token: str) -> tuple[str, _format.Sums]:
     """A step begun and its arrays written, not yet described nor committed: where,
     and its checksums."""

@@ -53,16 +53,6 @@ def _write_step(storage, step, token, *, tree=None):
     return temp
 
 
-@pytest.fixture(params=["local", "gs", "s3"])
-def where(request, tmp_path, remote_on):
-    """A location of each kind: a directory, or a prefix on a local GCS or S3 server."""
-    if request.param == "local":
-        path = str(tmp_path / "ckpt")
-        os.makedirs(path)
-        return path
-    return remote_on(request.param).url
-
-
 def test_a_step_written_with_the_verbs_alone_is_listed_verified_and_restored(where):
     storage = _places.at(where)
     token = uuid.uuid4().hex
@@ -101,20 +91,6 @@ def test_retention_keeps_the_newest_and_sets_the_rest_aside(where):
     for name in aside:
         storage.remove_aside(name)
     assert storage.list_steps() == [3, 4] and all_steps(where) == [3, 4]
-
-
-def test_the_directory_files_of_the_multi_process_check(where):
-    storage = _places.at(where)
-    storage.create_file(".jax_cb_ckpt.nonce-a", b"0123456789")
-    storage.create_file(".jax_cb_ckpt.nonce-b", b"x")
-    assert sorted(storage.names(".jax_cb_ckpt.nonce-")) == [
-        ".jax_cb_ckpt.nonce-a",
-        ".jax_cb_ckpt.nonce-b",
-    ]
-    assert storage.read_file(".jax_cb_ckpt.nonce-a", 4) == b"0123"  # at most `limit`
-    assert storage.read_file(".jax_cb_ckpt.nonce-none", 4) is None
-    storage.remove_file(".jax_cb_ckpt.nonce-a")
-    assert storage.names(".jax_cb_ckpt.nonce-") == [".jax_cb_ckpt.nonce-b"]
 
 
 # -- a directory's refusals
