@@ -23,6 +23,7 @@ from .._base._errors import (
     ConfigError,
     NoCheckpointError,
     SaveError,
+    calling,
     shown,
 )
 from .._base._types import (
@@ -921,21 +922,21 @@ class Checkpointer:
         Waits for pending saves first."""
         self.wait()
         storage = self._storage
-        resumed = _restore.resume(
-            storage,
-            like,
-            where,
-            verify=verify,
-            member=member,
-            on_damaged=self._options.failures.on_damaged,
-        )
-        if resumed.step is None:
-            if resumed.error is not None and where == "restore":
-                raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
-            _resume.report(storage, resumed, where, set_aside=True)  # a fresh start
-            self._exchange.forget(self._steps_on_disk())
-            return None
-        resumed = _resume.report(storage, resumed, where, set_aside=True)
+        with calling(where):  # the restart's messages name the method ("restore", "run")
+            resumed = _restore.resume(
+                storage,
+                like,
+                verify=verify,
+                member=member,
+                on_damaged=self._options.failures.on_damaged,
+            )
+            if resumed.step is None:
+                if resumed.error is not None and where == "restore":
+                    raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
+                _resume.report(storage, resumed, set_aside=True)  # a fresh start
+                self._exchange.forget(self._steps_on_disk())
+                return None
+            resumed = _resume.report(storage, resumed, set_aside=True)
         step = resumed.step
         assert step is not None  # (report keeps the step read)
         self._continue_from(step)
