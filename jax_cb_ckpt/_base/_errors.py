@@ -8,7 +8,12 @@ they are never only logged.
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # The public call an error is raised under ("restore", "verify(step=3) of '/ckpt'",
 # "Checkpointer.maybe_save"), the prefix of its message: set once where the call
@@ -29,6 +34,22 @@ def calling(name: str) -> Iterator[None]:
         yield
     finally:
         _CALL.reset(token)
+
+
+def entry(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A public entry point: the decorated function runs under `calling(name)`. (Not
+    `calling` as a decorator: contextlib's frame would sit between the user's line and
+    ours, and `_warn` attributes a warning to the first frame outside the package.)"""
+
+    def decorate(function: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(function)
+        def named(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with calling(name):
+                return function(*args, **kwargs)
+
+        return named
+
+    return decorate
 
 
 def where() -> str:

@@ -194,7 +194,7 @@ def _restore(found: PlainStep, like: Any) -> Any:
     tree = described.tree
     stored = _leaves(tree)
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where(), prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
     saved_specs = [_saved_spec(spec, stored) for spec in like_specs]
     extra = sorted(set(stored) - {spec.name for spec in like_specs})

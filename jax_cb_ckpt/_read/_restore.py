@@ -259,7 +259,8 @@ def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> An
     """One member's `like` (its batched leaves without the batch axes)."""
     n = len(meta.batch_shape)
     batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
-    _, specs, leaves = _describe.describe_state(like, "restore", prefix="like", abstract_ok=True)
+    with calling("restore"):
+        _, specs, leaves = _describe.describe_state(like, prefix="like", abstract_ok=True)
     treedef = jax.tree_util.tree_structure(like)
     out = []
     for spec, leaf in zip(specs, leaves, strict=True):
@@ -276,7 +277,8 @@ def _with_member(state: Any, index: tuple[int, ...], one: Any, meta: _format.Ste
     """`state` with member `index` of its batched leaves replaced by `one`'s."""
     n = len(meta.batch_shape)
     batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
-    _, specs, leaves = _describe.describe_state(state, "restore", prefix="like", abstract_ok=True)
+    with calling("restore"):
+        _, specs, leaves = _describe.describe_state(state, prefix="like", abstract_ok=True)
     treedef = jax.tree_util.tree_structure(state)
     out = []
     for spec, leaf, new in zip(specs, leaves, jax.tree.leaves(one), strict=True):
@@ -316,7 +318,7 @@ def _read_step(
     named: bool,
 ) -> Any:
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where(), prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
     opened = _steps.open_step(storage, step, "restore" if named else None)
     seen, meta = opened.identity, _steps.parsed(opened.meta)
@@ -495,7 +497,7 @@ def _read_member(
 ) -> Any:
     step, seen = opened.step, opened.identity
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where(), prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
     batch = meta.batch_shape
     n = len(batch)
