@@ -101,7 +101,7 @@ def restore(
         RestoreError: the checkpoint cannot be read.
     """
     with calling("restore"):
-        storage = _places.at(_places.resolve(directory, "restore"))
+        storage = _places.at(_places.resolve(directory))
         named = _steps.check_step_arg(step, "restore")
         check_on_damaged(on_damaged, "restore")
         if named is not None:

@@ -35,6 +35,7 @@ from .._base._errors import (
     NoCheckpointError,
     RestoreError,
     calling,
+    entry,
     shown,
     where,
 )
@@ -70,6 +71,7 @@ def step_by_keyword(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+@entry("all_steps")
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps with a complete checkpoint in `directory`, ascending.
 
@@ -79,13 +81,14 @@ def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     in a `DamagedStepWarning`. A step listed here is complete and restores. Does not
     wait for pending saves.
     """
-    return _listed(_places.at(_places.resolve(directory, "all_steps")), "all_steps")
+    return _listed(_places.at(_places.resolve(directory)), "all_steps")
 
 
+@entry("latest_step")
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The newest complete step in `directory`, or None when there is none. A damaged
     step is never the latest: it is reported (`DamagedStepWarning`)."""
-    steps = _listed(_places.at(_places.resolve(directory, "latest_step")), "latest_step")
+    steps = _listed(_places.at(_places.resolve(directory)), "latest_step")
     return steps[-1] if steps else None
 
 
@@ -281,12 +284,14 @@ def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
     return RestoreError(f"{where()}: cannot read the checkpoint's '{META_ITEM}' item: {e}")
 
 
+@entry("metadata")
 @step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
     return _metadata(directory, step)[0]
 
 
+@entry("metrics")
 @step_by_keyword
 def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
@@ -301,6 +306,7 @@ def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> di
     }
 
 
+@entry("metrics_table")
 def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The metrics of every complete step of `directory` (local or a bucket) as one
     table: a list of rows, oldest step first, each a dict
@@ -321,7 +327,7 @@ def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
     saves; blocks the caller while it reads."""
     call = "metrics_table"
-    storage = _places.at(_places.resolve(directory, call))
+    storage = _places.at(_places.resolve(directory))
     metas = step_metas(storage, _listed(storage, call), warn=call)
     kept = _policy.kept_by_each(metas)[1]
     rows: list[dict[str, Any]] = []
@@ -361,6 +367,7 @@ def _held_batch(metrics: dict[str, np.ndarray]) -> tuple[int, ...]:
     return shapes.pop() if len(shapes) == 1 else ()
 
 
+@entry("best_step")
 def best_step(
     directory: str | os.PathLike[str],
     *,
@@ -382,7 +389,7 @@ def best_step(
     member k's values; without it, the step holding the best value of any member.
     Reads each step's meta; does not wait for pending saves."""
     call = "best_step"
-    storage = _places.at(_places.resolve(directory, call))
+    storage = _places.at(_places.resolve(directory))
     if best is not None and (not isinstance(best, str) or not best):
         raise ConfigError(f"{call}(best={best!r}): best must name a metric (a str).")
     if mode not in (None, "max", "min"):
@@ -487,7 +494,7 @@ def step_metas(
 def _metadata(
     directory: str | os.PathLike[str], step: int | None, what: str = "metadata"
 ) -> tuple[dict[str, Any], str]:
-    storage = _places.at(_places.resolve(directory, what))
+    storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, what)
     step = pick_step(storage, named, what)
     call = f"{what}(step={step}) from {storage.path!r}"
@@ -602,6 +609,7 @@ def short(steps: list[int]) -> str:
     return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
+@entry("verify")
 @step_by_keyword
 def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
     """Check every stored byte of `step` (default: every step) against the checksums
@@ -615,7 +623,7 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     (a description cut or edited: not listed, and so never read), `RestoreError` for
     a step this process may not read, `NoCheckpointError` for a directory without a
     step of ours (a wrong path). Blocks while reading."""
-    storage = _places.at(_places.resolve(directory, "verify"))
+    storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, "verify")
     if named is None:
         found = storage.examine_all()
