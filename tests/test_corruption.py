@@ -183,7 +183,7 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     seen = storage.open_step(1).identity
 
     def classified(error):
-        return type(_steps.read_failure(error, storage, 1, seen, "restore(step=1)", "leaf w"))
+        return type(_steps.read_failure(error, storage, 1, seen, "leaf w"))
 
     try:
         raise RuntimeError("Orbax could not restore the item") from real.value

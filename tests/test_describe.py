@@ -32,7 +32,7 @@ def _state():
 
 
 def test_every_kind_of_leaf_survives_the_json_round_trip():
-    _, specs, _ = describe_state(_state(), "save")
+    _, specs, _ = describe_state(_state())
     for spec in specs:
         back = LeafSpec.from_json(json.loads(json.dumps(spec.to_json())))
         assert back == spec, spec.path
@@ -89,8 +89,8 @@ def test_a_remembered_description_follows_every_change_of_a_leaf():
     every time, also after a saveable state of the same structure."""
     from jax_cb_ckpt._base._errors import InvalidStateError
 
-    _, first, _ = describe_state(_state(), "save")
-    _, again, _ = describe_state(_state(), "save")
+    _, first, _ = describe_state(_state())
+    _, again, _ = describe_state(_state())
     assert again == first
     changed = {
         "w": np.zeros((3, 5), np.float32),  # shape
@@ -101,7 +101,7 @@ def test_a_remembered_description_follows_every_change_of_a_leaf():
     }
     for name, value in changed.items():
         state = dict(_state(), **{name: value})
-        _, specs, _ = describe_state(state, "save")
+        _, specs, _ = describe_state(state)
         before = {s.path: s for s in first}
         after = {s.path: s for s in specs}
         differ = [p for p in after if after[p] != before[p]]
@@ -112,8 +112,8 @@ def test_a_remembered_description_follows_every_change_of_a_leaf():
     ]:
         for _ in range(2):
             with pytest.raises(InvalidStateError, match=words):
-                describe_state(dict(_state(), n=bad), "save")
-    _, prefixed, _ = describe_state(_state(), "restore", prefix="like")
+                describe_state(dict(_state(), n=bad))
+    _, prefixed, _ = describe_state(_state(), prefix="like")
     assert all(s.path.startswith("like") for s in prefixed)
 
 
@@ -129,8 +129,8 @@ def test_a_remembered_description_is_never_lent_to_keys_that_only_compare_equal(
         A = "a"
 
     x = np.zeros(2, np.float32)
-    describe_state({1: x}, "save")
-    describe_state({"a": x}, "save")
+    describe_state({1: x})
+    describe_state({"a": x})
     for key, words in [
         (True, "dict key of type bool"),
         (1.0, "dict key of type float"),
@@ -138,7 +138,7 @@ def test_a_remembered_description_is_never_lent_to_keys_that_only_compare_equal(
         (Letter.A, "contain neither"),
     ]:
         with pytest.raises(InvalidStateError, match=words):
-            describe_state({key: x}, "save")
+            describe_state({key: x})
 
 
 def test_a_python_number_in_the_state_does_not_fill_the_memory_of_descriptions():
@@ -146,10 +146,10 @@ def test_a_python_number_in_the_state_does_not_fill_the_memory_of_descriptions()
     its type and range, not its value."""
 
     x = np.zeros(2, np.float32)
-    describe_state({"w": x, "n": 0}, "save")
+    describe_state({"w": x, "n": 0})
     before = len(_describe._DESCRIBED)
     for n in range(1, 40):
-        _, specs, _ = describe_state({"w": x, "n": n, "lr": n / 3}, "save")
+        _, specs, _ = describe_state({"w": x, "n": n, "lr": n / 3})
         assert specs[1].pytype == "int" and specs[0].pytype == "float"
     assert len(_describe._DESCRIBED) <= before + 1
 

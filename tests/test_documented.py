@@ -99,7 +99,7 @@ def test_integer_metrics_above_2_53_rank_as_float64(make_ckpt):
 def test_metrics_are_refused_in_a_multi_process_run():
     """The route of a save (`_route.plan`) in a run of 2 processes refuses metrics=
     with a ConfigError that says why (each process would record its own)."""
-    request = _route.Request("save", {"w": jnp.zeros(2)}, 1, 1, None, None, "stack", None, 1.0)
+    request = _route.Request({"w": jnp.zeros(2)}, 1, 1, None, None, "stack", None, 1.0)
     with pytest.raises(ConfigError, match=r"metrics are not recorded in a multi-process run"):
         _route.plan(request, processes=2)
 

@@ -61,7 +61,7 @@ def test_leftovers_of_ours_are_removed_and_nothing_else(tmp_path):
     ],
 )
 def test_urls_are_made_canonical(text, canonical):
-    assert _places.resolve(text, "f") == canonical
+    assert _places.resolve(text) == canonical
     assert _remote.is_url(canonical)
 
 
@@ -79,12 +79,12 @@ def test_urls_are_made_canonical(text, canonical):
 )
 def test_bad_urls_are_config_errors_naming_the_problem(text, match):
     with pytest.raises(ConfigError, match=match):
-        _places.resolve(text, "f")
+        _places.resolve(text)
 
 
 def test_local_names_that_look_a_little_like_urls_stay_local(tmp_path):
-    assert _places.resolve("exp:1", "f") == os.path.realpath("exp:1")
-    assert _places.resolve("./s3:/x", "f") == os.path.realpath("s3:/x")
+    assert _places.resolve("exp:1") == os.path.realpath("exp:1")
+    assert _places.resolve("./s3:/x") == os.path.realpath("s3:/x")
 
 
 def test_url_parts_and_key_ranges():

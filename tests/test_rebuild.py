@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from jax_cb_ckpt import StructureMismatchError
+from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
 from jax_cb_ckpt._read import _rebuild
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    """Messages name the public call under way (`calling`), as `restore` sets it."""
+    with calling("restore"):
+        yield
 
 
 def _array(name, dtype="float32", shape=(2,), weak=False):
@@ -59,9 +67,7 @@ def test_check_like_names_the_leaf_that_differs():
         match=r"^restore: leaf \['b'\] differs: the checkpoint has float32\[3\], like has "
         r"float32\[2\]\. Fix: pass a `like`",
     ):
-        _rebuild.check_like(
-            (_array("a"), _array("b")), (_array("a"), _array("b", shape=(3,))), "restore"
-        )
+        _rebuild.check_like((_array("a"), _array("b")), (_array("a"), _array("b", shape=(3,))))
 
 
 def test_check_like_names_a_leaf_the_checkpoint_lacks_and_its_keys():
@@ -70,39 +76,39 @@ def test_check_like_names_a_leaf_the_checkpoint_lacks_and_its_keys():
         match=r"leaf \['c'\] \(float32\[2\]\) is not in the checkpoint, which has 2 leaves "
         r"under the top-level keys \['a', 'b'\]",
     ):
-        _rebuild.check_like((_array("c"),), (_array("a"), _array("b")), "restore")
+        _rebuild.check_like((_array("c"),), (_array("a"), _array("b")))
 
 
 def test_check_like_names_a_leaf_like_lacks():
     with pytest.raises(
         StructureMismatchError, match=r"the checkpoint has leaf \['b'\] \(key<rbg>\[\]\), which"
     ):
-        _rebuild.check_like((_array("a"),), (_array("a"), _key("b", "rbg")), "restore")
-    _rebuild.check_like((_array("a"),), (_array("a"),), "restore")
+        _rebuild.check_like((_array("a"),), (_array("a"), _key("b", "rbg")))
+    _rebuild.check_like((_array("a"),), (_array("a"),))
 
 
 def test_rebuild_keeps_the_like_leafs_type_and_dtype():
     spec = _array("a", "float32", (2,))
     data = np.array([1.5, 2.5], np.float32)
-    out = _rebuild.rebuild(jnp.zeros(2), spec, spec, data.copy(), "restore")
+    out = _rebuild.rebuild(jnp.zeros(2), spec, spec, data.copy())
     assert isinstance(out, jax.Array) and out.dtype == jnp.float32 and not out.weak_type
     np.testing.assert_array_equal(out, data)
-    out = _rebuild.rebuild(np.zeros(2, np.float32), spec, spec, data, "restore")
+    out = _rebuild.rebuild(np.zeros(2, np.float32), spec, spec, data)
     assert type(out) is np.ndarray
     scalar = _scalar("n", "int", "int64")
-    assert _rebuild.rebuild(3, scalar, scalar, np.asarray(7, np.int64), "restore") == 7
-    assert type(_rebuild.rebuild(3, scalar, scalar, np.asarray(7, np.int64), "r")) is int
+    assert _rebuild.rebuild(3, scalar, scalar, np.asarray(7, np.int64)) == 7
+    assert type(_rebuild.rebuild(3, scalar, scalar, np.asarray(7, np.int64))) is int
 
 
 def test_rebuild_keeps_weak_types():
     like = jnp.asarray(1.0)  # from a Python number: weakly typed
     assert like.weak_type
     spec = _array("a", "float32", (), weak=True)
-    out = _rebuild.rebuild(like, spec, spec, np.asarray(2.0, np.float32), "restore")
+    out = _rebuild.rebuild(like, spec, spec, np.asarray(2.0, np.float32))
     assert out.weak_type and float(out) == 2.0
     # Carried by a loop as bfloat16: restored as stored, strongly typed.
     saved = _array("a", "bfloat16", ())
-    out = _rebuild.rebuild(like, spec, saved, np.asarray(2.0, jnp.bfloat16), "restore")
+    out = _rebuild.rebuild(like, spec, saved, np.asarray(2.0, jnp.bfloat16))
     assert out.dtype == jnp.bfloat16 and not out.weak_type
 
 
@@ -111,15 +117,15 @@ def test_rebuild_refuses_a_python_number_that_does_not_fit():
     with pytest.raises(
         StructureMismatchError, match=r"leaf \['a'\]: the checkpoint has the Python number 300"
     ):
-        _rebuild.rebuild(jnp.int8(0), spec, saved, np.asarray(300, np.int64), "restore")
-    out = _rebuild.rebuild(jnp.int8(0), spec, saved, np.asarray(100, np.int64), "restore")
+        _rebuild.rebuild(jnp.int8(0), spec, saved, np.asarray(300, np.int64))
+    out = _rebuild.rebuild(jnp.int8(0), spec, saved, np.asarray(100, np.int64))
     assert out.dtype == jnp.int8 and int(out) == 100
 
 
 def test_rebuild_wraps_key_data_as_the_saved_implementation():
     key = jax.random.key(1, impl="rbg")
     spec = _key("k", "rbg")
-    out = _rebuild.rebuild(key, spec, spec, np.asarray(jax.random.key_data(key)), "restore")
+    out = _rebuild.rebuild(key, spec, spec, np.asarray(jax.random.key_data(key)))
     assert str(jax.random.key_impl(out)) == str(jax.random.key_impl(key))
     assert _rebuild.same_bits(out, key)
 
@@ -155,5 +161,5 @@ def test_same_bits_ignores_the_treedefs_static_parts():
 
 def test_a_saved_python_nan_restores_into_a_float32_scalar():
     spec, saved = _array("a", "float32", ()), _scalar("a", "float", "float64")
-    out = _rebuild.rebuild(jnp.float32(0), spec, saved, np.asarray(np.nan), "restore")
+    out = _rebuild.rebuild(jnp.float32(0), spec, saved, np.asarray(np.nan))
     assert out.dtype == jnp.float32 and bool(jnp.isnan(out))

@@ -14,8 +14,16 @@ import pytest
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, DamagedStepError, DamagedStepWarning, RestoreError
+from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._read import _resume
 from jax_cb_ckpt._storage import _places
+
+
+@pytest.fixture(autouse=True)
+def _restart():
+    """Messages name the public call under way (`calling`): here a made-up "restart"."""
+    with calling("restart"):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +68,16 @@ def _no_plain(found):
 
 def test_the_newest_step_that_passes_is_read_and_nothing_is_said(storage):
     read, tried = _reader()
-    resumed = _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+    resumed = _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     assert (resumed.value, resumed.step, resumed.source) == ("value of 4", 4, "jax_cb_ckpt")
     assert resumed.passed == () and tried == [4]
-    assert _resume.report(storage, resumed, "restart", set_aside=True) is resumed  # no warning
+    assert _resume.report(storage, resumed, set_aside=True) is resumed  # no warning
 
 
 def test_damaged_newer_steps_are_passed_over_and_named_with_why(storage):
     _damage_description(storage, 4)
     read, tried = _reader(bad={3})
-    resumed = _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+    resumed = _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     assert resumed.step == 2 and resumed.value == "value of 2"
     assert tried == [3, 2]  # a damaged description is never read
     assert [p.step for p in resumed.passed] == [4, 3]
@@ -81,15 +89,15 @@ def test_damaged_newer_steps_are_passed_over_and_named_with_why(storage):
         match=r"^restart: read step 2 of .*passing over 2 newer step\(s\): step 4: .*\(left in "
         r"place\); step 3: bit flipped in 3 \(left in place\)\. Nothing was deleted",
     ):
-        _resume.report(storage, resumed, "restart", set_aside=False)
+        _resume.report(storage, resumed, set_aside=False)
     assert {"1", "2", "3", "4"} <= set(os.listdir(storage.path))  # nothing moved
 
 
 def test_report_sets_the_passed_over_steps_aside_when_asked(storage):
     read, _ = _reader(bad={4, 3})
-    resumed = _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+    resumed = _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     with pytest.warns(DamagedStepWarning, match=r"set aside as .*the run can write that step"):
-        resumed = _resume.report(storage, resumed, "restart", set_aside=True)
+        resumed = _resume.report(storage, resumed, set_aside=True)
     names = [p.set_aside for p in resumed.passed]
     assert all(names) and all(os.path.exists(os.path.join(storage.path, n)) for n in names)
     assert jax_cb_ckpt.all_steps(storage.path) == [1, 2]
@@ -98,21 +106,21 @@ def test_report_sets_the_passed_over_steps_aside_when_asked(storage):
 def test_another_error_is_raised_as_it_is(storage):
     read, tried = _reader(other={4})
     with pytest.raises(RestoreError, match="storage out of reach"):
-        _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+        _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     assert tried == [4]
 
 
 def test_on_damaged_raise_stops_at_the_first_damaged_step(storage):
     read, tried = _reader(bad={4})
     with pytest.raises(DamagedStepError, match=r"step 4 flipped \(on_damaged='raise'") as info:
-        _resume.newest(storage, read, _no_plain, "restart", on_damaged="raise")
+        _resume.newest(storage, read, _no_plain, on_damaged="raise")
     assert info.value.why == "bit flipped in 4"
     assert tried == [4]
 
 
 def test_no_passing_step_gives_a_refusal_naming_every_one(storage):
     read, _ = _reader(bad={1, 2, 3, 4})
-    resumed = _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+    resumed = _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     assert resumed.value is None and resumed.step is None
     refusal = resumed.refusal()
     assert str(refusal).startswith("step 4 flipped No older step passes its checks either")
@@ -120,16 +128,16 @@ def test_no_passing_step_gives_a_refusal_naming_every_one(storage):
         refusal
     )
     with pytest.warns(DamagedStepWarning, match="starts from its initial state"):
-        _resume.report(storage, resumed, "restart", set_aside=False)
+        _resume.report(storage, resumed, set_aside=False)
 
 
 def test_older_damaged_steps_are_said_and_left_alone(storage):
     _damage_description(storage, 1)
     read, _ = _reader()
-    resumed = _resume.newest(storage, read, _no_plain, "restart", on_damaged="fall_back")
+    resumed = _resume.newest(storage, read, _no_plain, on_damaged="fall_back")
     assert resumed.step == 4 and [p.step for p in resumed.older] == [1]
     with pytest.warns(DamagedStepWarning, match=r"read step 4 .*1 older step folder\(s\)"):
-        _resume.report(storage, resumed, "restart", set_aside=True)
+        _resume.report(storage, resumed, set_aside=True)
     assert os.path.isdir(os.path.join(storage.path, "1"))
 
 

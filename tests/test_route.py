@@ -10,14 +10,16 @@ import pytest
 from helpers import checked_options
 
 from jax_cb_ckpt import ConfigError, InvalidStateError
+from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._save import _route
 
 
 def plan(state, step, known=None, condition=None, *, axis_name=None, gather="stack", **kw):
     request = _route.Request(
-        "maybe_save", state, step, known, condition, axis_name, gather, kw.pop("shardings", None)
+        state, step, known, condition, axis_name, gather, kw.pop("shardings", None)
     )
-    return _route.plan(request, **kw)
+    with calling("maybe_save"):
+        return _route.plan(request, **kw)
 
 
 # -- _route.plan
@@ -141,8 +143,8 @@ def test_a_file_where_the_directory_should_be_is_refused(tmp_path):
 def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
     from jax_cb_ckpt._save import _traced
 
-    assert _traced.check_step(7, "save") == 7
-    assert _traced.check_step(np.int64(2**40), "save") == 2**40
+    assert _traced.check_step(7) == 7
+    assert _traced.check_step(np.int64(2**40)) == 2**40
     for bad, match in [
         (1.0, r"pass int\(step\)"),
         (True, "integer scalar"),
@@ -150,9 +152,9 @@ def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
         (-1, "out of range"),
     ]:
         with pytest.raises(InvalidStateError, match=match):
-            _traced.check_step(bad, "save")
+            _traced.check_step(bad)
     seen = []
-    jax.make_jaxpr(lambda s: seen.append(_traced.check_step(s, "save")) or s)(jnp.int32(3))
+    jax.make_jaxpr(lambda s: seen.append(_traced.check_step(s)) or s)(jnp.int32(3))
     assert seen == [None]  # a tracer: its value is known at run time
 
 
@@ -161,8 +163,8 @@ def test_a_step_too_large_for_jax_integers_is_refused_rather_than_wrapped():
 
     assert not jax.config.jax_enable_x64  # (the suite's setting: int32 steps in JAX)
     with pytest.raises(InvalidStateError, match="does not fit int32"):
-        _traced.traced_step(2**32 + 5, 2**32 + 5, "maybe_save")
-    assert int(_traced.traced_step(5, 5, "maybe_save")) == 5
+        _traced.traced_step(2**32 + 5, 2**32 + 5)
+    assert int(_traced.traced_step(5, 5)) == 5
 
 
 def test_tracing_is_told_apart_from_running_eagerly():

@@ -35,7 +35,7 @@ def test_each_device_holds_the_block_jax_gives_it_and_one_replica_is_written(spe
     the one at coordinate 0 along that axis writes it, and every block is written once."""
     mesh = _mesh()
     sharding = NamedSharding(mesh, spec)
-    layout, _ = layout_of([sharding], [np.zeros(SHAPE)], ["x"], "save")
+    layout, _ = layout_of([sharding], [np.zeros(SHAPE)], ["x"])
     block = sharding.shard_shape(SHAPE)
     assert layout.global_shape(0, block) == SHAPE
     expected = sharding.devices_indices_map(SHAPE)
@@ -56,7 +56,7 @@ def test_block_keys_name_every_dimension_and_cover_the_leaf_once():
     assert block_key((slice(None), slice(0, 6)), (8, 12)) == ((0, 8), (0, 6))
     mesh = _mesh()
     sharding = NamedSharding(mesh, P("a", "b"))
-    layout, _ = layout_of([sharding], [np.zeros((8, 12))], ["x"], "save")
+    layout, _ = layout_of([sharding], [np.zeros((8, 12))], ["x"])
     covered = np.zeros((8, 12), int)
     for device in mesh.devices.flat:
         index = layout.index(0, _coords(mesh, device), (4, 6))
@@ -67,13 +67,13 @@ def test_block_keys_name_every_dimension_and_cover_the_leaf_once():
 def test_a_layout_refuses_what_the_shard_map_could_not_split_naming_the_leaf():
     mesh = _mesh()
     with pytest.raises(InvalidStateError, match=r"leaf w has 7 elements along dimension 0"):
-        layout_of([NamedSharding(mesh, P("a"))], [np.zeros((7,))], ["w"], "save")
+        layout_of([NamedSharding(mesh, P("a"))], [np.zeros((7,))], ["w"])
     with pytest.raises(InvalidStateError, match=r"leaf w has shape \(8,\) but its sharding"):
-        layout_of([NamedSharding(mesh, P("a", "b"))], [np.zeros((8,))], ["w"], "save")
+        layout_of([NamedSharding(mesh, P("a", "b"))], [np.zeros((8,))], ["w"])
     other = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     shardings = [NamedSharding(mesh, P("a")), NamedSharding(other, P("d"))]
     with pytest.raises(InvalidStateError, match=r"leaf v is on mesh"):
-        layout_of(shardings, [np.zeros(8), np.zeros(8)], ["w", "v"], "save")
+        layout_of(shardings, [np.zeros(8), np.zeros(8)], ["w", "v"])
 
 
 def test_the_last_device_to_report_completes_the_step_once():

@@ -103,7 +103,7 @@ def test_a_missing_step_names_the_steps_there(directory):
     storage = jax_cb_ckpt._storage._places.at(str(directory))
     assert _steps.pick_step(storage, 1, "restore") == 1
     with pytest.raises(NoCheckpointError, match=r"no checkpoint for step 1 .*are \[2, 3, 4\]"):
-        _steps.open_step(storage, 1, "restore", "restore")
+        _steps.open_step(storage, 1, "restore")
     assert _steps.pick_step(storage, None, "restore") == 4
 
 

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_cb_ckpt import InvalidStateError
+from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._save import _traced
 
 
@@ -27,34 +28,40 @@ from jax_cb_ckpt._save import _traced
     ],
 )
 def test_a_step_that_is_not_an_integer_scalar_is_refused(step, match):
-    with pytest.raises(InvalidStateError, match=r"^maybe_save: step must be an integer scalar"):
-        _traced.check_step(step, "maybe_save")
+    with (
+        calling("maybe_save"),
+        pytest.raises(InvalidStateError, match=r"^maybe_save: step must be an integer scalar"),
+    ):
+        _traced.check_step(step)
     with pytest.raises(InvalidStateError, match=match):
-        _traced.check_step(step, "maybe_save")
+        _traced.check_step(step)
 
 
 @pytest.mark.parametrize("step", [-1, 2**63, np.int64(-3)])
 def test_a_known_step_out_of_range_is_refused(step):
-    with pytest.raises(InvalidStateError, match=rf"save: step {int(step)} is out of range"):
-        _traced.check_step(step, "save")
+    with (
+        calling("save"),
+        pytest.raises(InvalidStateError, match=rf"^save: step {int(step)} is out of range"),
+    ):
+        _traced.check_step(step)
 
 
 def test_a_known_step_is_returned_and_a_traced_one_is_none():
-    assert _traced.check_step(7, "save") == 7
-    assert _traced.check_step(np.uint8(200), "save") == 200
-    assert _traced.check_step(2**63 - 1, "save") == 2**63 - 1
+    assert _traced.check_step(7) == 7
+    assert _traced.check_step(np.uint8(200)) == 200
+    assert _traced.check_step(2**63 - 1) == 2**63 - 1
     seen = []
-    jax.jit(lambda s: seen.append(_traced.check_step(s, "maybe_save")) or s)(jnp.int32(3))
+    jax.jit(lambda s: seen.append(_traced.check_step(s)) or s)(jnp.int32(3))
     assert seen == [None]
 
 
 def test_a_step_that_would_wrap_in_int32_is_refused():
     assert not jax.config.jax_enable_x64
     with pytest.raises(InvalidStateError, match=r"step 2147483648 does not fit int32.*x64"):
-        _traced.traced_step(2**31, 2**31, "maybe_save")
-    out = _traced.traced_step(2**31 - 1, 2**31 - 1, "maybe_save")
+        _traced.traced_step(2**31, 2**31)
+    out = _traced.traced_step(2**31 - 1, 2**31 - 1)
     assert out.dtype == jnp.int32 and int(out) == 2**31 - 1
-    assert _traced.traced_step(np.uint8(9), 9, "save").dtype == jnp.uint8
+    assert _traced.traced_step(np.uint8(9), 9).dtype == jnp.uint8
 
 
 @pytest.mark.parametrize(
@@ -62,15 +69,19 @@ def test_a_step_that_would_wrap_in_int32_is_refused():
     [(1, r"int \(1\)"), (jnp.int32(1), r"int32\[\]"), (jnp.array([True, False]), r"bool\[2\]")],
 )
 def test_a_predicate_that_is_not_a_boolean_scalar_is_refused(when, got):
-    with pytest.raises(
-        InvalidStateError, match=rf"maybe_save: when must be a boolean scalar .*got {got}\. Fix"
+    with (
+        calling("maybe_save"),
+        pytest.raises(
+            InvalidStateError,
+            match=rf"^maybe_save: when must be a boolean scalar .*got {got}\. Fix",
+        ),
     ):
-        _traced.check_when(when, "maybe_save")
+        _traced.check_when(when)
 
 
 def test_a_boolean_predicate_is_an_array():
-    assert _traced.check_when(True, "x").dtype == jnp.bool_
-    assert bool(_traced.check_when(jnp.asarray(False), "x")) is False
+    assert _traced.check_when(True).dtype == jnp.bool_
+    assert bool(_traced.check_when(jnp.asarray(False))) is False
 
 
 def _in_shard_map(check):
@@ -91,14 +102,14 @@ def test_inside_shard_map_an_axis_name_is_required():
         match=r"inside pmap/shard_map over axes \('d',\).*"
         r"axis_name='d'",
     ):
-        _in_shard_map(lambda: _traced.check_axis_name(None, "maybe_save"))
+        _in_shard_map(lambda: _traced.check_axis_name(None))
 
 
 def test_inside_shard_map_the_axis_name_must_be_mapped():
     with pytest.raises(InvalidStateError, match=r"axis_name='e' is not a pmap/shard_map axis"):
-        _in_shard_map(lambda: _traced.check_axis_name("e", "maybe_save"))
-    _in_shard_map(lambda: _traced.check_axis_name("d", "maybe_save"))
-    _traced.check_axis_name(None, "maybe_save")  # outside any map: nothing to require
+        _in_shard_map(lambda: _traced.check_axis_name("e"))
+    _in_shard_map(lambda: _traced.check_axis_name("d"))
+    _traced.check_axis_name(None)  # outside any map: nothing to require
 
 
 def test_is_tracing_tells_traced_from_eager():

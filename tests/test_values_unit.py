@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_cb_ckpt import InvalidStateError
+from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
 from jax_cb_ckpt._save import _values
 
@@ -39,45 +40,48 @@ def test_is_constant(leaf, expected):
 )
 def test_a_64_bit_constant_without_x64_is_refused_naming_the_leaf(leaf, dtype):
     assert not jax.config.jax_enable_x64
-    with pytest.raises(
-        InvalidStateError, match=rf"save: leaf \['leaf'\] is a {dtype} constant.*enable x64"
+    with (
+        calling("save"),
+        pytest.raises(
+            InvalidStateError, match=rf"^save: leaf \['leaf'\] is a {dtype} constant.*enable x64"
+        ),
     ):
-        _values.to_payload(_spec(dtype, np.shape(leaf)), leaf, "save")
+        _values.to_payload(_spec(dtype, np.shape(leaf)), leaf)
 
 
 def test_a_64_bit_constant_is_refused_also_while_tracing():
     spec = _spec("int64", (3,))
 
     def f(x):
-        return _values.to_payload(spec, np.arange(3, dtype=np.int64), "maybe_save") + x
+        return _values.to_payload(spec, np.arange(3, dtype=np.int64)) + x
 
-    with pytest.raises(InvalidStateError, match="maybe_save: leaf"):
+    with calling("maybe_save"), pytest.raises(InvalidStateError, match="^maybe_save: leaf"):
         jax.jit(f).trace(jnp.zeros(3, jnp.int32))
 
 
 def test_a_32_bit_constant_crosses_as_an_owned_copy():
     leaf = np.arange(3, dtype=np.float32)
-    out = _values.to_payload(_spec("float32", (3,)), leaf, "save")
+    out = _values.to_payload(_spec("float32", (3,)), leaf)
     leaf[0] = 42  # the caller's later change does not reach what crosses
     assert isinstance(out, jax.Array) and out.dtype == jnp.float32
     np.testing.assert_array_equal(out, [0, 1, 2])
 
 
 def test_a_python_scalar_takes_the_specs_dtype():
-    out = _values.to_payload(_spec("int32", kind=SCALAR, pytype="int"), 7, "save")
+    out = _values.to_payload(_spec("int32", kind=SCALAR, pytype="int"), 7)
     assert out.dtype == jnp.int32 and int(out) == 7
 
 
 def test_keys_cross_as_their_key_data():
     key = jax.random.key(3)
     spec = _spec("uint32", kind=KEY, impl="threefry2x32")
-    np.testing.assert_array_equal(_values.to_payload(spec, key, "save"), jax.random.key_data(key))
+    np.testing.assert_array_equal(_values.to_payload(spec, key), jax.random.key_data(key))
     np.testing.assert_array_equal(_values.eager_value(spec, key), jax.random.key_data(key))
 
 
 def test_a_jax_array_crosses_as_is():
     x = jnp.arange(4, dtype=jnp.bfloat16)
-    out = _values.to_payload(_spec("bfloat16", (4,)), x, "save")
+    out = _values.to_payload(_spec("bfloat16", (4,)), x)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(out, x)
 

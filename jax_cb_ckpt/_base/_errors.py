@@ -6,6 +6,57 @@ hand-off, at `Checkpointer.wait()`, `Checkpointer.close()` or context-manager ex
 they are never only logged.
 """
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# The public call an error is raised under ("restore", "verify(step=3) of '/ckpt'",
+# "Checkpointer.maybe_save"), the prefix of its message: set once where the call
+# enters the library (`calling`), read where a message is built (`where`), instead of
+# a `where: str` passed down through every signature. A ContextVar is per thread (and
+# per asyncio task): a pool thread or the writer thread does not see the caller's
+# value; code that builds messages there is given its name explicitly, or is run with
+# `contextvars.copy_context().run`.
+_CALL: contextvars.ContextVar[str] = contextvars.ContextVar("jax_cb_ckpt_call")
+
+
+@contextlib.contextmanager
+def calling(name: str) -> Iterator[None]:
+    """Within the block, messages say they come from `name` (`where()`); the caller's
+    value comes back after it, also when it raises. Nests."""
+    token = _CALL.set(name)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def entry(name: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A public entry point: the decorated function runs under `calling(name)`. (Not
+    `calling` as a decorator: contextlib's frame would sit between the user's line and
+    ours, and `_warn` attributes a warning to the first frame outside the package.)"""
+
+    def decorate(function: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(function)
+        def named(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with calling(name):
+                return function(*args, **kwargs)
+
+        return named
+
+    return decorate
+
+
+def where() -> str:
+    """The public call under way in this thread (`calling`), for the start of a message;
+    "jax_cb_ckpt" outside one."""
+    return _CALL.get("jax_cb_ckpt")
+
 
 def shown(value: object, limit: int = 80) -> str:
     """`repr(value)` for a message: one line of at most `limit` characters (a whole

@@ -27,6 +27,7 @@ from .._base._errors import (
     DamagedStepWarning,
     NoCheckpointError,
     RestoreError,
+    calling,
 )
 from .._layout import _format, _policy, _spec
 from .._layout._policy import Rules
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        storage = _places.at(_places.resolve(args.directory, f"jax-cb-ckpt {args.command}"))
+        with calling(f"jax-cb-ckpt {args.command}"):
+            storage = _places.at(_places.resolve(args.directory))
         if not storage.is_directory():
             raise FileNotFoundError(f"{args.directory!r} is not a directory")
         return args.run(storage, args)

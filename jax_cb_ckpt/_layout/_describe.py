@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base._dtypes import ML_DTYPES
-from .._base._errors import InvalidStateError
+from .._base._errors import InvalidStateError, calling, where
 from .._base._errors import shown as _shown
 from .._base._types import PyTree
 from . import _format
@@ -34,14 +34,14 @@ _PY_SCALARS = (bool, int, float, complex)
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
 
 
-def _key_name(entry: Any, where: str, path: str, *, free: bool = False) -> str:
+def _key_name(entry: Any, path: str, *, free: bool = False) -> str:
     """One component of a leaf's stored name, from one entry of its key path (`free`:
     a metric's, which may hold '.' and '/': it names a JSON entry, not an array)."""
     if isinstance(entry, jax.tree_util.DictKey):
         key = entry.key
         if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise InvalidStateError(
-                f"{where}: leaf {path} sits under a dict key of type "
+                f"{where()}: leaf {path} sits under a dict key of type "
                 f"{type(key).__name__} ({key!r}); only str and int dict keys can be "
                 "stored in a checkpoint. Fix: use str keys for the dicts in the state."
             )
@@ -56,7 +56,7 @@ def _key_name(entry: Any, where: str, path: str, *, free: bool = False) -> str:
         name = str(entry)
     if not name or (not free and ("." in name or "/" in name)):
         raise InvalidStateError(
-            f"{where}: leaf {path} sits under the key {name!r}; keys stored in a "
+            f"{where()}: leaf {path} sits under the key {name!r}; keys stored in a "
             "checkpoint must be non-empty and contain neither '.' nor '/' (Orbax joins "
             "names with them). Fix: rename that key."
         )
@@ -77,7 +77,7 @@ def _numeric(dtype: np.dtype) -> str | None:
     return None
 
 
-def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
+def _check_dtype(dtype: Any, path: str, leaf: Any) -> np.dtype:
     if isinstance(dtype, np.dtype) and _numeric(dtype) is not None:
         return dtype
     try:
@@ -87,7 +87,7 @@ def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
     ok = np_dtype is not None and (np_dtype.kind in "biufc" or np_dtype.name.startswith(ML_DTYPES))
     if not ok or np_dtype is None:
         raise InvalidStateError(
-            f"{where}: leaf {path} has dtype {dtype} ({type(leaf).__name__}), which "
+            f"{where()}: leaf {path} has dtype {dtype} ({type(leaf).__name__}), which "
             "cannot be saved. Saved arrays must have a bool, integer (int2/int4 "
             "included), floating (bfloat16, float8 included) or complex dtype, or be "
             "typed PRNG keys. Fix: convert the leaf to a numeric array, or keep it out of "
@@ -96,14 +96,14 @@ def _check_dtype(dtype: Any, where: str, path: str, leaf: Any) -> np.dtype:
     return np_dtype
 
 
-def _scalar_dtype(leaf: Any, where: str, path: str) -> str:
+def _scalar_dtype(leaf: Any, path: str) -> str:
     """The exact dtype a Python number is stored as (independent of jax_enable_x64)."""
     if isinstance(leaf, bool):
         return "bool"
     if isinstance(leaf, int):
         if not -(2**63) <= leaf < 2**63:
             raise InvalidStateError(
-                f"{where}: leaf {path} is the Python int {leaf}, which does not fit in "
+                f"{where()}: leaf {path} is the Python int {leaf}, which does not fit in "
                 "int64, the widest integer a checkpoint stores. Fix: keep integers in the "
                 "saved state within int64, or keep this value out of it."
             )
@@ -111,16 +111,16 @@ def _scalar_dtype(leaf: Any, where: str, path: str) -> str:
     return "float64" if isinstance(leaf, float) else "complex128"
 
 
-def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstract_ok: bool):
+def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool):
     """The `LeafSpec` of one leaf, or an `InvalidStateError` that says how to fix it."""
     # numpy scalars first: np.float64 and np.complex128 are also Python float/complex.
     if isinstance(leaf, _PY_SCALARS) and not isinstance(leaf, np.generic):
-        dtype = _scalar_dtype(leaf, where, path)
+        dtype = _scalar_dtype(leaf, path)
         return LeafSpec(path, name, SCALAR, dtype, (), pytype=type(leaf).__name__)
     is_abstract = isinstance(leaf, jax.ShapeDtypeStruct)
     if is_abstract and not abstract_ok:
         raise InvalidStateError(
-            f"{where}: leaf {path} is a jax.ShapeDtypeStruct, which has no data to "
+            f"{where()}: leaf {path} is a jax.ShapeDtypeStruct, which has no data to "
             "save. Fix: pass the concrete state (ShapeDtypeStructs are for `like`)."
         )
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or is_abstract:
@@ -128,13 +128,13 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
         if is_key(leaf.dtype):
             impl = _abstract_impl(leaf) if is_abstract else str(jax.random.key_impl(leaf))  # type: ignore[arg-type]
             return LeafSpec(path, name, KEY, "uint32", shape, impl=impl)
-        np_dtype = _check_dtype(leaf.dtype, where, path, leaf)
+        np_dtype = _check_dtype(leaf.dtype, path, leaf)
         weak = bool(getattr(leaf, "weak_type", False))
         return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape, weak=weak)
     shown = repr(leaf)
     if len(shown) > 60:
         shown = shown[:57] + "..."
-    if where.startswith("restore"):
+    if where().startswith("restore"):
         what = "cannot be restored into: `like` must have the structure of the saved state"
     else:
         what = "cannot be saved: only arrays (jax or numpy) and Python numbers can be leaves"
@@ -160,7 +160,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, where: str, *, abstra
             "to arrays with jnp.asarray."
         )
     raise InvalidStateError(
-        f"{where}: leaf {path} is a {type(leaf).__name__} ({shown}), which {what}. {fix}"
+        f"{where()}: leaf {path} is a {type(leaf).__name__} ({shown}), which {what}. {fix}"
     )
 
 
@@ -172,7 +172,6 @@ def _abstract_impl(leaf: Any) -> str | None:
 
 def describe_state(
     tree: PyTree,
-    where: str,
     *,
     prefix: str = "state",
     abstract_ok: bool = False,
@@ -190,7 +189,7 @@ def describe_state(
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     except (TypeError, ValueError) as e:  # e.g. a dict mixing int and str keys
         raise InvalidStateError(
-            f"{where}: JAX cannot flatten the {prefix}: {e}. Fix: a dict must have keys "
+            f"{where()}: JAX cannot flatten the {prefix}: {e}. Fix: a dict must have keys "
             "of one sortable type (use str keys), and custom nodes must be registered "
             "pytrees."
         ) from e
@@ -210,7 +209,7 @@ def describe_state(
             if specs is not None:
                 _DESCRIBED.move_to_end(key)
                 return treedef, specs, leaves
-    specs = _describe(tree, flat, where, prefix, abstract_ok, free_names)
+    specs = _describe(tree, flat, prefix, abstract_ok, free_names)
     if key is not None:
         with _DESCRIBED_LOCK:
             _DESCRIBED[key] = specs
@@ -223,7 +222,7 @@ _MAX_MEMBERS = 1 << 16  # a metric given as one value per member of a batch
 
 
 def describe_metrics(
-    metrics: PyTree, where: str
+    metrics: PyTree,
 ) -> tuple[tuple[str, ...], tuple[LeafSpec, ...], list[Any]]:
     """(names, specs, leaves) of `metrics=`: a small pytree of real scalars (traced or
     not; or 1-D, one per member of a batch the state holds without vmap), named by
@@ -231,26 +230,25 @@ def describe_metrics(
     Raises `InvalidStateError` naming the metric that is not one."""
     if not jax.tree.leaves(metrics):
         raise InvalidStateError(
-            f"{where}(metrics=...): {_shown(metrics)} holds no values. Fix: pass a dict of "
+            f"{where()}(metrics=...): {_shown(metrics)} holds no values. Fix: pass a dict of "
             "scalars, e.g. metrics={'return': ret}, or leave metrics= out."
         )
     # A metric's name is its key path joined with "/" (TensorBoard's "eval/return" is
     # `{"eval/return": r}` or `{"eval": {"return": r}}`: one name, refused when both).
-    _, specs, leaves = describe_state(
-        metrics, f"{where}(metrics=...)", prefix="metrics", free_names=True
-    )
+    with calling(f"{where()}(metrics=...)"):
+        _, specs, leaves = describe_state(metrics, prefix="metrics", free_names=True)
     named: dict[str, str] = {}
     for spec in specs:
         other = named.setdefault("/".join(spec.name), spec.path)
         if other != spec.path:
             raise InvalidStateError(
-                f"{where}(metrics=...): {other} and {spec.path} are both named "
+                f"{where()}(metrics=...): {other} and {spec.path} are both named "
                 f"{'/'.join(spec.name)!r} (a metric's name is its keys joined with '/'). "
                 "Fix: give them distinct names."
             )
     if len(specs) > _format.MAX_METRICS:
         raise InvalidStateError(
-            f"{where}(metrics=...): {len(specs)} metrics, more than the {_format.MAX_METRICS} a "
+            f"{where()}(metrics=...): {len(specs)} metrics, more than the {_format.MAX_METRICS} a "
             "step records. Fix: pass a few scalars (a loss, a return), not arrays of them; "
             "keep larger results in the state."
         )
@@ -261,7 +259,7 @@ def describe_metrics(
         per_member = len(spec.shape) == 1 and spec.shape[0] <= _MAX_MEMBERS
         if spec.kind == KEY or not (spec.shape == () or per_member) or not real:
             raise InvalidStateError(
-                f"{where}(metrics=...): {spec.path} is {spec.describe()}; a metric is one "
+                f"{where()}(metrics=...): {spec.path} is {spec.describe()}; a metric is one "
                 "real number per step (a bool, integer or floating scalar; under vmap "
                 "one per member; a 1-D array of at most "
                 f"{_MAX_MEMBERS} for a batch held without vmap). Fix: reduce it first "
@@ -269,7 +267,7 @@ def describe_metrics(
             )
         if len(name) > _format.MAX_METRIC_NAME:
             raise InvalidStateError(
-                f"{where}(metrics=...): the metric name {name[:40]!r}... has {len(name)} "
+                f"{where()}(metrics=...): the metric name {name[:40]!r}... has {len(name)} "
                 f"characters, more than {_format.MAX_METRIC_NAME}. Fix: use a shorter key."
             )
         names.append(name)
@@ -320,7 +318,6 @@ def _leaf_key(leaf: Any) -> Any:
 def _describe(
     tree: PyTree,
     flat: list[tuple[Any, Any]],
-    where: str,
     prefix: str,
     abstract_ok: bool,
     free_names: bool = False,
@@ -329,40 +326,40 @@ def _describe(
     if not flat:
         if prefix == "like":
             raise InvalidStateError(
-                f"{where}: like has no leaves, so there is nothing to restore into (got "
+                f"{where()}: like has no leaves, so there is nothing to restore into (got "
                 f"{type(tree).__name__}). Fix: pass a pytree shaped like the saved state: "
                 "the initial state, or jax.eval_shape of the function that makes it."
             )
         raise InvalidStateError(
-            f"{where}: the {prefix} has no leaves, so there is nothing to save "
+            f"{where()}: the {prefix} has no leaves, so there is nothing to save "
             f"(got {type(tree).__name__}). Fix: pass the pytree of arrays to save."
         )
     specs = []
     seen: dict[str, str] = {}
     for key_path, leaf in flat:
         path = prefix + jax.tree_util.keystr(key_path)
-        name = tuple(_key_name(e, where, path, free=free_names) for e in key_path)
+        name = tuple(_key_name(e, path, free=free_names) for e in key_path)
         name = name or (_ROOT_NAME,)
         joined = ".".join(name)
         if joined in seen:
             raise InvalidStateError(
-                f"{where}: leaves {seen[joined]} and {path} would be stored under the "
+                f"{where()}: leaves {seen[joined]} and {path} would be stored under the "
                 f"same name {joined!r}. Fix: give them distinct keys (e.g. do not mix "
                 "int and str keys that print the same)."
             )
         seen[joined] = path
-        specs.append(leaf_spec(path, name, leaf, where, abstract_ok=abstract_ok))
-    _check_prefixes(specs, where)
+        specs.append(leaf_spec(path, name, leaf, abstract_ok=abstract_ok))
+    _check_prefixes(specs)
     return tuple(specs)
 
 
-def _check_prefixes(specs: list[LeafSpec], where: str) -> None:
+def _check_prefixes(specs: list[LeafSpec]) -> None:
     """A stored name cannot be both a leaf and a node (`{'a': x, 'a.b': y}` style)."""
     names = {spec.name: spec.path for spec in specs}
     for spec in specs:
         for cut in range(1, len(spec.name)):
             if spec.name[:cut] in names:
                 raise InvalidStateError(
-                    f"{where}: leaf {names[spec.name[:cut]]} would be stored where "
+                    f"{where()}: leaf {names[spec.name[:cut]]} would be stored where "
                     f"{spec.path} needs a sub-tree. Fix: give them distinct keys."
                 )

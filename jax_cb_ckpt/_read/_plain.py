@@ -32,7 +32,14 @@ from typing import Any
 import numpy as np
 
 from .._base import _dtypes
-from .._base._errors import ConfigError, DamagedStepError, RestoreError, StructureMismatchError
+from .._base._errors import (
+    ConfigError,
+    DamagedStepError,
+    RestoreError,
+    StructureMismatchError,
+    calling,
+    where,
+)
 from .._layout import _format, _spec
 from .._layout._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
 from .._storage import _remote
@@ -133,20 +140,26 @@ def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep | None:
     return PlainStep(step, item, path)
 
 
-def restore(found: PlainStep, like: Any, where: str, *, member: object = None) -> Any:
+def restore(found: PlainStep, like: Any, *, member: object = None) -> Any:
     """The plain Orbax step `found` read into `like`'s types (see the module's doc):
     `StructureMismatchError` naming the first leaf that differs; `DamagedStepError` for
     a step that cannot be read as it describes itself; `RestoreError` otherwise."""
-    where = f"{where}: plain Orbax step {found.step} ({found.path}/{found.item})"
+    with calling(f"{where()}: plain Orbax step {found.step} ({found.path}/{found.item})"):
+        return _checked_restore(found, like, member)
+
+
+def _checked_restore(found: PlainStep, like: Any, member: object) -> Any:
     if found.problem is not None:
-        raise DamagedStepError(f"{where}: cannot be resumed from: {found.problem}.", found.problem)
+        raise DamagedStepError(
+            f"{where()}: cannot be resumed from: {found.problem}.", found.problem
+        )
     if member is not None:
         raise ConfigError(
-            f"{where}: member= reads one member of a batch this library saved under vmap; "
+            f"{where()}: member= reads one member of a batch this library saved under vmap; "
             "a plain Orbax step records no batch. Fix: restore the whole state."
         )
     with _quiet_orbax():
-        return _restore(found, like, where)
+        return _restore(found, like)
 
 
 @contextlib.contextmanager
@@ -163,7 +176,7 @@ def _quiet_orbax() -> Iterator[None]:
         absl.setLevel(level)
 
 
-def _restore(found: PlainStep, like: Any, where: str) -> Any:
+def _restore(found: PlainStep, like: Any) -> Any:
     import orbax.checkpoint as ocp  # (only when such a step is there: see the module doc)
 
     # JAX's (`_describe`): only where a step is read; recognising one (`steps`, for
@@ -175,19 +188,19 @@ def _restore(found: PlainStep, like: Any, where: str) -> Any:
     try:
         described = ocp.PyTreeCheckpointer().metadata(item).item_metadata
     except Exception as e:
-        raise _failure(where, "its description", e) from e
+        raise _failure("its description", e) from e
     if described is None:
-        raise DamagedStepError(f"{where}: Orbax finds no description of it", "no description")
+        raise DamagedStepError(f"{where()}: Orbax finds no description of it", "no description")
     tree = described.tree
     stored = _leaves(tree)
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where, prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
-    saved_specs = [_saved_spec(spec, stored, where) for spec in like_specs]
+    saved_specs = [_saved_spec(spec, stored) for spec in like_specs]
     extra = sorted(set(stored) - {spec.name for spec in like_specs})
     if extra:
         raise StructureMismatchError(
-            f"{where}: it holds leaf {'/'.join(extra[0])!r}, which like does not have. Fix: "
+            f"{where()}: it holds leaf {'/'.join(extra[0])!r}, which like does not have. Fix: "
             "pass a like with the structure of the state Orbax saved."
         )
 
@@ -201,18 +214,18 @@ def _restore(found: PlainStep, like: Any, where: str) -> Any:
             item, args=ocp.args.PyTreeRestore(restore_args=restore_args)
         )
     except Exception as e:
-        raise _failure(where, "its arrays", e) from e
+        raise _failure("its arrays", e) from e
     read = _leaves(values)
     leaves = []
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_specs, strict=True):
         array = np.asarray(read[spec.name])
         if array.shape != saved.stored_shape or array.dtype.name != saved.dtype:
             raise DamagedStepError(
-                f"{where}: leaf {spec.path} is described as {saved.dtype}"
+                f"{where()}: leaf {spec.path} is described as {saved.dtype}"
                 f"{list(saved.stored_shape)} and holds {array.dtype.name}{list(array.shape)}",
                 f"leaf {spec.path}'s data is not what its description says",
             )
-        leaves.append(_rebuild.rebuild(leaf, spec, saved, array, where))
+        leaves.append(_rebuild.rebuild(leaf, spec, saved, array))
     return treedef.unflatten(leaves)
 
 
@@ -239,7 +252,7 @@ def _map(fn: Any, tree: Any) -> Any:
     return None if tree is None else fn(tree)
 
 
-def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any], where: str) -> Any:
+def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any]) -> Any:
     from . import _rebuild
 
     """The stored leaf at `spec`'s name described as a `LeafSpec` of the kind `like`
@@ -248,21 +261,21 @@ def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any], where:
     fix = " Fix: pass a like with the structure, shapes and dtypes of the state Orbax saved."
     if meta is None:
         raise StructureMismatchError(
-            f"{where}: leaf {spec.path} ({spec.describe()}) is not in it.{fix}"
+            f"{where()}: leaf {spec.path} ({spec.describe()}) is not in it.{fix}"
         )
     shape = tuple(int(d) for d in getattr(meta, "shape", ()) or ())
     try:
         dtype = np.dtype(_dtypes.named(str(np.dtype(meta.dtype))))
     except (TypeError, AttributeError):
         raise StructureMismatchError(
-            f"{where}: leaf {spec.path} is stored as {meta!r}, which is not an array.{fix}"
+            f"{where()}: leaf {spec.path} is stored as {meta!r}, which is not an array.{fix}"
         ) from None
     shown = f"{dtype.name}{list(shape)}"
     if spec.kind == _spec.KEY:
         data = _spec.key_data_shape(spec.impl) if spec.impl else ()
         if dtype != np.uint32 or shape != spec.shape + data:
             raise StructureMismatchError(
-                f"{where}: leaf {spec.path} is a {spec.describe()} in like, and the step "
+                f"{where()}: leaf {spec.path} is a {spec.describe()} in like, and the step "
                 f"holds {shown}, not its raw key data (uint32{list(spec.shape + data)}).{fix}"
             )
         return dataclasses.replace(spec, dtype="uint32")
@@ -273,19 +286,19 @@ def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any], where:
         saved = _spec.LeafSpec(spec.path, spec.name, _spec.ARRAY, dtype.name, shape)
     if not _rebuild.compatible(spec, saved):
         raise StructureMismatchError(
-            f"{where}: leaf {spec.path} differs: the step holds {shown}, like has "
+            f"{where()}: leaf {spec.path} differs: the step holds {shown}, like has "
             f"{spec.describe()} (Orbax would cast it silently; the library does not).{fix}"
         )
     return saved
 
 
-def _failure(where: str, what: str, e: Exception) -> RestoreError:
+def _failure(what: str, e: Exception) -> RestoreError:
     """Orbax's (or TensorStore's) failure to read `what`: damage when it says the files
     are not what they claim, else the error as it is (storage out of reach, ...)."""
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
     if isinstance(e, FileNotFoundError) or _remote.status(e) in _remote.DAMAGE_CODES:
         return DamagedStepError(
-            f"{where}: cannot read {what}: {type(e).__name__}: {text[:500]}",
+            f"{where()}: cannot read {what}: {type(e).__name__}: {text[:500]}",
             f"cannot read {what} ({type(e).__name__})",
         )
-    return RestoreError(f"{where}: cannot read {what}: {type(e).__name__}: {text[:500]}")
+    return RestoreError(f"{where()}: cannot read {what}: {type(e).__name__}: {text[:500]}")

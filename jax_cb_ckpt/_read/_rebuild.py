@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import _dtypes
 from .._base._dtypes import ML_DTYPES
-from .._base._errors import StructureMismatchError
+from .._base._errors import StructureMismatchError, where
 from .._base._types import PyTree
 from .._layout._describe import is_key as _is_key
 from .._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
@@ -27,7 +27,7 @@ from .._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
 _PY_SCALARS = (bool, int, float, complex)
 
 
-def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], where: str) -> None:
+def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...]) -> None:
     """Raise `StructureMismatchError` naming the first leaf where `like` and the save differ."""
     saved_by_name = {spec.name: spec for spec in saved}
     like_names = {spec.name for spec in like_specs}
@@ -41,20 +41,20 @@ def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], wh
             top = sorted({s.name[0] for s in saved})
             shown = ", ".join(repr(t) for t in top[:12]) + (", ..." if len(top) > 12 else "")
             raise StructureMismatchError(
-                f"{where}: leaf {spec.path} ({spec.describe()}) is not in the "
+                f"{where()}: leaf {spec.path} ({spec.describe()}) is not in the "
                 f"checkpoint, which has {len(saved)} leaves under the top-level keys "
                 f"[{shown}] (a `like` nested one level too deep or too shallow shows "
                 "here)." + fix
             )
         if not compatible(spec, other):
             raise StructureMismatchError(
-                f"{where}: leaf {spec.path} differs: the checkpoint has "
+                f"{where()}: leaf {spec.path} differs: the checkpoint has "
                 f"{other.describe()}, like has {spec.describe()}." + fix
             )
     for other in saved:
         if other.name not in like_names:
             raise StructureMismatchError(
-                f"{where}: the checkpoint has leaf {other.path} ({other.describe()}), "
+                f"{where()}: the checkpoint has leaf {other.path} ({other.describe()}), "
                 "which like does not have." + fix
             )
 
@@ -133,7 +133,7 @@ def _number_kind(dtype: str) -> str:
     return "i" if kind == "u" else kind
 
 
-def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: str) -> Any:
+def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     """One restored leaf, of the same type as the `like` leaf, from `array`: the leaf's
     data as saved, a numpy array the caller gives up (it is returned as it is where
     `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
@@ -142,7 +142,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any, where: 
         back = cast.astype(saved.dtype)
         if back != array and not (np.isnan(back) and np.isnan(array)):  # (NaN stays NaN)
             raise StructureMismatchError(
-                f"{where}: leaf {spec.path}: the checkpoint has the Python number "
+                f"{where()}: leaf {spec.path}: the checkpoint has the Python number "
                 f"{array.item()!r}, which like's {spec.describe()} cannot hold exactly. "
                 "Fix: restore into a Python number or a wider dtype."
             )

@@ -30,6 +30,8 @@ from .._base._errors import (
     DamagedStepWarning,
     RestoreError,
     StructureMismatchError,
+    calling,
+    where,
 )
 from .._base._types import OnDamaged
 from .._layout import _describe, _format, _spec
@@ -98,35 +100,33 @@ def restore(
             newest step) is damaged; every step is damaged.
         RestoreError: the checkpoint cannot be read.
     """
-    storage = _places.at(_places.resolve(directory, "restore"))
-    named = _steps.check_step_arg(step, "restore")
-    check_on_damaged(on_damaged, "restore")
-    if named is not None:
-        step = _steps.pick_step(storage, named, "restore")
-        return read_step(storage, like, step, verify=verify, member=member, named=True)
-    resumed = resume(
-        storage, lambda: like, "restore", verify=verify, member=member, on_damaged=on_damaged
-    )
-    if resumed.step is None:
-        if resumed.error is not None:  # every step is damaged: the newest says why
-            raise resumed.refusal()
-        _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
-    restart = _resume.report(storage, resumed, "restore", set_aside=False).value
-    assert restart is not None
-    if resumed.source == "orbax":
-        logger.info(
-            "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
-            "no checksums)",
-            resumed.step,
-            storage.path,
-        )
-    return restart.state
+    with calling("restore"):
+        storage = _places.at(_places.resolve(directory))
+        named = _steps.check_step_arg(step, "restore")
+        check_on_damaged(on_damaged, "restore")
+        if named is not None:
+            step = _steps.pick_step(storage, named, "restore")
+            return read_step(storage, like, step, verify=verify, member=member, named=True)
+        resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
+        if resumed.step is None:
+            if resumed.error is not None:  # every step is damaged: the newest says why
+                raise resumed.refusal()
+            _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
+        restart = _resume.report(storage, resumed, set_aside=False).value
+        assert restart is not None
+        if resumed.source == "orbax":
+            logger.info(
+                "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
+                "no checksums)",
+                resumed.step,
+                storage.path,
+            )
+        return restart.state
 
 
 def resume(
     storage: Storage,
     like: Callable[[], Any],
-    where: str,
     *,
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
@@ -140,28 +140,23 @@ def resume(
 
     def ours(step: int) -> Restart:
         if member is not None:  # one member: from the newest step it asked for
-            meta = _steps.parsed(_steps.open_step(storage, step, where).meta, where)
-            index = _member_position(member, meta, where)
+            meta = _steps.parsed(_steps.open_step(storage, step).meta)
+            index = _member_position(member, meta)
             source = step
             if not meta.members[index]:
-                older = _newest_asked(storage, step, meta.batch_shape, {index}, where)
+                older = _newest_asked(storage, step, meta.batch_shape, {index})
                 if index not in older:
-                    _member_index(member, meta, where)  # raises: it asked for no step
+                    _member_index(member, meta)  # raises: it asked for no step
                 source = older[index]
-            state = read_step(
-                storage, like(), source, verify=verify, member=member, named=False, what=where
-            )
+            state = read_step(storage, like(), source, verify=verify, member=member, named=False)
             return Restart(state)
-        state = read_step(
-            storage, like(), step, verify=verify, member=None, named=False, what=where
-        )
-        return _each_newest(storage, like(), step, state, verify, where)
+        state = read_step(storage, like(), step, verify=verify, member=None, named=False)
+        return _each_newest(storage, like(), step, state, verify)
 
     return _resume.newest(
         storage,
         ours,
-        lambda found: Restart(_plain.restore(found, like(), where, member=member)),
-        where,
+        lambda found: Restart(_plain.restore(found, like(), member=member)),
         on_damaged=on_damaged,
     )
 
@@ -175,15 +170,13 @@ class Restart:
     member_steps: np.ndarray | None = None
 
 
-def _each_newest(
-    storage: Storage, like: Any, step: int, state: Any, verify: bool, where: str
-) -> Restart:
+def _each_newest(storage: Storage, like: Any, step: int, state: Any, verify: bool) -> Restart:
     """`state`, read from the batch saved at `step`, with each member that did not ask
     for that step (its predicate was false: a finished member of a vmapped while_loop,
     whose body still ran, holds a state it never had there) taken from the newest older
     step it asked for that passes its checks, and each member's step. A member that
     asked for no such step keeps what `step` holds, said in a warning."""
-    meta = _steps.parsed(_steps.open_step(storage, step, where).meta, where)
+    meta = _steps.parsed(_steps.open_step(storage, step).meta)
     batch = meta.batch_shape
     if not batch or meta.members.all():
         return Restart(state)
@@ -191,7 +184,7 @@ def _each_newest(
     starts = np.full(batch, step, np.int64)
     passed: dict[int, str] = {}
     while missing:
-        sources = _newest_asked(storage, step, batch, missing, where, passed)
+        sources = _newest_asked(storage, step, batch, missing, passed)
         if not sources:
             break
         for index, source in sorted(sources.items()):
@@ -203,7 +196,6 @@ def _each_newest(
                     verify=verify,
                     member=index,
                     named=False,
-                    what=where,
                 )
             except DamagedStepError as e:  # that step is no source: an older one may be
                 passed[source] = e.why
@@ -214,7 +206,7 @@ def _each_newest(
     if passed:
         shown = "; ".join(f"step {s}: {why}" for s, why in sorted(passed.items()))
         _warn.warn(
-            f"{where}: members of the batch saved at step {step} that did not ask for it "
+            f"{where()}: members of the batch saved at step {step} that did not ask for it "
             f"were read from older steps, passing over damaged ones ({shown}); nothing "
             "was moved. Fix: `jax-cb-ckpt verify` the directory.",
             DamagedStepWarning,
@@ -222,7 +214,7 @@ def _each_newest(
     if missing:
         shown = ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(missing))
         _warn.warn(
-            f"{where}: member(s) {shown} of the batch saved at step {step} asked for no "
+            f"{where()}: member(s) {shown} of the batch saved at step {step} asked for no "
             "readable step at or before it, so the state restored for them is what step "
             f"{step} holds, at their own step "
             f"({'recorded' if meta.member_steps is not None else 'not recorded'}): under "
@@ -238,7 +230,6 @@ def _newest_asked(
     step: int,
     batch: tuple[int, ...],
     members: set[tuple[int, ...]],
-    where: str,
     passed: dict[int, str] | None = None,
 ) -> dict[tuple[int, ...], int]:
     """{member: the newest step below `step` it asked for} for each of `members` that
@@ -252,7 +243,7 @@ def _newest_asked(
         if candidate in passed:
             continue
         try:
-            meta = _steps.parsed(_steps.open_step(storage, candidate, where).meta, where)
+            meta = _steps.parsed(_steps.open_step(storage, candidate).meta)
         except DamagedStepError as e:
             passed[candidate] = e.why
             continue
@@ -268,7 +259,8 @@ def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> An
     """One member's `like` (its batched leaves without the batch axes)."""
     n = len(meta.batch_shape)
     batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
-    _, specs, leaves = _describe.describe_state(like, "restore", prefix="like", abstract_ok=True)
+    with calling("restore"):
+        _, specs, leaves = _describe.describe_state(like, prefix="like", abstract_ok=True)
     treedef = jax.tree_util.tree_structure(like)
     out = []
     for spec, leaf in zip(specs, leaves, strict=True):
@@ -285,7 +277,8 @@ def _with_member(state: Any, index: tuple[int, ...], one: Any, meta: _format.Ste
     """`state` with member `index` of its batched leaves replaced by `one`'s."""
     n = len(meta.batch_shape)
     batched = {s.name for s in meta.leaves if s.shape[:n] == meta.batch_shape}
-    _, specs, leaves = _describe.describe_state(state, "restore", prefix="like", abstract_ok=True)
+    with calling("restore"):
+        _, specs, leaves = _describe.describe_state(state, prefix="like", abstract_ok=True)
     treedef = jax.tree_util.tree_structure(state)
     out = []
     for spec, leaf, new in zip(specs, leaves, jax.tree.leaves(one), strict=True):
@@ -308,28 +301,39 @@ def read_step(
     verify: bool,
     member: int | tuple[int, ...] | None,
     named: bool,
-    what: str = "restore",
 ) -> Any:
-    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`
-    (`what`: the caller's name, for messages)."""
-    where = f"{what}(step={step}) from {storage.path!r}"
+    """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into `like`;
+    its messages name the public call (`where()`) and the step."""
+    with calling(f"{where()}(step={step}) from {storage.path!r}"):
+        return _read_step(storage, like, step, verify=verify, member=member, named=named)
+
+
+def _read_step(
+    storage: Storage,
+    like: Any,
+    step: int,
+    *,
+    verify: bool,
+    member: int | tuple[int, ...] | None,
+    named: bool,
+) -> Any:
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where, prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
-    opened = _steps.open_step(storage, step, where, "restore" if named else None)
-    seen, meta = opened.identity, _steps.parsed(opened.meta, where)
+    opened = _steps.open_step(storage, step, "restore" if named else None)
+    seen, meta = opened.identity, _steps.parsed(opened.meta)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
-        index = _member_index(member, meta, where)
+        index = _member_index(member, meta)
         return _restore_member(storage, opened, meta, like, index, verify)
     if batch:
-        _check_batched_like(like_specs, saved_specs, batch, where)
-    _rebuild.check_like(like_specs, saved_specs, where)
+        _check_batched_like(like_specs, saved_specs, batch)
+    _rebuild.check_like(like_specs, saved_specs)
     by_name = {spec.name: spec for spec in saved_specs}
     saved_of = [by_name[spec.name] for spec in like_specs]
     stored = [saved for saved in saved_of if 0 not in saved.stored_shape]
-    sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, opened, where, meta, stored, light=True)
+    sums = _steps.sums_to_check(meta, stored, verify)
+    arrays = _steps.open_arrays(storage, opened, meta, stored, light=True)
     requests: list[tuple[_spec.LeafSpec, _arrays.Box | None]] = []
     placements = []  # per like leaf: (sharding, {box: index into results}) or None
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_of, strict=True):
@@ -348,7 +352,7 @@ def read_step(
                     boxes[box] = len(requests)
                     requests.append((saved, box))
             placements.append((sharding, boxes))
-    results = _steps.read_leaves(arrays, requests, sums, storage, step, seen, where)
+    results = _steps.read_leaves(arrays, requests, sums, storage, step, seen)
     # Every leaf whose `like` sits on one device, or is an abstract leaf for the default
     # device, is put there in one device_put of all of them (one call, not one per
     # leaf: 80 leaves 17 -> 9 ms here); a leaf sharded over several devices is put block
@@ -362,7 +366,7 @@ def read_step(
         if placed is None:  # zero-size leaves are described, not stored
             values.append(np.zeros(shape, np.dtype(saved.dtype)))
         elif isinstance(placed, int):
-            values.append(_as_described(results[placed], saved, shape, where))
+            values.append(_as_described(results[placed], saved, shape))
             if _to_default_device(leaf, spec, saved):
                 single[i] = None
         elif len(placed[0].device_set) == 1:
@@ -380,7 +384,7 @@ def read_step(
     for i, put in zip(single, placed_all, strict=True):
         values[i] = put
     leaves = [
-        _rebuild.rebuild(leaf, spec, saved, array, where)
+        _rebuild.rebuild(leaf, spec, saved, array)
         for leaf, spec, saved, array in zip(like_leaves, like_specs, saved_of, values, strict=True)
     ]
     return treedef.unflatten(leaves)
@@ -410,13 +414,13 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> _arrays.Box:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+def _member_index(member: object, meta: _format.StepMeta) -> tuple[int, ...]:
     """`member` as an index into the batch axes, checked (and saved: a member whose
     `maybe_save` predicate was false at this step holds no state of its own)."""
-    index = _member_position(member, meta, where)
+    index = _member_position(member, meta)
     if not meta.members[index]:
         raise RestoreError(
-            f"{where}: member {index} did not save at step {meta.step} (its "
+            f"{where()}: member {index} did not save at step {meta.step} (its "
             "maybe_save predicate was false), so the step holds no state of its own for "
             "it. Fix: restore without step= (each member from the newest step it saved "
             "at), another step, or another member."
@@ -424,12 +428,12 @@ def _member_index(member: object, meta: _format.StepMeta, where: str) -> tuple[i
     return index
 
 
-def _member_position(member: object, meta: _format.StepMeta, where: str) -> tuple[int, ...]:
+def _member_position(member: object, meta: _format.StepMeta) -> tuple[int, ...]:
     """`member` as an index into the batch axes of `meta`'s step, checked."""
     batch = meta.batch_shape
     if not batch:
         raise ConfigError(
-            f"{where}: member={member!r}, but step {meta.step} was not saved under "
+            f"{where()}: member={member!r}, but step {meta.step} was not saved under "
             "vmap (it has no batch axes). Fix: restore without member=."
         )
     parts = (member,) if isinstance(member, int) else member
@@ -442,7 +446,7 @@ def _member_position(member: object, meta: _format.StepMeta, where: str) -> tupl
     if not ok:
         kind = "an int" if len(batch) == 1 else f"a tuple of {len(batch)} ints"
         raise ConfigError(
-            f"{where}: member={member!r} is not a member of the checkpoint's batch of "
+            f"{where()}: member={member!r} is not a member of the checkpoint's batch of "
             f"shape {batch}. Fix: pass {kind}, each in range(size of its batch axis)."
         )
     return index
@@ -452,7 +456,6 @@ def _check_batched_like(
     like_specs: tuple[_spec.LeafSpec, ...],
     saved_specs: tuple[_spec.LeafSpec, ...],
     batch: tuple[int, ...],
-    where: str,
 ) -> None:
     """A `like` of one member for a batched checkpoint: say so, and how to pick one."""
     by_name = {spec.name: spec for spec in saved_specs}
@@ -461,7 +464,7 @@ def _check_batched_like(
         if saved is not None and saved.shape != spec.shape and saved.shape == batch + spec.shape:
             pick = "member=k" if len(batch) == 1 else f"member=(i, ..., k) ({len(batch)} ints)"
             raise StructureMismatchError(
-                f"{where}: the checkpoint holds a batch saved under vmap, of shape {batch} "
+                f"{where()}: the checkpoint holds a batch saved under vmap, of shape {batch} "
                 f"(the leading axes of every leaf: {spec.path} is stored as "
                 f"{saved.describe()}), and like has one member's shapes "
                 f"({spec.describe()}). Fix: restore one member with restore(like, "
@@ -478,11 +481,23 @@ def _restore_member(
     verify: bool,
 ) -> Any:
     """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
-    step, seen = opened.step, opened.identity
+    step = opened.step
     shown = index[0] if len(index) == 1 else index
-    where = f"restore(step={step}, member={shown}) from {storage.path!r}"
+    with calling(f"restore(step={step}, member={shown}) from {storage.path!r}"):
+        return _read_member(storage, opened, meta, like, index, verify)
+
+
+def _read_member(
+    storage: Storage,
+    opened: OpenedStep,
+    meta: _format.StepMeta,
+    like: Any,
+    index: tuple[int, ...],
+    verify: bool,
+) -> Any:
+    step, seen = opened.step, opened.identity
     treedef, like_specs, like_leaves = _describe.describe_state(
-        like, where, prefix="like", abstract_ok=True
+        like, prefix="like", abstract_ok=True
     )
     batch = meta.batch_shape
     n = len(batch)
@@ -495,16 +510,16 @@ def _restore_member(
         saved = by_name.get(spec.name)
         if saved is not None and spec.name in batched and spec.shape == batch + saved.shape:
             raise StructureMismatchError(
-                f"{where}: like has the batch axes {batch} (leaf {spec.path} is "
+                f"{where()}: like has the batch axes {batch} (leaf {spec.path} is "
                 f"{spec.describe()}); with member=, like is one member's state "
                 f"({saved.describe()}). Fix: pass one member's like (e.g. "
                 "jax.tree.map(lambda x: x[0], like)), or restore without member=."
             )
-    _rebuild.check_like(like_specs, one, where)
+    _rebuild.check_like(like_specs, one)
     full = {s.name: s for s in meta.leaves}
     stored = [full[spec.name] for spec in like_specs if 0 not in full[spec.name].stored_shape]
-    sums = _steps.sums_to_check(meta, stored, verify, where)
-    arrays = _steps.open_arrays(storage, opened, where, meta, stored, light=True)
+    sums = _steps.sums_to_check(meta, stored, verify)
+    arrays = _steps.open_arrays(storage, opened, meta, stored, light=True)
     requests = []
     for saved in stored:
         if saved.name in batched:  # only the chunks holding the member are read
@@ -512,7 +527,7 @@ def _restore_member(
             requests.append((saved, box))
         else:
             requests.append((saved, None))
-    results = iter(_steps.read_leaves(arrays, requests, sums, storage, step, seen, where))
+    results = iter(_steps.read_leaves(arrays, requests, sums, storage, step, seen))
     leaves = []
     for leaf, spec in zip(like_leaves, like_specs, strict=True):
         saved = by_name[spec.name]
@@ -520,21 +535,19 @@ def _restore_member(
         if 0 in full[spec.name].stored_shape:
             array = np.zeros(shape, np.dtype(saved.dtype))
         else:
-            array = _as_described(next(results).reshape(shape), saved, shape, where)
-        leaves.append(_rebuild.rebuild(leaf, spec, saved, array, where))
+            array = _as_described(next(results).reshape(shape), saved, shape)
+        leaves.append(_rebuild.rebuild(leaf, spec, saved, array))
     return treedef.unflatten(leaves)
 
 
-def _as_described(
-    array: np.ndarray, saved: _spec.LeafSpec, shape: tuple[int, ...], where: str
-) -> np.ndarray:
+def _as_described(array: np.ndarray, saved: _spec.LeafSpec, shape: tuple[int, ...]) -> np.ndarray:
     """A leaf's stored data as the dtype it was saved with, once its shape (`shape`:
     the stored one, or one member's) is the described one; else an error."""
     dtype = np.dtype(saved.dtype)
     value = _dtypes.from_storage(array, dtype) if array.shape == shape else None
     if value is None:
         raise DamagedStepError(
-            f"{where}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
+            f"{where()}: leaf {saved.path} is described as {dtype.name}{list(shape)} but "
             f"its data is {array.dtype.name}{list(array.shape)}; the checkpoint was edited "
             "or corrupted. Fix: restore another step.",
             f"leaf {saved.path}'s data is not what its description says",

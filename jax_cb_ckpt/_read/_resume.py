@@ -31,7 +31,14 @@ from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
 from .._base import _warn
-from .._base._errors import ConfigError, DamagedStepError, DamagedStepWarning, RestoreError, shown
+from .._base._errors import (
+    ConfigError,
+    DamagedStepError,
+    DamagedStepWarning,
+    RestoreError,
+    shown,
+    where,
+)
 from .._base._types import OnDamaged
 from .._storage._protocol import Storage
 from . import _plain
@@ -80,7 +87,6 @@ def newest(
     storage: Storage,
     read: Callable[[int], T],
     read_plain: Callable[[_plain.PlainStep], T],
-    where: str,
     *,
     on_damaged: OnDamaged,
 ) -> Resumed[T]:
@@ -99,14 +105,14 @@ def newest(
         examined = found.get(step)
         if examined is not None and examined.kind == "unreadable":
             raise RestoreError(
-                f"{where}: step {step} of {storage.path!r}, newer than every step read so "
+                f"{where()}: step {step} of {storage.path!r}, newer than every step read so "
                 f"far, cannot be read: {examined.why}. A restart does not go back past a "
                 "step it may not read (it may be the newest state). Fix: give this process "
                 "read access to the folder, or move it out of the directory."
             )
         if examined is not None and examined.kind == "damaged":
             error = DamagedStepError(
-                f"{where}: step {step} in {storage.path!r} is damaged ({examined.why}); "
+                f"{where()}: step {step} in {storage.path!r} is damaged ({examined.why}); "
                 "nothing was read from it. Fix: restore another step (all_steps()), or "
                 "the folder from a good copy.",
                 examined.why,
@@ -138,7 +144,7 @@ def newest(
     return Resumed(None, None, None, tuple(passed), first)
 
 
-def report(storage: Storage, resumed: Resumed[T], where: str, *, set_aside: bool) -> Resumed[T]:
+def report(storage: Storage, resumed: Resumed[T], *, set_aside: bool) -> Resumed[T]:
     """Say what a restart passed over (one `DamagedStepWarning`), each step of ours set
     aside first when asked (a plain Orbax step never is): `resumed`, with where each
     step went."""
@@ -146,7 +152,7 @@ def report(storage: Storage, resumed: Resumed[T], where: str, *, set_aside: bool
         return resumed
     passed = _aside(storage, list(resumed.passed)) if set_aside else resumed.passed
     resumed = dataclasses.replace(resumed, passed=passed)
-    _say(storage, resumed, where, set_aside)
+    _say(storage, resumed, set_aside)
     return resumed
 
 
@@ -166,7 +172,7 @@ def _aside(storage: Storage, passed: list[Passed]) -> tuple[Passed, ...]:
     return tuple(done)
 
 
-def _say(storage: Storage, result: Resumed[T], where: str, set_aside: bool) -> None:
+def _say(storage: Storage, result: Resumed[T], set_aside: bool) -> None:
     """One `DamagedStepWarning` naming every step passed over, why, and what became of it."""
     parts = []
     for one in result.passed:
@@ -205,7 +211,7 @@ def _say(storage: Storage, result: Resumed[T], where: str, set_aside: bool) -> N
             "restore them from a good copy, or move them out of the directory; "
             "`jax-cb-ckpt verify` checks every step."
         )
-    _warn.warn(f"{where}: {said}", DamagedStepWarning)
+    _warn.warn(f"{where()}: {said}", DamagedStepWarning)
 
 
 _ON_DAMAGED = typing.get_args(OnDamaged)

@@ -34,7 +34,10 @@ from .._base._errors import (
     DamagedStepWarning,
     NoCheckpointError,
     RestoreError,
+    calling,
+    entry,
     shown,
+    where,
 )
 from .._base._types import BestMode
 from .._layout import _format, _ocdbt, _policy
@@ -68,6 +71,7 @@ def step_by_keyword(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+@entry("all_steps")
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps with a complete checkpoint in `directory`, ascending.
 
@@ -77,13 +81,14 @@ def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     in a `DamagedStepWarning`. A step listed here is complete and restores. Does not
     wait for pending saves.
     """
-    return _listed(_places.at(_places.resolve(directory, "all_steps")), "all_steps")
+    return _listed(_places.at(_places.resolve(directory)), "all_steps")
 
 
+@entry("latest_step")
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The newest complete step in `directory`, or None when there is none. A damaged
     step is never the latest: it is reported (`DamagedStepWarning`)."""
-    steps = _listed(_places.at(_places.resolve(directory, "latest_step")), "latest_step")
+    steps = _listed(_places.at(_places.resolve(directory)), "latest_step")
     return steps[-1] if steps else None
 
 
@@ -173,44 +178,44 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
 
 
 def read_failure(
-    e: Exception, storage: Storage, step: int, seen: StepIdentity, where: str, what: str
+    e: Exception, storage: Storage, step: int, seen: StepIdentity, what: str
 ) -> CheckpointError:
     """The error for a read of `what` (a leaf, the arrays) of checkpoint `step` that
     raised `e`: a stored layout unlike the step's description; the step removed while it
     was read; or the read's own failure."""
     if not storage.still_there(step, seen):  # files vanish under a read as it goes
-        return removed(storage, step, where)
+        return removed(storage, step)
     if isinstance(e, _arrays.LayoutError):
-        return DamagedStepError(f"{where}: {e}. Fix: restore another step.", str(e))
+        return DamagedStepError(f"{where()}: {e}. Fix: restore another step.", str(e))
     # A server's answer may echo credentials: scrubbed before it goes into an error.
     text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
     damaged = (_arrays.ChunkError, _ocdbt.Damaged, FileNotFoundError)
     if isinstance(e, damaged) or _remote.status(e) in _remote.DAMAGE_CODES:
         return DamagedStepError(
-            f"{where}: cannot read {what}: {text}. A file of the step was changed, cut or "
+            f"{where()}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
-            f"edit). {_outcome(where)} Fix: restore another step (all_steps()); "
+            f"edit). {_outcome()} Fix: restore another step (all_steps()); "
             "`jax-cb-ckpt verify` checks every step.",
             f"cannot read {what}: {text}",
         )
-    return RestoreError(f"{where}: cannot read {what}: {text}")
+    return RestoreError(f"{where()}: cannot read {what}: {text}")
 
 
-def _outcome(where: str) -> str:
+def _outcome() -> str:
     """What became of the read, said in a message: verify returns nothing anyway."""
     return (
-        "The step fails verification." if where.startswith("verify(") else "Nothing was returned."
+        "The step fails verification." if where().startswith("verify(") else "Nothing was returned."
     )
 
 
-def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
+def removed(storage: Storage, step: int) -> NoCheckpointError:
     try:
         steps = storage.list_steps()
     except ConfigError:
         steps = []
     now = f"the steps there now are {short(steps)}" if steps else "no step is there now"
     return NoCheckpointError(
-        f"{where}: step {step} was removed while it was being read ({now}); nothing "
+        f"{where()}: step {step} was removed while it was being read ({now}); nothing "
         "read from it is returned. A writer running on the directory deletes old steps "
         "(max_to_keep, or a save with on_existing='replace'). Fix: read another step, "
         "e.g. the latest (restore() without step=, after latest_step()), and retry on "
@@ -219,17 +224,17 @@ def removed(storage: Storage, step: int, where: str) -> NoCheckpointError:
     )
 
 
-def open_step(storage: Storage, step: int, where: str, what: str | None = None) -> OpenedStep:
+def open_step(storage: Storage, step: int, what: str | None = None) -> OpenedStep:
     """Checkpoint `step` opened (its identity, its `meta` item: `Storage.open_step`),
     read and checked before its arrays are read, and free of symlinks; errors say
     whether it was removed meanwhile or is damaged. `what` (the caller's name), for a
     step the caller named: `pick_step` left it to this to check, so a step that is not
     there is reported as `pick_step` reports it, not as removed."""
-    opened = _opened(storage, step, where, what)
+    opened = _opened(storage, step, what)
     links = storage.symlinks_inside(step)
     if links:
         raise DamagedStepError(
-            f"{where}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
+            f"{where()}: the checkpoint contains symlinks ({links[0]!r}, ...), which could "
             "make reading it read files outside the directory; the library never writes "
             "them, so it was altered. Fix: restore another step, or replace the links by "
             "the files they point to if you trust them.",
@@ -238,12 +243,12 @@ def open_step(storage: Storage, step: int, where: str, what: str | None = None) 
     return opened
 
 
-def _opened(storage: Storage, step: int, where: str, what: str | None) -> OpenedStep:
+def _opened(storage: Storage, step: int, what: str | None) -> OpenedStep:
     try:
         return storage.open_step(step)
     except Exception as e:
         if what is None or isinstance(e, _remote.StorageError):
-            raise _open_failure(e, storage, step, where) from e
+            raise _open_failure(e, storage, step) from e
     # A named step that nothing listed before it was opened, and that could not be
     # opened: the directory's listing says what is wrong with it (`_listed_step`
     # raises: missing, damaged, someone else's), unless the step is complete by now (its
@@ -252,51 +257,56 @@ def _opened(storage: Storage, step: int, where: str, what: str | None) -> Opened
     try:
         return storage.open_step(step)
     except Exception as e:
-        raise _open_failure(e, storage, step, where) from e
+        raise _open_failure(e, storage, step) from e
 
 
-def _out_of_reach(where: str, e: Exception) -> ConfigError:
-    return ConfigError(f"{where}: cannot read the checkpoint directory: {e}")
+def _out_of_reach(e: Exception) -> ConfigError:
+    return ConfigError(f"{where()}: cannot read the checkpoint directory: {e}")
 
 
-def _open_failure(e: Exception, storage: Storage, step: int, where: str) -> CheckpointError:
+def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
     """The error for `storage.open_step(step)` raising `e` (`open_step`): the storage out
     of reach, the step removed meanwhile, or damaged."""
     if isinstance(e, _remote.StorageError):
-        return _out_of_reach(where, e)
+        return _out_of_reach(e)
     try:
         complete = storage.is_checkpoint(step)
     except _remote.StorageError as later:
-        return _out_of_reach(where, later)
+        return _out_of_reach(later)
     if not complete:
-        return removed(storage, step, where)
+        return removed(storage, step)
     if isinstance(e, _format.DamagedStep):
         return DamagedStepError(
-            f"{where}: the step is damaged: {e}. Fix: restore another step "
+            f"{where()}: the step is damaged: {e}. Fix: restore another step "
             "(all_steps()), or the folder from a good copy.",
             str(e),
         )
-    return RestoreError(f"{where}: cannot read the checkpoint's '{META_ITEM}' item: {e}")
+    return RestoreError(f"{where()}: cannot read the checkpoint's '{META_ITEM}' item: {e}")
 
 
+@entry("metadata")
 @step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
     return _metadata(directory, step)[0]
 
 
+@entry("metrics")
 @step_by_keyword
 def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
     {name: value}, a Python number for a plain save and a numpy array of the batch's
     shape for a save under vmap; {} for a step saved without `metrics=`."""
-    meta, where = _metadata(directory, step, "metrics")
+    meta, call = _metadata(directory, step, "metrics")
+    with calling(call):
+        described = parsed(meta)
     return {
         name: value.item() if value.ndim == 0 else value
-        for name, value in parsed(meta, where).metrics.items()
+        for name, value in described.metrics.items()
     }
 
 
+@entry("metrics_table")
 def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The metrics of every complete step of `directory` (local or a bucket) as one
     table: a list of rows, oldest step first, each a dict
@@ -316,9 +326,9 @@ def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     trip each);
     a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
     saves; blocks the caller while it reads."""
-    where = "metrics_table"
-    storage = _places.at(_places.resolve(directory, where))
-    metas = step_metas(storage, _listed(storage, where), warn=where)
+    call = "metrics_table"
+    storage = _places.at(_places.resolve(directory))
+    metas = step_metas(storage, _listed(storage, call), warn=call)
     kept = _policy.kept_by_each(metas)[1]
     rows: list[dict[str, Any]] = []
     for step, meta in metas.items():
@@ -357,6 +367,7 @@ def _held_batch(metrics: dict[str, np.ndarray]) -> tuple[int, ...]:
     return shapes.pop() if len(shapes) == 1 else ()
 
 
+@entry("best_step")
 def best_step(
     directory: str | os.PathLike[str],
     *,
@@ -377,24 +388,24 @@ def best_step(
     saves under vmap: `member=k` (an int, or an index into the batch shape) ranks
     member k's values; without it, the step holding the best value of any member.
     Reads each step's meta; does not wait for pending saves."""
-    where = "best_step"
-    storage = _places.at(_places.resolve(directory, where))
+    call = "best_step"
+    storage = _places.at(_places.resolve(directory))
     if best is not None and (not isinstance(best, str) or not best):
-        raise ConfigError(f"{where}(best={best!r}): best must name a metric (a str).")
+        raise ConfigError(f"{call}(best={best!r}): best must name a metric (a str).")
     if mode not in (None, "max", "min"):
-        raise ConfigError(f"{where}(mode={mode!r}): mode must be 'max' or 'min'.")
-    metas = step_metas(storage, _listed(storage, where), warn=where)
+        raise ConfigError(f"{call}(mode={mode!r}): mode must be 'max' or 'min'.")
+    metas = step_metas(storage, _listed(storage, call), warn=call)
     recorded = _recorded_best(metas)
     best, mode = _best_rule(best, mode, recorded, ignore_recorded, storage.path)
     try:
         rules = _policy.Rules(keep_best=1, best=best, mode=mode)
     except ValueError as e:
-        raise ConfigError(f"{where}(best={best!r}): {e}") from None
+        raise ConfigError(f"{call}(best={best!r}): {e}") from None
     keeper = _policy.Keeper(rules, [_policy.entry_of(s, m, rules) for s, m in metas.items()])
     try:
         return keeper.best_step(member)
     except ValueError as e:
-        raise ConfigError(f"{where}(member={member!r}) in {storage.path!r}: {e}") from None
+        raise ConfigError(f"{call}(member={member!r}) in {storage.path!r}: {e}") from None
 
 
 def _recorded_best(metas: dict[int, _format.StepMeta]) -> _policy.Rules | None:
@@ -412,7 +423,7 @@ def _best_rule(
 ) -> tuple[str, BestMode]:
     """The metric and mode `best_step` ranks by: the ones given, checked against the
     rule the steps record, or that rule."""
-    where = f"best_step in {path!r}"
+    call = f"best_step in {path!r}"
     said = (
         "no rule ranking a metric"
         if recorded is None
@@ -421,7 +432,7 @@ def _best_rule(
     if best is None:
         if recorded is None or recorded.best is None:
             raise ConfigError(
-                f"{where}: the steps record {said}, so which metric is best is not known. "
+                f"{call}: the steps record {said}, so which metric is best is not known. "
                 "Fix: pass best='<metric name>' and mode='max' (higher is better) or "
                 "mode='min'."
             )
@@ -430,14 +441,14 @@ def _best_rule(
     if mode is None:
         if recorded is None or not same:
             raise ConfigError(
-                f"{where}(best={best!r}): the steps record {said}, not whether a higher or "
+                f"{call}(best={best!r}): the steps record {said}, not whether a higher or "
                 f"a lower {best!r} is better. Fix: pass mode='max' (higher is better) or "
                 "mode='min'."
             )
         return best, recorded.mode
     if same and recorded is not None and mode != recorded.mode and not ignore_recorded:
         raise ConfigError(
-            f"{where}(best={best!r}, mode={mode!r}): the steps were kept by {best!r} with "
+            f"{call}(best={best!r}, mode={mode!r}): the steps were kept by {best!r} with "
             f"mode={recorded.mode!r}; mode={mode!r} ranks them the other way (the worst "
             "would come back as the best). Fix: leave mode out, or pass "
             "ignore_recorded=True to rank by it anyway."
@@ -483,20 +494,21 @@ def step_metas(
 def _metadata(
     directory: str | os.PathLike[str], step: int | None, what: str = "metadata"
 ) -> tuple[dict[str, Any], str]:
-    storage = _places.at(_places.resolve(directory, what))
+    storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, what)
     step = pick_step(storage, named, what)
-    where = f"{what}(step={step}) from {storage.path!r}"
-    return open_step(storage, step, where, None if named is None else what).meta, where
+    call = f"{what}(step={step}) from {storage.path!r}"
+    with calling(call):
+        return open_step(storage, step, None if named is None else what).meta, call
 
 
-def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
+def parsed(meta: dict[str, Any]) -> _format.StepMeta:
     """The fields of a step's `meta` item, or a RestoreError saying which is wrong."""
     try:
         return _format.StepMeta.parse(meta)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise DamagedStepError(
-            f"{where}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
+            f"{where()}: the checkpoint's '{META_ITEM}' item is invalid ({type(e).__name__}: "
             f"{e}); it was edited or corrupted. Fix: restore another step.",
             f"its '{META_ITEM}' item is invalid ({e})",
         ) from e
@@ -505,7 +517,6 @@ def parsed(meta: dict[str, Any], where: str) -> _format.StepMeta:
 def open_arrays(
     storage: Storage,
     opened: OpenedStep,
-    where: str,
     meta: _format.StepMeta,
     specs: list[LeafSpec],
     *,
@@ -519,14 +530,14 @@ def open_arrays(
         arrays.check_layouts(specs)
     except _arrays.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
-        raise read_failure(e.cause, storage, step, seen, where, what) from e.cause
+        raise read_failure(e.cause, storage, step, seen, what) from e.cause
     except Exception as e:
-        raise read_failure(e, storage, step, seen, where, "the checkpoint's arrays") from e
+        raise read_failure(e, storage, step, seen, "the checkpoint's arrays") from e
     return arrays
 
 
 def sums_to_check(
-    meta: _format.StepMeta, specs: list[LeafSpec], verify: bool, where: str
+    meta: _format.StepMeta, specs: list[LeafSpec], verify: bool
 ) -> _format.Sums | None:
     """The checksums to check the stored leaves `specs` against, or None to read them
     unchecked (`verify=False`, or a step written before checksums were kept). A step
@@ -534,7 +545,7 @@ def sums_to_check(
     if not verify or meta.checksums is None:
         return None
     for saved in specs:
-        _leaf_sums(meta.checksums, saved, where)
+        _leaf_sums(meta.checksums, saved)
     return meta.checksums
 
 
@@ -545,7 +556,6 @@ def read_leaves(
     storage: Storage,
     step: int,
     seen: StepIdentity,
-    where: str,
     *,
     keep: bool = True,
 ) -> list[np.ndarray]:
@@ -556,36 +566,36 @@ def read_leaves(
         results = arrays.read(requests, sums, keep=keep)
     except _arrays.ChecksumMismatch as e:
         if not storage.still_there(step, seen):
-            raise removed(storage, step, where) from e
+            raise removed(storage, step) from e
         name = _format.param_name(e.leaf.name)
-        raise _mismatch(where, name, e.leaf.path, e.region, storage.step_path(step)) from None
+        raise _mismatch(name, e.leaf.path, e.region, storage.step_path(step)) from None
     except _arrays.LeafReadError as e:
         what = f"leaf {e.leaf.path}"
-        raise read_failure(e.cause, storage, step, seen, where, what) from e.cause
+        raise read_failure(e.cause, storage, step, seen, what) from e.cause
     if not storage.still_there(step, seen):
-        raise removed(storage, step, where)
+        raise removed(storage, step)
     return results
 
 
-def _mismatch(where: str, name: str, leaf: str, key: str, step_dir: str) -> RestoreError:
+def _mismatch(name: str, leaf: str, key: str, step_dir: str) -> RestoreError:
     region = f"elements [{key.replace(',', ', ')}]" if key else "its value"
     return DamagedStepError(
-        f"{where}: leaf {leaf} is corrupted: the checksum of {region} does not match "
+        f"{where()}: leaf {leaf} is corrupted: the checksum of {region} does not match "
         f"the one recorded when it was written (stored as zarr array '{name}' in "
         f"{step_dir + '/' + STATE_ITEM!r}). A file of the step was changed on "
         "disk after it was written (bad disk or memory, a partial copy, a hand edit). "
-        f"{_outcome(where)} Fix: restore another step (all_steps()); "
+        f"{_outcome()} Fix: restore another step (all_steps()); "
         "jax_cb_ckpt.verify(directory) checks every step.",
         f"leaf {leaf} is corrupted: the checksum of {region} does not match",
     )
 
 
-def _leaf_sums(sums: _format.Sums, saved: LeafSpec, where: str) -> dict[str, int]:
+def _leaf_sums(sums: _format.Sums, saved: LeafSpec) -> dict[str, int]:
     """A leaf's checksums, {region: CRC-32}; an error when the step has none for it."""
     leaf_sums = sums.get(_format.param_name(saved.name))
     if leaf_sums is None:
         raise DamagedStepError(
-            f"{where}: leaf {saved.path} has no checksum in the checkpoint's "
+            f"{where()}: leaf {saved.path} has no checksum in the checkpoint's "
             f"'{META_ITEM}' item; it was edited or corrupted. Fix: restore another step, "
             "or pass verify=False to read it unchecked.",
             f"leaf {saved.path} has no checksum",
@@ -599,6 +609,7 @@ def short(steps: list[int]) -> str:
     return f"[{', '.join(map(str, steps[:5]))}, ..., {', '.join(map(str, steps[-3:]))}]"
 
 
+@entry("verify")
 @step_by_keyword
 def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> list[int]:
     """Check every stored byte of `step` (default: every step) against the checksums
@@ -612,7 +623,7 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     (a description cut or edited: not listed, and so never read), `RestoreError` for
     a step this process may not read, `NoCheckpointError` for a directory without a
     step of ours (a wrong path). Blocks while reading."""
-    storage = _places.at(_places.resolve(directory, "verify"))
+    storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, "verify")
     if named is None:
         found = storage.examine_all()
@@ -635,18 +646,23 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     else:
         steps = [pick_step(storage, named, "verify")]
     for one in steps:
-        where = f"verify(step={one}) of {storage.path!r}"
-        opened = open_step(storage, one, where, None if named is None else "verify")
-        seen, meta = opened.identity, parsed(opened.meta, where)
-        stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
-        # Without checksums (an older version's step) every byte is still read: a cut
-        # or missing file fails here, where it would fail a restore.
-        sums = sums_to_check(meta, stored, True, where)
-        arrays = open_arrays(storage, opened, where, meta, stored, light=True)
-        for group in _by_size(stored, _VERIFY_GROUP_BYTES):
-            requests: list[tuple[LeafSpec, _arrays.Box | None]] = [(s, None) for s in group]
-            read_leaves(arrays, requests, sums, storage, one, seen, where, keep=False)
+        with calling(f"verify(step={one}) of {storage.path!r}"):
+            _verify_one(storage, one, None if named is None else "verify")
     return steps
+
+
+def _verify_one(storage: Storage, step: int, what: str | None) -> None:
+    """Every stored byte of `step` read and checked (`verify`), under its `calling`."""
+    opened = open_step(storage, step, what)
+    seen, meta = opened.identity, parsed(opened.meta)
+    stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
+    # Without checksums (an older version's step) every byte is still read: a cut
+    # or missing file fails here, where it would fail a restore.
+    sums = sums_to_check(meta, stored, True)
+    arrays = open_arrays(storage, opened, meta, stored, light=True)
+    for group in _by_size(stored, _VERIFY_GROUP_BYTES):
+        requests: list[tuple[LeafSpec, _arrays.Box | None]] = [(s, None) for s in group]
+        read_leaves(arrays, requests, sums, storage, step, seen, keep=False)
 
 
 # verify reads leaves in groups of about this many bytes at once (concurrently), so

@@ -26,7 +26,7 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from .._base._errors import ConfigError, InvalidStateError
+from .._base._errors import ConfigError, InvalidStateError, where
 from .._base._types import Gather, PyTree
 from .._layout import _describe
 from .._layout._spec import LeafSpec, Signature
@@ -41,9 +41,9 @@ _GATHER = typing.get_args(Gather)
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One save as the façade received it, built once per call and never changed."""
+    """One save as the façade received it, built once per call and never changed. (The
+    public call, "save" or "maybe_save", that errors name is `_errors.where()`.)"""
 
-    where: str  # the public call, named in every error ("save", "maybe_save")
     state: PyTree
     step: ArrayLike  # as given: a Python int, or a traced integer scalar
     step_value: int | None  # the step as a Python int, where it is known while tracing
@@ -72,16 +72,11 @@ class Traced:
 
 def plan(request: Request, *, processes: int) -> Eager | Traced | None:
     """The route of one save (None: an eager save whose condition is false)."""
-    state, where, axis_name, gather = (
-        request.state,
-        request.where,
-        request.axis_name,
-        request.gather,
-    )
+    state, axis_name, gather = request.state, request.axis_name, request.gather
     shardings, step_value, condition = request.shardings, request.step_value, request.condition
-    _check_arguments(where, axis_name, gather, shardings)
-    _, specs, leaves = _describe.describe_state(state, where)
-    per_leaf = _per_leaf_shardings(shardings, state, len(leaves), where)
+    _check_arguments(axis_name, gather, shardings)
+    _, specs, leaves = _describe.describe_state(state)
+    per_leaf = _per_leaf_shardings(shardings, state, len(leaves))
     names: tuple[str, ...] = ()
     n_state = len(specs)
     if request.metrics is not None:
@@ -92,12 +87,12 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
             return None
         if processes > 1:
             raise InvalidStateError(
-                f"{where}: outside jit in a multi-process run: a state that spans "
+                f"{where()}: outside jit in a multi-process run: a state that spans "
                 "the devices of several processes cannot be read whole by any of "
                 "them, and host values (numpy, Python numbers, one process's "
                 "arrays) may differ between processes, while the checkpoint would "
                 "keep process 0's. Fix: save inside the jitted program with "
-                f"shardings=, e.g. jax.jit(lambda s: ckpt.{where}(s, step, "
+                f"shardings=, e.g. jax.jit(lambda s: ckpt.{where()}(s, step, "
                 "shardings=jax.tree.map(lambda x: x.sharding, state)))(state); keep "
                 "per-process host data in files of your own."
             )
@@ -118,7 +113,7 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
                 shape = (shape[0] * _traced.axis_size(axis_name), *shape[1:])
             constants.append((index, _values.empty_data(spec, shape)))
         else:
-            payload.append(_values.to_payload(spec, leaf, where))
+            payload.append(_values.to_payload(spec, leaf))
             crossing_leaves.append(index)
     crossing = iter(payload)
     constant = dict(constants)
@@ -126,7 +121,7 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
         constant[i].ndim if i in constant else next(crossing).ndim for i in range(len(specs))
     )
     signature = Signature(specs, ndims, tuple(constants), metrics=names)
-    traced_step = _traced.traced_step(request.step, step_value, where)
+    traced_step = _traced.traced_step(request.step, step_value)
     chosen = None
     if axis_name is None and payload:
         # The state's leaves choose the layout; the metrics (scalars, last) go along,
@@ -146,13 +141,13 @@ def plan(request: Request, *, processes: int) -> Eager | Traced | None:
             chosen = None
     if chosen is not None:
         paths = [specs[i].path for i in crossing_leaves]
-        layout, mesh = _shards.layout_of(chosen, payload, paths, where)
+        layout, mesh = _shards.layout_of(chosen, payload, paths)
         # (Across processes only a mesh over every process's devices; refused below.)
         if layout.devices > 1 and (processes == 1 or layout.spans_processes):
             return Traced(signature, traced_step, payload, layout, mesh)
     if processes > 1 and payload:
         raise ConfigError(
-            f"{where}: in a multi-process run (jax.distributed, "
+            f"{where()}: in a multi-process run (jax.distributed, "
             f"{processes} processes) every process writes its own devices' "
             "blocks, so a traced save needs shardings= (NamedShardings of one Mesh "
             "over the devices of every process, e.g. jax.tree.map(lambda x: "
@@ -167,49 +162,44 @@ def _check_metrics(
     request: Request, processes: int
 ) -> tuple[tuple[str, ...], tuple[LeafSpec, ...], list[object]]:
     """`metrics=` described (`_describe.describe_metrics`), where it can be recorded."""
-    where = request.where
     if request.gather == "concat":
         raise ConfigError(
-            f"{where}(metrics=...): with gather='concat' every leaf is joined along its "
+            f"{where()}(metrics=...): with gather='concat' every leaf is joined along its "
             "first axis, which a scalar metric does not have. Fix: reduce the metric "
             "over the devices first (lax.pmean) and save with gather='replicated', or "
             "pass gather='stack' (one value per device)."
         )
     if processes > 1:
         raise ConfigError(
-            f"{where}(metrics=...): metrics are not recorded in a multi-process run yet "
+            f"{where()}(metrics=...): metrics are not recorded in a multi-process run yet "
             "(each process holds its own devices' part of a step; the step's description "
             "is process 0's). Fix: save without metrics= and log them yourself."
         )
-    return _describe.describe_metrics(request.metrics, where)
+    return _describe.describe_metrics(request.metrics)
 
 
-def _check_arguments(
-    where: str, axis_name: Hashable | None, gather: Gather, shardings: PyTree
-) -> None:
+def _check_arguments(axis_name: Hashable | None, gather: Gather, shardings: PyTree) -> None:
     if gather not in _GATHER:
         raise ConfigError(
-            f"{where}(gather={gather!r}): gather must be one of {_GATHER}: 'stack' the "
+            f"{where()}(gather={gather!r}): gather must be one of {_GATHER}: 'stack' the "
             "devices' values on a new axis, 'concat' their blocks along the first "
             "axis, or 'replicated' to save the first device's copy."
         )
     if axis_name is None and gather != "stack":
         raise ConfigError(
-            f"{where}: gather={gather!r} says how to gather over a device axis; it "
+            f"{where()}: gather={gather!r} says how to gather over a device axis; it "
             "needs axis_name= (the pmap/shard_map axis name)."
         )
-    _traced.check_axis_name(axis_name, where)
+    _traced.check_axis_name(axis_name)
     if shardings is not None and axis_name is not None:
         raise ConfigError(
-            f"{where}: shardings= is for a sharded state under jit; inside pmap/"
+            f"{where()}: shardings= is for a sharded state under jit; inside pmap/"
             "shard_map (axis_name=) each device already holds its block. Pass one "
             "of the two."
         )
 
 
-def _per_leaf_shardings(
-    shardings: PyTree, state: PyTree, n: int, where: str
-) -> list[Sharding] | None:
+def _per_leaf_shardings(shardings: PyTree, state: PyTree, n: int) -> list[Sharding] | None:
     """`shardings=` (a pytree prefix of the state) as one sharding per leaf, or None."""
     if shardings is None:
         return None
@@ -221,14 +211,14 @@ def _per_leaf_shardings(
         full = jax.tree.broadcast(shardings, state, is_leaf=is_sharding)
     except (ValueError, TypeError) as e:
         raise InvalidStateError(
-            f"{where}(shardings=...): the shardings' pytree is not a prefix of the "
+            f"{where()}(shardings=...): the shardings' pytree is not a prefix of the "
             f"state's: {e}. Fix: pass a NamedSharding per leaf in the state's structure, "
             "a prefix of it (one per subtree), or a single NamedSharding."
         ) from e
     flat = jax.tree_util.tree_leaves(full, is_leaf=is_sharding)
     if len(flat) != n:
         raise InvalidStateError(
-            f"{where}(shardings=...): got {len(flat)} shardings for the state's {n} "
+            f"{where()}(shardings=...): got {len(flat)} shardings for the state's {n} "
             "leaves. Fix: give one NamedSharding per leaf (or a prefix of the state)."
         )
     return flat

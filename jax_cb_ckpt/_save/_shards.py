@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from .._base._errors import InvalidStateError
+from .._base._errors import InvalidStateError, where
 
 AxisNames = tuple[str, ...]  # the mesh axes one array dimension is split over
 BlockKey = tuple[tuple[int, int], ...]  # a block's global index: (start, stop) per dimension
@@ -98,7 +98,6 @@ def layout_of(
     shardings: Sequence[NamedSharding],
     payload: Sequence[jax.Array],
     names: Sequence[str],
-    where: str,
 ) -> tuple[Layout, Mesh | AbstractMesh]:
     """The Layout of the crossing leaves, from one NamedSharding per leaf; the mesh.
 
@@ -110,7 +109,7 @@ def layout_of(
     for sharding, leaf, name in zip(shardings, payload, names, strict=True):
         if not isinstance(sharding, NamedSharding):
             raise InvalidStateError(
-                f"{where}(shardings=...): leaf {name} has {type(sharding).__name__} "
+                f"{where()}(shardings=...): leaf {name} has {type(sharding).__name__} "
                 f"({sharding!r}); each leaf needs a jax.sharding.NamedSharding (or pass "
                 "no shardings= to save the gathered state)."
             )
@@ -120,7 +119,7 @@ def layout_of(
             sharding.mesh.axis_sizes
         ) != tuple(mesh.axis_sizes):
             raise InvalidStateError(
-                f"{where}(shardings=...): leaf {name} is on mesh "
+                f"{where()}(shardings=...): leaf {name} is on mesh "
                 f"{dict(sharding.mesh.shape)}, another leaf on {dict(mesh.shape)}; one save "
                 "crosses over one mesh. Fix: use one mesh for the state's shardings."
             )
@@ -128,7 +127,7 @@ def layout_of(
         shape = np.shape(leaf)
         if len(spec) > len(shape):
             raise InvalidStateError(
-                f"{where}(shardings=...): leaf {name} has shape {tuple(shape)} but "
+                f"{where()}(shardings=...): leaf {name} has shape {tuple(shape)} but "
                 f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
                 "this leaf a PartitionSpec with at most one entry per dimension."
             )
@@ -136,7 +135,7 @@ def layout_of(
         for d, axes in enumerate(spec):
             if axes is not None and not isinstance(axes, (str, tuple, list)):
                 raise InvalidStateError(
-                    f"{where}(shardings=...): leaf {name}: dimension {d} of the spec "
+                    f"{where()}(shardings=...): leaf {name}: dimension {d} of the spec "
                     f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
                     "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
                     "sharding, e.g. jax.typeof(x).sharding or x.sharding."
@@ -145,7 +144,7 @@ def layout_of(
             parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
             if shape[d] % parts:
                 raise InvalidStateError(
-                    f"{where}(shardings=...): leaf {name} has {shape[d]} elements along "
+                    f"{where()}(shardings=...): leaf {name} has {shape[d]} elements along "
                     f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
                     "equal blocks. Fix: pad the dimension or change the spec."
                 )

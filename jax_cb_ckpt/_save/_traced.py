@@ -46,7 +46,7 @@ from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
 from .._base._dtypes import PACKED_AS, packed
-from .._base._errors import InvalidStateError, shown
+from .._base._errors import InvalidStateError, shown, where
 from .._base._types import Gather, PyTree
 from .._layout._format import MAX_STEP
 from ._shards import Layout
@@ -82,7 +82,7 @@ def _value_text(x: object) -> str:
     return f"{type(x).__name__} ({shown(x)})"
 
 
-def check_step(step: Any, where: str) -> int | None:
+def check_step(step: Any) -> int | None:
     """Check `step` (whatever the user passed: hence `Any`); returns its value when
     Python knows it (None for a tracer).
 
@@ -102,7 +102,7 @@ def check_step(step: Any, where: str) -> int | None:
         else:
             cast = "cast with step.astype(jnp.int32) if it is a float array"
         raise InvalidStateError(
-            f"{where}: step must be an integer scalar (a Python int or an integer array "
+            f"{where()}: step must be an integer scalar (a Python int or an integer array "
             f"of shape ()), got {_value_text(step)}. Fix: pass the loop counter (e.g. the "
             f"scan index or TrainState.step), {cast}, or index out a single element if "
             "it is batched."
@@ -112,20 +112,20 @@ def check_step(step: Any, where: str) -> int | None:
     value = int(step)
     if not 0 <= value <= MAX_STEP:
         raise InvalidStateError(
-            f"{where}: step {value} is out of range; checkpoint steps are integers from "
+            f"{where()}: step {value} is out of range; checkpoint steps are integers from "
             f"0 to 2**63-1 (they name the step directories). Fix: pass the loop counter, "
             "e.g. the scan index or TrainState.step."
         )
     return value
 
 
-def traced_step(step: ArrayLike, value: int | None, where: str) -> jax.Array:
+def traced_step(step: ArrayLike, value: int | None) -> jax.Array:
     """`step` as the integer array that crosses through JAX (checked to fit)."""
     if value is not None:
         dtype = jax.dtypes.canonicalize_dtype(getattr(step, "dtype", np.int64))
         if value > np.iinfo(dtype).max:
             raise InvalidStateError(
-                f"{where}: step {value} does not fit {np.dtype(dtype).name}, JAX's integer "
+                f"{where()}: step {value} does not fit {np.dtype(dtype).name}, JAX's integer "
                 "type here (jax_enable_x64 is off), and would wrap around. Fix: enable "
                 "x64 (jax.config.update('jax_enable_x64', True)), save eagerly (outside "
                 "jit, where steps are exact), or number steps below 2**31."
@@ -157,7 +157,7 @@ except ImportError:  # pragma: no cover - a JAX that moved it
     _trace_state_clean = None
 
 
-def check_when(when: Any, where: str) -> jax.Array:
+def check_when(when: Any) -> jax.Array:
     """`when` (whatever the user passed: hence `Any`) as a boolean scalar array, or an
     error that says how to fix it."""
     ok = isinstance(when, bool) or (
@@ -167,20 +167,20 @@ def check_when(when: Any, where: str) -> jax.Array:
         ok = False
     if not ok:
         raise InvalidStateError(
-            f"{where}: when must be a boolean scalar (a Python bool or a bool array of "
+            f"{where()}: when must be a boolean scalar (a Python bool or a bool array of "
             f"shape ()), got {_value_text(when)}. Fix: compare to get a bool, e.g. "
             "when=(step % 500 == 0) | done."
         )
     return jnp.asarray(when)
 
 
-def check_axis_name(axis_name: Hashable | None, where: str) -> None:
+def check_axis_name(axis_name: Hashable | None) -> None:
     """Inside `pmap`/`shard_map` every device would save its own part as the same step:
     require `axis_name`, and that it names a mapped axis."""
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     if axis_name is None and manual:
         raise InvalidStateError(
-            f"{where} is inside pmap/shard_map over axes {manual}: every device would "
+            f"{where()} is inside pmap/shard_map over axes {manual}: every device would "
             f"save its own part of the state as the same step. Fix: pass "
             f"axis_name={manual[0]!r} (add gather='replicated' if the state is the same "
             "on every device, gather='concat' to concatenate shard_map blocks)."
@@ -188,7 +188,7 @@ def check_axis_name(axis_name: Hashable | None, where: str) -> None:
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if axis_name is not None and manual and not set(names) <= set(manual):
         raise InvalidStateError(
-            f"{where}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
+            f"{where()}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
             f"mapped axes are {manual}."
         )
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base._errors import InvalidStateError
+from .._base._errors import InvalidStateError, where
 from .._layout._spec import KEY, LeafSpec, key_data_shape
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -36,7 +36,7 @@ def empty_data(spec: LeafSpec, shape: tuple[int, ...]) -> np.ndarray:
     return np.zeros(shape + trailing, np.dtype(spec.dtype))
 
 
-def to_payload(spec: LeafSpec, leaf: Any, where: str) -> Any:
+def to_payload(spec: LeafSpec, leaf: Any) -> Any:
     """The array that crosses through JAX for one leaf: key data for keys."""
     if spec.kind == KEY:
         return jax.random.key_data(leaf)
@@ -44,7 +44,7 @@ def to_payload(spec: LeafSpec, leaf: Any, where: str) -> Any:
         value = host_copy(spec, leaf)
         if np.dtype(jax.dtypes.canonicalize_dtype(value.dtype)) != value.dtype:
             raise InvalidStateError(
-                f"{where}: leaf {spec.path} is a {value.dtype} constant, which JAX would "
+                f"{where()}: leaf {spec.path} is a {value.dtype} constant, which JAX would "
                 f"turn into {jax.dtypes.canonicalize_dtype(value.dtype)} here (64-bit "
                 "types need jax_enable_x64), changing the saved values. Fix: pass it as a "
                 "jax array of a 32-bit type, save it outside jit, or enable x64."

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from .._base._errors import ConfigError
+from .._base._errors import ConfigError, where
 from . import _remote
 from ._bucket import Bucket
 from ._local import Local
@@ -23,7 +23,7 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # gs://, s3://, file://, ...
 _URL_SLIP = re.compile(r"(gs|gcs|s3|s3a|hdfs|file|az|abfs|https?):/?(?!/)", re.IGNORECASE)
 
 
-def resolve(directory: object, where: str) -> str:
+def resolve(directory: object) -> str:
     """The absolute path of a checkpoint directory argument, or a `ConfigError`.
 
     Every public function takes the same forms: a non-empty str or os.PathLike,
@@ -31,25 +31,25 @@ def resolve(directory: object, where: str) -> str:
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise ConfigError(
-            f"{where}: directory must be a str or os.PathLike, got "
+            f"{where()}: directory must be a str or os.PathLike, got "
             f"{type(directory).__name__} ({directory!r})."
         )
     path = os.fspath(directory)
     if not isinstance(path, str) or not path:
         raise ConfigError(
-            f"{where}: directory is empty ({directory!r}). Fix: name the checkpoint "
+            f"{where()}: directory is empty ({directory!r}). Fix: name the checkpoint "
             "directory, e.g. 'runs/exp1' (use '.' to mean the working directory)."
         )
     if "\0" in path:
-        raise ConfigError(f"{where}: directory {path!r} contains a NUL character.")
+        raise ConfigError(f"{where()}: directory {path!r} contains a NUL character.")
     if _URL.match(path):
-        return _remote.canonical(path, where)
+        return _remote.canonical(path)
     slip = _URL_SLIP.match(path)
     if slip:
         # Taken as a local path, "s3:/bucket/run" is a folder "s3:" in the working
         # directory: a run that looks checkpointed until its machine is gone.
         raise ConfigError(
-            f"{where}: directory {path!r} looks like a {slip.group(1)}:// URL with a "
+            f"{where()}: directory {path!r} looks like a {slip.group(1)}:// URL with a "
             f"slash missing, and would be taken for a local folder named "
             f"{slip.group(1) + ':'!r}. Fix: write {slip.group(1)}://bucket/path, or "
             "./" + f"{path} if a local folder of that name is really meant."

@@ -37,7 +37,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .._base._errors import ConfigError
+from .._base._errors import ConfigError, where
 
 if TYPE_CHECKING:
     import tensorstore
@@ -90,37 +90,37 @@ def is_url(path: str) -> bool:
     return path.startswith(("gs://", "s3://"))
 
 
-def canonical(text: str, where: str) -> str:
+def canonical(text: str) -> str:
     """`gs://bucket/prefix` or `s3://bucket/prefix`, without a trailing slash, or a
     `ConfigError` naming what is wrong with the URL."""
     match = _URL.fullmatch(text)
     if match is None:
-        raise ConfigError(f"{where}: directory {text!r} is not a URL this library can read.")
+        raise ConfigError(f"{where()}: directory {text!r} is not a URL this library can read.")
     scheme, bucket, rest = match.group(1).lower(), match.group(2), match.group(3) or ""
     if scheme not in SCHEMES:
         hint = " (Google Cloud Storage is gs://)" if scheme in ("gcs", "google") else ""
         raise ConfigError(
-            f"{where}: directory {text!r} uses the {scheme}:// scheme{hint}; jax_cb_ckpt "
+            f"{where()}: directory {text!r} uses the {scheme}:// scheme{hint}; jax_cb_ckpt "
             "writes local directories, gs://bucket/path (Google Cloud Storage) and "
             "s3://bucket/path (S3 and S3-compatible servers). Fix: use one of those, or "
             "a path where the storage is mounted (e.g. with FUSE)."
         )
     if "@" in bucket:  # never repeat it: it may hold a secret
         raise ConfigError(
-            f"{where}: the {scheme}:// URL holds user information before '@' (not "
+            f"{where()}: the {scheme}:// URL holds user information before '@' (not "
             "repeated here, it may be a secret). Credentials are never part of a URL: "
             "they come from the environment (docs/storage.md). Fix: remove it."
         )
     if not _BUCKET.fullmatch(bucket):
         raise ConfigError(
-            f"{where}: directory {text!r}: {bucket!r} is not a valid bucket name (3 to 63 "
+            f"{where()}: directory {text!r}: {bucket!r} is not a valid bucket name (3 to 63 "
             "lowercase letters, digits, '-', '_' or '.'). Fix: write "
             f"{scheme}://<bucket>/<path>."
         )
     parts = [p for p in rest.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ConfigError(
-            f"{where}: directory {text!r} has '.' or '..' in its path; object names are "
+            f"{where()}: directory {text!r} has '.' or '..' in its path; object names are "
             "taken literally. Fix: write the path without them."
         )
     return f"{scheme}://{bucket}" + "".join("/" + p for p in parts)

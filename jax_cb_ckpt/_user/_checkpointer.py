@@ -23,7 +23,10 @@ from .._base._errors import (
     ConfigError,
     NoCheckpointError,
     SaveError,
+    calling,
+    entry,
     shown,
+    where,
 )
 from .._base._types import (
     BestMode,
@@ -279,6 +282,7 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------
 
+    @entry("maybe_save")  # (the name every message of the call starts with)
     def maybe_save(
         self,
         state: PyTree,
@@ -357,33 +361,32 @@ class Checkpointer:
                 ends with an older checkpoint: `close()` warns when it can tell (with
                 `every_seconds`, from the steps the clock was asked at).
         """
-        where = "maybe_save"
-        self._check_usable(where)
-        step_value = _traced.check_step(step, where)
+        self._check_usable()
+        step_value = _traced.check_step(step)
         if when is None:
-            wanted, condition = self._default_predicate(step, step_value, where)
+            wanted, condition = self._default_predicate(step, step_value)
         elif isinstance(when, bool):  # decided in Python too
             wanted, condition = when, None
         else:
-            wanted, condition = True, _traced.check_when(when, where)
+            wanted, condition = True, _traced.check_when(when)
         if last_step is not None:
-            wanted, condition = _or_last(step, step_value, last_step, wanted, condition, where)
+            wanted, condition = _or_last(step, step_value, last_step, wanted, condition)
         if callable(metrics) and wanted:  # computed only where a save is made
             metrics = _scan.metrics_at_save(metrics, state, condition)
         elif callable(metrics):
             metrics = None
-        self._check_best(metrics, where)
+        self._check_best(metrics)
         if not wanted:
-            _describe.describe_state(state, where)  # still check the state
+            _describe.describe_state(state)  # still check the state
             return
         self._cross(
             _route.Request(
-                where, state, step, step_value, condition, axis_name, gather, shardings, metrics
+                state, step, step_value, condition, axis_name, gather, shardings, metrics
             )
         )
 
     def _default_predicate(
-        self, step: ArrayLike, step_value: int | None, where: str
+        self, step: ArrayLike, step_value: int | None
     ) -> tuple[bool, jax.Array | None]:
         """`maybe_save` without `when=`: `step % every == 0`, or (`every_seconds`) the
         clock says a save is due, asked every `check_every` steps. (wanted, condition):
@@ -391,7 +394,7 @@ class Checkpointer:
         every, clock = self._options.when.every, self._clock
         if every is None and clock is None:
             raise ConfigError(
-                f"{where}: no predicate. Fix: pass when=<bool scalar>, or create the "
+                f"{where()}: no predicate. Fix: pass when=<bool scalar>, or create the "
                 "Checkpointer with every=N to save when step % N == 0 (or "
                 "every_seconds=T to save when T seconds have passed since the last save)."
             )
@@ -402,7 +405,7 @@ class Checkpointer:
             if clock is None or step_value % check != 0:
                 return False, None
             return True, clock.traced(jnp.asarray(step_value), in_loop=True)  # asked at run
-        traced = _traced.traced_step(step, None, where)
+        traced = _traced.traced_step(step, None)
         conditions = []
         if every is not None:
             conditions.append(traced % every == 0)
@@ -410,6 +413,7 @@ class Checkpointer:
             conditions.append(clock.guarded(traced, check))
         return True, functools.reduce(jnp.logical_or, conditions)
 
+    @entry("save")
     def save(
         self,
         state: PyTree,
@@ -425,31 +429,28 @@ class Checkpointer:
         Same hand-off, blocking behaviour and arguments (`metrics=` included, a
         function of the state too) as `maybe_save`.
         """
-        where = "save"
-        self._check_usable(where)
-        step_value = _traced.check_step(step, where)
+        self._check_usable()
+        step_value = _traced.check_step(step)
         if callable(metrics):
             metrics = metrics(state)
-        self._check_best(metrics, where)
+        self._check_best(metrics)
         self._cross(
-            _route.Request(
-                where, state, step, step_value, None, axis_name, gather, shardings, metrics
-            )
+            _route.Request(state, step, step_value, None, axis_name, gather, shardings, metrics)
         )
 
-    def _check_best(self, metrics: PyTree, where: str) -> None:
+    def _check_best(self, metrics: PyTree) -> None:
         """`metrics=` checked (while tracing, or at an eager call); a warning, once per
         set of names, when they lack the metric `keep_best` ranks by: a misspelt `best`
         would otherwise keep none of the steps silently."""
         if metrics is None:
             return
-        names = _describe.describe_metrics(metrics, where)[0]
+        names = _describe.describe_metrics(metrics)[0]
         best = self._options.keep.best
         if best is None or best in names or names in self._told_best:
             return
         self._told_best.add(names)
         _warn.warn(
-            f"{where}(metrics=...): the metrics are {list(names)}, without {best!r}, the "
+            f"{where()}(metrics=...): the metrics are {list(names)}, without {best!r}, the "
             f"metric keep_best ranks by (best={best!r}): these steps never count as best. "
             f"Fix: pass best= the name of one of them, or add {best!r} to metrics.",
             CheckpointWarning,
@@ -494,10 +495,10 @@ class Checkpointer:
             by_buffer=by_buffer,
         )
 
-    def _check_usable(self, where: str) -> None:
+    def _check_usable(self) -> None:
         if self._closed:
             raise CheckpointerClosedError(
-                f"{where}: this Checkpointer on {self.directory!r} is closed. Fix: "
+                f"{where()}: this Checkpointer on {self.directory!r} is closed. Fix: "
                 "create a new Checkpointer (it continues after the latest step on disk)."
             )
         # A writer failure surfaces at the next hand-off; in the user's thread when the
@@ -636,6 +637,7 @@ class Checkpointer:
 
     # -- runs that resume themselves ------------------------------------------------
 
+    @entry("run")
     def run(
         self,
         body: _run.Body,
@@ -698,7 +700,7 @@ class Checkpointer:
             final = ckpt.run(update, init_state, num_steps=1000)
             ```
         """
-        self._check_usable("run")
+        self._check_usable()
         return _run.run(
             self,
             self._options.when,
@@ -712,7 +714,7 @@ class Checkpointer:
             progress=progress,
             loops=self._run_loops,
             metrics=metrics,
-            resume=lambda like: self._resume(lambda: like, "run"),
+            resume=lambda like: self._resume(lambda: like),
         )
 
     def scan(
@@ -863,6 +865,7 @@ class Checkpointer:
         return _steps.metrics_table(self.directory)
 
     @_steps.step_by_keyword
+    @entry("restore")
     def restore(
         self,
         like: PyTree,
@@ -883,7 +886,7 @@ class Checkpointer:
         """
         self.wait()
         if step is None:
-            resumed = self._resume(lambda: like, "restore", verify=verify, member=member)
+            resumed = self._resume(lambda: like, verify=verify, member=member)
             if resumed is None:
                 # Nothing to resume from: the read says what the directory holds.
                 _steps.pick_step(self._storage, None, "restore")
@@ -909,7 +912,6 @@ class Checkpointer:
     def _resume(
         self,
         like: Callable[[], PyTree],
-        where: str,
         *,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
@@ -924,18 +926,17 @@ class Checkpointer:
         resumed = _restore.resume(
             storage,
             like,
-            where,
             verify=verify,
             member=member,
             on_damaged=self._options.failures.on_damaged,
         )
         if resumed.step is None:
-            if resumed.error is not None and where == "restore":
+            if resumed.error is not None and where() == "restore":
                 raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
-            _resume.report(storage, resumed, where, set_aside=True)  # a fresh start
+            _resume.report(storage, resumed, set_aside=True)  # a fresh start
             self._exchange.forget(self._steps_on_disk())
             return None
-        resumed = _resume.report(storage, resumed, where, set_aside=True)
+        resumed = _resume.report(storage, resumed, set_aside=True)
         step = resumed.step
         assert step is not None  # (report keeps the step read)
         self._continue_from(step)
@@ -944,16 +945,17 @@ class Checkpointer:
             why += ", passing over " + ", ".join(str(p.step) for p in resumed.passed)
         if resumed.source == "orbax":
             why += "; a plain Orbax checkpoint, read unverified (Orbax keeps no checksums)"
-        verb = "restored step" if where == "restore" else "resumed from step"
+        verb = "restored step" if where() == "restore" else "resumed from step"
         restart = resumed.value
         assert restart is not None
         start: int | np.ndarray = step
         if restart.member_steps is not None:  # members of a batch resume from their own
             start = restart.member_steps
             why += f"; the batch's members from their own newest steps {start.tolist()}"
-        logger.info("%s: %s %d of %s (%s)", where, verb, step, self.directory, why)
+        logger.info("%s: %s %d of %s (%s)", where(), verb, step, self.directory, why)
         return restart.state, start
 
+    @entry("restore_or_init")
     def restore_or_init(
         self, init_fn: Callable[..., PyTree], *args: object, like: PyTree = None
     ) -> tuple[PyTree, int | np.ndarray]:
@@ -990,7 +992,7 @@ class Checkpointer:
             state = train(state, start)  # jit(vmap(...)): fori_loop(start, N, update)
             ```
         """
-        self._check_usable("restore_or_init")
+        self._check_usable()
         if not callable(init_fn):
             raise ConfigError(
                 f"restore_or_init(init_fn={shown(init_fn)}): init_fn must be the "
@@ -1004,7 +1006,7 @@ class Checkpointer:
         def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
             return jax.eval_shape(lambda: init_fn(*args)) if given is None else given
 
-        resumed = self._resume(made_like, "restore_or_init")
+        resumed = self._resume(made_like)
         if resumed is not None:
             return resumed
         init = init_fn(*args)
@@ -1022,18 +1024,16 @@ def _or_last(
     last_step: ArrayLike,
     wanted: bool,
     condition: jax.Array | None,
-    where: str,
 ) -> tuple[bool, jax.Array | None]:
     """`maybe_save`'s (wanted, condition), or `step == last_step`: decided in Python
     where both are known, else one more term of the traced condition."""
-    last_value = _traced.check_step(last_step, f"{where}(last_step=...)")
+    with calling(f"{where()}(last_step=...)"):
+        last_value = _traced.check_step(last_step)
     if wanted and condition is None:
         return True, None  # saved anyway
     if step_value is not None and last_value is not None:
         return (True, None) if step_value == last_value else (wanted, condition)
-    is_last = _traced.traced_step(step, step_value, where) == _traced.traced_step(
-        last_step, last_value, where
-    )
+    is_last = _traced.traced_step(step, step_value) == _traced.traced_step(last_step, last_value)
     if not wanted:
         return True, is_last
     assert condition is not None

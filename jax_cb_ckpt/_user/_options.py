@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from .._base._errors import ConfigError, shown
+from .._base._errors import ConfigError, calling, shown
 from .._base._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull
 from .._layout import _format
 from .._layout._policy import Rules
@@ -51,7 +51,8 @@ class Where:
     compression: bool = False  # zstd for the stored arrays
 
     def __post_init__(self) -> None:
-        path = _places.resolve(self.directory, "Checkpointer(directory=...)")
+        with calling("Checkpointer(directory=...)"):
+            path = _places.resolve(self.directory)
         if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): that path is an existing file, not "
