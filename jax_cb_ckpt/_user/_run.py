@@ -62,52 +62,12 @@ def run(
     step to continue from, or None for a fresh run)."""
     loops = {} if loops is None else loops
     every, by_clock = when.every, when.every_seconds is not None
-    if every is None and not by_clock:
-        raise ConfigError(
-            "run: the Checkpointer needs every=N (run saves after every N steps, at the "
-            "end and when stopped) or every_seconds=T. Fix: Checkpointer(directory, "
-            "every=N)."
-        )
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ConfigError(f"run: num_steps must be a non-negative int, got {num_steps!r}.")
-    if metrics is not None and not callable(metrics):
-        raise ConfigError(
-            f"run(metrics={metrics!r}): metrics must be a function of the state that "
-            "returns the metrics to record with each save (a dict of scalars; for one "
-            "member with batched=True), e.g. metrics=lambda s: {'loss': s.loss}."
-        )
-    if check_every is not None:
-        check = check_every
-    else:
-        check = every if every is not None else when.check
-    if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
-        raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
-    if not isinstance(progress, bool):
-        raise ConfigError(f"run: progress must be True or False, got {progress!r}.")
+    check = _checked_arguments(when, num_steps, metrics, check_every, progress)
     bar_type = _progress_bar_type() if progress else None
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
-    resumed = resume(init)
-    if resumed is None:
-        state, start = init, 0
-        if when.initial_save:
-            _save_initial(ckpt, init, metrics, batched)
-    else:
-        state, start = resumed
-        if not isinstance(start, int):
-            raise ConfigError(
-                f"run: the members of the batch in {ckpt.directory!r} resume from different "
-                f"steps ({list(start.ravel())[:8]}: some stopped saving before the newest "
-                "step), and run's loop has one step for the whole batch. Fix: resume with "
-                "ckpt.restore_or_init and a loop of your own that takes each member's start "
-                "(jax.vmap over the start too)."
-            )
-        if start > num_steps:
-            raise ConfigError(
-                f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "
-                f"num_steps={num_steps}. Fix: use another directory, or a larger num_steps."
-            )
+    state, start = _start(ckpt, when, init, resume(init), num_steps, metrics, batched)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -148,12 +108,90 @@ def run(
         if bar is not None:
             bar.close()
     state, i, stopped = out
+    _raise_if_stopped(ckpt, stop_flag, int(i), bool(stopped), num_steps)
+    return state
+
+
+def _checked_arguments(
+    when: When,
+    num_steps: object,
+    metrics: object,
+    check_every: object,
+    progress: object,
+) -> int:
+    """`run`'s arguments checked before anything is traced; the number of steps between
+    two looks at the stop request and the clock."""
+    every, by_clock = when.every, when.every_seconds is not None
+    if every is None and not by_clock:
+        raise ConfigError(
+            "run: the Checkpointer needs every=N (run saves after every N steps, at the "
+            "end and when stopped) or every_seconds=T. Fix: Checkpointer(directory, "
+            "every=N)."
+        )
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ConfigError(f"run: num_steps must be a non-negative int, got {num_steps!r}.")
+    if metrics is not None and not callable(metrics):
+        raise ConfigError(
+            f"run(metrics={metrics!r}): metrics must be a function of the state that "
+            "returns the metrics to record with each save (a dict of scalars; for one "
+            "member with batched=True), e.g. metrics=lambda s: {'loss': s.loss}."
+        )
+    if check_every is not None:
+        check = check_every
+    else:
+        check = every if every is not None else when.check
+    if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
+        raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
+    if not isinstance(progress, bool):
+        raise ConfigError(f"run: progress must be True or False, got {progress!r}.")
+    return check
+
+
+def _start(
+    ckpt: Saver,
+    when: When,
+    init: PyTree,
+    resumed: tuple[PyTree, int | np.ndarray] | None,
+    num_steps: int,
+    metrics: Callable[[PyTree], PyTree] | None,
+    batched: bool,
+) -> tuple[PyTree, int]:
+    """The state and step the loop starts from: `init` at 0 (saved first with
+    `initial_save`), or what the restart found, checked against the loop's one step and
+    `num_steps`."""
+    if resumed is None:
+        if when.initial_save:
+            _save_initial(ckpt, init, metrics, batched)
+        return init, 0
+    state, start = resumed
+    if not isinstance(start, int):
+        raise ConfigError(
+            f"run: the members of the batch in {ckpt.directory!r} resume from different "
+            f"steps ({list(start.ravel())[:8]}: some stopped saving before the newest "
+            "step), and run's loop has one step for the whole batch. Fix: resume with "
+            "ckpt.restore_or_init and a loop of your own that takes each member's start "
+            "(jax.vmap over the start too)."
+        )
+    if start > num_steps:
+        raise ConfigError(
+            f"run: the latest checkpoint in {ckpt.directory!r} is step {start}, past "
+            f"num_steps={num_steps}. Fix: use another directory, or a larger num_steps."
+        )
+    return state, start
+
+
+def _raise_if_stopped(
+    ckpt: Saver, stop_flag: StopFlag, i: int, stopped: bool, num_steps: int
+) -> None:
+    """After the loop ended at step `i` (its last save on disk): the stop request is
+    consumed, and a Ctrl-C or a stop (of this process, or `stopped`: another process was
+    signalled) before `num_steps` is raised."""
     if stop_flag.interrupted:
         # Raised only now, with the loop ended and its save on disk: raised at the press
         # it would have left the loop running in the helper thread (saving into a closed
         # Checkpointer, or aborting the interpreter at exit from inside a callback).
         error = stop_flag.deferred or KeyboardInterrupt(
-            f"jax_cb_ckpt: stopped at step {int(i)} after Ctrl-C; checkpoint saved"
+            f"jax_cb_ckpt: stopped at step {i} after Ctrl-C; checkpoint saved"
         )
         stop_flag.clear()  # consumed: a later run in this process starts afresh
         raise error
@@ -162,8 +200,8 @@ def run(
     # is acted on all the same; that save is on disk now, and the process was asked to
     # stop. `stopped` without a request of ours: another process was signalled.
     requested, signum = stop_flag.take()
-    if requested or (bool(stopped) and int(i) < num_steps):
-        preempted = Preempted(int(i), signum)
+    if requested or (stopped and i < num_steps):
+        preempted = Preempted(i, signum)
         logger.warning(
             "run stopped at step %d after %s; checkpoint saved in %s; exit code %s",
             preempted.step,
@@ -172,7 +210,6 @@ def run(
             preempted.code,
         )
         raise preempted
-    return state
 
 
 def _progress_bar_type() -> type[tqdm]:
