@@ -4,7 +4,7 @@
 
 For each state size (MB of float32): a jitted scan of 20 steps saving every 5, with
 `crossing="callback"` (jax.debug.callback, the default on GPU) and `crossing="buffer"`
-(copies on XLA's stream into pinned memory, jax_cb_ckpt/_cuda.py), against the same
+(copies on XLA's stream into pinned memory, jax_cb_ckpt/_save/_cuda.py), against the same
 scan without saves; the checkpoint of the last step must equal the final state bit for
 bit. The floor is one device-to-host copy of the state (`jax.device_get`). Target: the
 buffer crossing's device wait per save <= 1.2x that copy. Exits 1 if a check fails.

@@ -16,7 +16,7 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 # The public call an error is raised under ("restore", "verify(step=3) of '/ckpt'",
-# "Checkpointer.maybe_save"), the prefix of its message: set once where the call
+# "maybe_save"), the prefix of its message: set once where the call
 # enters the library (`calling`), read where a message is built (`where`), instead of
 # a `where: str` passed down through every signature. A ContextVar is per thread (and
 # per asyncio task): a pool thread or the writer thread does not see the caller's

@@ -1,8 +1,9 @@
 """Which steps a checkpoint directory holds, what a step says of itself, and reading
-its arrays without a `like`: `all_steps`, `latest_step`, `metadata`, `verify`, and the
-steps every read takes (pick a step, identify it, read and check its description, open
-its arrays, read them, make sure it was not removed meanwhile), which `restore`
-(`_restore.py`) builds on.
+its arrays without a `like`: `all_steps`, `latest_step`, `metadata`, `metrics`,
+`metrics_table`, `best_step`, `verify`, `step_metas`, and the steps every read takes
+(pick a step, identify it, read and check its description, open its arrays, read
+them, make sure it was not removed meanwhile), which `restore` (`_restore.py`) builds
+on.
 
 Needs numpy and TensorStore, not JAX: `jax-cb-ckpt verify` starts without importing it.
 Runs in the caller's thread and blocks it until the read is done.

@@ -2,8 +2,8 @@
 
 `resolve` makes a directory argument an absolute path or a canonical URL; `at` gives
 the one object that knows where its steps are, a `Storage` (`_protocol.py`): `Local`
-(`_local.py`) or `Bucket` (`_bucket.py`). This is the one place that asks which kind a
-location is; every stage then calls the protocol's verbs.
+(`_local.py`) or `Bucket` (`_bucket.py`). `at` picks the kind of a
+location; every stage then calls the protocol's verbs, and reads no flag of the kind.
 """
 
 from __future__ import annotations

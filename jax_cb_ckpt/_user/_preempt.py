@@ -50,7 +50,7 @@ class Preempted(SystemExit):
         return self.message
 
 
-Preempted.__module__ = "jax_cb_ckpt"  # (where users import it from: `_errors`)
+Preempted.__module__ = "jax_cb_ckpt"  # (where users import it from: `_base/_errors.py`)
 
 
 class StopFlag:
