@@ -184,8 +184,9 @@ class Checkpointer:
         mode: BestMode = "max",
         on_damaged: OnDamaged = "fall_back",
     ) -> None:
-        # The parameters by name (`locals()` holds nothing else yet): each goes to the
-        # group with a field of its name, so the signature above is the only list.
+        # The parameters by name (`locals()` holds nothing else yet: no `super()` or
+        # `__class__` in this method, which would add `__class__` to it): each goes to
+        # the group with a field of its name, so the signature above is the only list.
         given = {name: value for name, value in locals().items() if name != "self"}
         options = self._options = _options.checked(**given)
         path = options.where.directory
