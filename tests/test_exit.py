@@ -60,8 +60,17 @@ def test_a_writer_is_live_while_open_and_not_after_close(make_ckpt, ckpt_dir):
     assert live() == []
 
 
+def _hooked(hook):
+    """The function a `threading._register_atexit` entry calls: a `functools.partial`
+    (Python 3.11, 3.12) or a lambda closing over it (3.13)."""
+    if getattr(hook, "func", None) is not None:
+        return hook.func
+    cells = [c.cell_contents for c in getattr(hook, "__closure__", None) or ()]
+    return next((value for value in cells if callable(value)), hook)
+
+
 def test_the_hook_is_one_of_threadings_exit_hooks():
     import threading
 
-    hooks = [getattr(h, "func", h) for h in threading._threading_atexits]  # type: ignore[attr-defined]
+    hooks = [_hooked(h) for h in threading._threading_atexits]  # type: ignore[attr-defined]
     assert hooks.count(_exit._flush_at_exit) == 1
