@@ -31,6 +31,7 @@ from .._base._errors import (
     RestoreError,
     StructureMismatchError,
     calling,
+    entry,
     where,
 )
 from .._base._types import OnDamaged
@@ -57,6 +58,7 @@ def _placement(like_leaf: Any, spec: _spec.LeafSpec, saved: _spec.LeafSpec) -> A
     return sharding
 
 
+@entry("restore")
 @_steps.step_by_keyword
 def restore(
     directory: str | os.PathLike[str],
@@ -100,28 +102,27 @@ def restore(
             newest step) is damaged; every step is damaged.
         RestoreError: the checkpoint cannot be read.
     """
-    with calling("restore"):
-        storage = _places.at(_places.resolve(directory))
-        named = _steps.check_step_arg(step, "restore")
-        check_on_damaged(on_damaged, "restore")
-        if named is not None:
-            step = _steps.pick_step(storage, named, "restore")
-            return read_step(storage, like, step, verify=verify, member=member, named=True)
-        resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
-        if resumed.step is None:
-            if resumed.error is not None:  # every step is damaged: the newest says why
-                raise resumed.refusal()
-            _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
-        restart = _resume.report(storage, resumed, set_aside=False).value
-        assert restart is not None
-        if resumed.source == "orbax":
-            logger.info(
-                "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
-                "no checksums)",
-                resumed.step,
-                storage.path,
-            )
-        return restart.state
+    storage = _places.at(_places.resolve(directory))
+    named = _steps.check_step_arg(step, "restore")
+    check_on_damaged(on_damaged, "restore")
+    if named is not None:
+        step = _steps.pick_step(storage, named, "restore")
+        return read_step(storage, like, step, verify=verify, member=member, named=True)
+    resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
+    if resumed.step is None:
+        if resumed.error is not None:  # every step is damaged: the newest says why
+            raise resumed.refusal()
+        _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
+    restart = _resume.report(storage, resumed, set_aside=False).value
+    assert restart is not None
+    if resumed.source == "orbax":
+        logger.info(
+            "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
+            "no checksums)",
+            resumed.step,
+            storage.path,
+        )
+    return restart.state
 
 
 def resume(
