@@ -28,7 +28,8 @@ from .._base._types import PyTree
 from . import _format
 from ._spec import ARRAY, KEY, SCALAR, LeafSpec
 
-_PY_SCALARS = (bool, int, float, complex)
+# Python's numbers, stored as SCALAR leaves (`_save/_values`, `_read/_rebuild` too).
+PY_SCALARS = (bool, int, float, complex)
 
 
 _ROOT_NAME = "value"  # name of the single leaf when the state itself is an array
@@ -114,7 +115,7 @@ def _scalar_dtype(leaf: Any, path: str) -> str:
 def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool):
     """The `LeafSpec` of one leaf, or an `InvalidStateError` that says how to fix it."""
     # numpy scalars first: np.float64 and np.complex128 are also Python float/complex.
-    if isinstance(leaf, _PY_SCALARS) and not isinstance(leaf, np.generic):
+    if isinstance(leaf, PY_SCALARS) and not isinstance(leaf, np.generic):
         dtype = _scalar_dtype(leaf, path)
         return LeafSpec(path, name, SCALAR, dtype, (), pytype=type(leaf).__name__)
     is_abstract = isinstance(leaf, jax.ShapeDtypeStruct)
@@ -310,7 +311,7 @@ def _leaf_key(leaf: Any) -> Any:
         return type(leaf), leaf.shape, leaf.dtype, bool(getattr(leaf, "weak_type", False))
     if isinstance(leaf, int) and not isinstance(leaf, bool):
         return type(leaf), -(2**63) <= leaf < 2**63
-    if isinstance(leaf, _PY_SCALARS):
+    if isinstance(leaf, PY_SCALARS):
         return (type(leaf),)
     return None
 

@@ -21,10 +21,9 @@ from .._base import _dtypes
 from .._base._dtypes import ML_DTYPES
 from .._base._errors import StructureMismatchError, where
 from .._base._types import PyTree
+from .._layout._describe import PY_SCALARS
 from .._layout._describe import is_key as _is_key
 from .._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
-
-_PY_SCALARS = (bool, int, float, complex)
 
 
 def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...]) -> None:
@@ -156,7 +155,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
             return jax.random.wrap_key_data(data, impl=saved.impl)
         key = jax.random.wrap_key_data(jnp.asarray(array), impl=saved.impl)
         return _place(key, sharding)
-    if isinstance(like_leaf, _PY_SCALARS):
+    if isinstance(like_leaf, PY_SCALARS):
         return type(like_leaf)(array.item())
     if isinstance(like_leaf, np.generic):
         return np.dtype(spec.dtype).type(array.item() if array.shape == () else array)

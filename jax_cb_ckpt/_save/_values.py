@@ -13,15 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base._errors import InvalidStateError, where
+from .._layout._describe import PY_SCALARS
 from .._layout._spec import KEY, LeafSpec, key_data_shape
-
-_PY_SCALARS = (bool, int, float, complex)
 
 
 def is_constant(leaf: Any) -> bool:
     """A leaf whose value Python knows (numpy arrays and scalars, Python numbers): inside
     a trace it is a constant of the compiled program."""
-    return isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS))
+    return isinstance(leaf, (np.ndarray, np.generic, *PY_SCALARS))
 
 
 def host_copy(spec: LeafSpec, leaf: Any) -> np.ndarray:
