@@ -123,6 +123,31 @@ def test_slots_bound_the_saves_in_flight_and_finished_frees_them():
     assert ex.pending == 1
 
 
+def test_a_hand_over_admits_then_queues_and_a_failed_copy_gives_everything_back():
+    """`hand_over`: the item is made only for an admitted step (a repeat makes none); a
+    copy that fails gives back the claim and the slot before its error propagates."""
+    ex = exchange(queue_size=1)
+    made = []
+
+    def item(claim):
+        made.append(claim)
+        return Item(claim.step, claim.replace)
+
+    assert ex.hand_over(1, None, item, in_callback=False) == 1
+    assert made == [Claim(1, ())] and ex.next_item().step == 1
+    assert ex.hand_over(1, None, item, in_callback=False) is None  # a repeat
+    assert len(made) == 1
+    ex.finished(Claim(1, ()), None)
+
+    def failing(claim):
+        raise MemoryError("no staging memory")
+
+    with pytest.raises(MemoryError):
+        ex.hand_over(2, None, failing, in_callback=False)
+    assert ex.claim(2) == ()  # step 2 may come again
+    assert ex.take_slot(block=False)  # and the slot came back
+
+
 def test_a_failed_write_keeps_the_first_error_and_the_step_may_come_again():
     ex = exchange()
     for step in (1, 2):

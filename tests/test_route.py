@@ -1,4 +1,6 @@
-"""Which way a save goes (`_route.plan`), the checks made while tracing (`_traced`) and
+"""Which way a save goes (`_route.plan`: its argument checks, one description of the state
+and metrics, `Skip` where nothing saves), the step as it crosses and `is_tracing`
+(`_values`), the checks made while tracing (`_traced`) and
 the options a save runs under (`_options.checked`), each on its own: no
 Checkpointer, no callback, no disk.
 The whole save is the end-to-end tests'; these pin the rules a stage owns."""
@@ -8,15 +10,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import checked_options
+from jax.sharding import PartitionSpec as P
 
 from jax_cb_ckpt import ConfigError, InvalidStateError
 from jax_cb_ckpt._base._errors import calling
-from jax_cb_ckpt._save import _route
+from jax_cb_ckpt._layout import _describe
+from jax_cb_ckpt._save import _route, _traced, _values
 
 
 def plan(state, step, known=None, condition=None, *, axis_name=None, gather="stack", **kw):
     request = _route.Request(
-        state, step, known, condition, axis_name, gather, kw.pop("shardings", None)
+        state,
+        step,
+        known,
+        condition,
+        axis_name,
+        gather,
+        kw.pop("shardings", None),
+        kw.pop("metrics", None),
     )
     with calling("maybe_save"):
         return _route.plan(request, **kw)
@@ -38,8 +49,46 @@ def test_outside_a_trace_a_save_is_eager_with_every_leaf_on_the_host():
 
 
 def test_an_eager_save_whose_predicate_is_false_goes_nowhere():
-    assert plan({"w": np.ones(3)}, 7, 7, False, processes=1) is None
+    assert plan({"w": np.ones(3)}, 7, 7, False, processes=1) == _route.Skip()
     assert isinstance(plan({"w": np.ones(3)}, 7, 7, True, processes=1), _route.Eager)
+
+
+def test_a_step_that_does_not_save_is_checked_all_the_same():
+    """Not wanted (`maybe_save` at a step that does not save): nothing crosses, but the
+    arguments, the state and the metrics are refused as at a step that saves, so a
+    mistake shows at the first call, not at the first save; the metrics' names come
+    back for keep_best's check."""
+
+    def skip(state, **kw):
+        request = _route.Request(state, 7, 7, None, kw.pop("axis_name", None), **kw)
+        with calling("maybe_save"):
+            return _route.plan(request, processes=1, wanted=False)
+
+    assert skip({"w": np.ones(3)}, metrics={"loss": 1.0}) == _route.Skip(("loss",))
+    with pytest.raises(InvalidStateError, match=r"state\['w'\].*str"):
+        skip({"w": "text"})
+    with pytest.raises(InvalidStateError, match="a metric is one real number"):
+        skip({"w": np.ones(3)}, metrics={"loss": np.ones((2, 2))})
+    with pytest.raises(ConfigError, match="gather must be one of"):
+        skip({"w": np.ones(3)}, gather="sum")
+    mesh = jax.make_mesh((1,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with pytest.raises(InvalidStateError, match="shardings' pytree is not a prefix"):
+        skip({"a": np.ones(2), "b": np.ones(2)}, shardings=[sharding] * 3)
+
+
+def test_the_state_and_its_metrics_are_described_in_one_pass_state_first():
+    described = _describe.describe_save({"w": np.ones(3), "n": 2}, {"eval": {"return": 1.5}})
+    assert described.state_leaves == 2 and described.metrics == ("eval/return",)
+    assert [s.path for s in described.specs] == [
+        "state['n']",
+        "state['w']",
+        "metrics['eval']['return']",
+    ]
+    assert described.leaves[2] == 1.5
+    route = plan({"w": np.ones(3)}, 7, 7, processes=1, metrics={"loss": np.float32(2)})
+    assert isinstance(route, _route.Eager) and route.metrics == ("loss",)
+    assert route.signature.state_leaves == 1 and route.hosts[1] == np.float32(2)
 
 
 def test_inside_a_trace_constants_stay_home_and_the_rest_crosses():
@@ -159,19 +208,50 @@ def test_a_known_step_is_checked_and_a_traced_one_left_to_run_time():
 
 
 def test_a_step_too_large_for_jax_integers_is_refused_rather_than_wrapped():
-    from jax_cb_ckpt._save import _traced
-
     assert not jax.config.jax_enable_x64  # (the suite's setting: int32 steps in JAX)
+    with pytest.raises(InvalidStateError, match=r"step 2147483648 does not fit int32.*x64"):
+        _values.traced_step(2**31, 2**31)
     with pytest.raises(InvalidStateError, match="does not fit int32"):
-        _traced.traced_step(2**32 + 5, 2**32 + 5)
-    assert int(_traced.traced_step(5, 5)) == 5
+        _values.traced_step(2**32 + 5, 2**32 + 5)
+    out = _values.traced_step(2**31 - 1, 2**31 - 1)
+    assert out.dtype == jnp.int32 and int(out) == 2**31 - 1
+    assert _values.traced_step(np.uint8(9), 9).dtype == jnp.uint8
 
 
 def test_tracing_is_told_apart_from_running_eagerly():
-    from jax_cb_ckpt._save import _traced
-
-    assert not _traced.is_tracing(np.ones(2), jnp.ones(2))
+    assert not _values.is_tracing(np.ones(2), jnp.ones(2))
+    assert not _values.is_tracing({"a": 1})
     inside = []
-    jax.jit(lambda: inside.append(_traced.is_tracing()) or 0)()  # constants only: traced
-    assert inside == [True]
+    jax.jit(lambda: inside.append(_values.is_tracing()) or 0)()  # constants only: traced
+    jax.jit(lambda x: inside.append(_values.is_tracing(x)) or x)(jnp.zeros(()))
+    jax.vmap(lambda x: inside.append(_values.is_tracing(x)) or x)(jnp.zeros(2))
+    assert inside == [True, True, True]
     assert jax.default_backend() != "cpu" or _traced.buffer_by_default()  # CPU: buffer
+
+
+def _in_shard_map(check):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+
+    def body(x):
+        check()
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(
+        jnp.zeros(4)
+    )
+
+
+def test_inside_shard_map_an_axis_name_is_required():
+    with pytest.raises(
+        InvalidStateError,
+        match=r"inside pmap/shard_map over axes \('d',\).*"
+        r"axis_name='d'",
+    ):
+        _in_shard_map(lambda: _route.check_axis_name(None))
+
+
+def test_inside_shard_map_the_axis_name_must_be_mapped():
+    with pytest.raises(InvalidStateError, match=r"axis_name='e' is not a pmap/shard_map axis"):
+        _in_shard_map(lambda: _route.check_axis_name("e"))
+    _in_shard_map(lambda: _route.check_axis_name("d"))
+    _route.check_axis_name(None)  # outside any map: nothing to require

@@ -1,6 +1,7 @@
-"""Unit tests of per-device saves' bookkeeping, without a save: which block of a leaf each
-device holds (`Layout`, checked against JAX's own index map) and the assembly of a step's
-blocks from every device (`Assemblies`). Fast: no compile, no disk."""
+"""Unit tests of per-device saves' bookkeeping, without a save: which shardings a save goes
+by (`chosen`), which block of a leaf each device holds (`Layout`, checked against JAX's
+own index map) and the assembly of a step's blocks from every device (`Assemblies`).
+Fast: no compile, no disk."""
 
 import threading
 
@@ -11,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cb_ckpt._base._errors import InvalidStateError
+from jax_cb_ckpt._save import _shards
 from jax_cb_ckpt._save._assembly import Assemblies
 from jax_cb_ckpt._save._shards import block_key, layout_of
 
@@ -74,6 +76,31 @@ def test_a_layout_refuses_what_the_shard_map_could_not_split_naming_the_leaf():
     shardings = [NamedSharding(mesh, P("a")), NamedSharding(other, P("d"))]
     with pytest.raises(InvalidStateError, match=r"leaf v is on mesh"):
         layout_of(shardings, [np.zeros(8), np.zeros(8)], ["w", "v"])
+
+
+def test_a_layout_gives_each_leaf_its_partition_spec():
+    mesh = _mesh()
+    specs = [P(("a", "b")), P(None, "b"), P("b", "a"), P()]
+    shardings = [NamedSharding(mesh, spec) for spec in specs]
+    layout, _ = layout_of(shardings, [np.zeros((4, 2))] * 4, ["w", "v", "u", "t"])
+    assert layout.partition_specs == tuple(specs)
+
+
+def test_the_chosen_shardings_are_the_given_ones_and_metrics_go_along_replicated():
+    """`shardings=` of the state's crossing leaves (constants do not cross), then one
+    replicated sharding per metric on the same mesh; no mesh to put them on: gathered."""
+    mesh = _mesh()
+    given = [NamedSharding(mesh, P("a")), NamedSharding(mesh, P("b")), NamedSharding(mesh, P())]
+    leaves = [np.zeros(4), np.zeros(4), np.zeros(4), 1.0]
+    # Leaf 1 is a constant (not crossing); leaf 3 (after the state's 3) a metric.
+    chosen = _shards.chosen(given, leaves, [0, 2, 3], 3)
+    assert chosen == [given[0], given[2], NamedSharding(mesh, P())]
+    assert _shards.chosen(given, leaves, [0, 2], 3) == [given[0], given[2]]
+    assert _shards.chosen(given, leaves, [3], 3) is None  # only a metric crosses
+    positional = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * 3
+    assert _shards.chosen(positional, leaves, [0, 3], 3) is None  # no mesh for the metric
+    # Not given: the trace's own shardings, only on a mesh with explicit axes (none here).
+    assert _shards.chosen(None, [np.zeros(4)], [0], 1) is None
 
 
 def test_the_last_device_to_report_completes_the_step_once():

@@ -1,16 +1,14 @@
 """`_save/_traced.py`, the checks made in Python while tracing, before any callback is
 compiled in: `check_step` refuses a non-integer, batched, negative or too large step
-(and says how to fix it), `traced_step` refuses a known step that would wrap in JAX's
-integer type, `check_when` refuses a non-boolean or batched predicate, `check_axis_name`
-refuses a save inside shard_map without (or with a wrong) `axis_name`; `is_tracing`
-tells traced from eager; `_widen` widens the packed types exactly."""
+(and says how to fix it), `check_when` refuses a non-boolean or batched predicate;
+`_widen` widens the packed types exactly. (The step as it crosses and `is_tracing` are
+`_values`'s, the axis name a check of `_route`'s: tests/test_route.py.)"""
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from jax_cb_ckpt import InvalidStateError
 from jax_cb_ckpt._base._errors import calling
@@ -55,15 +53,6 @@ def test_a_known_step_is_returned_and_a_traced_one_is_none():
     assert seen == [None]
 
 
-def test_a_step_that_would_wrap_in_int32_is_refused():
-    assert not jax.config.jax_enable_x64
-    with pytest.raises(InvalidStateError, match=r"step 2147483648 does not fit int32.*x64"):
-        _traced.traced_step(2**31, 2**31)
-    out = _traced.traced_step(2**31 - 1, 2**31 - 1)
-    assert out.dtype == jnp.int32 and int(out) == 2**31 - 1
-    assert _traced.traced_step(np.uint8(9), 9).dtype == jnp.uint8
-
-
 @pytest.mark.parametrize(
     "when, got",
     [(1, r"int \(1\)"), (jnp.int32(1), r"int32\[\]"), (jnp.array([True, False]), r"bool\[2\]")],
@@ -82,44 +71,6 @@ def test_a_predicate_that_is_not_a_boolean_scalar_is_refused(when, got):
 def test_a_boolean_predicate_is_an_array():
     assert _traced.check_when(True).dtype == jnp.bool_
     assert bool(_traced.check_when(jnp.asarray(False))) is False
-
-
-def _in_shard_map(check):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
-
-    def body(x):
-        check()
-        return x
-
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(
-        jnp.zeros(4)
-    )
-
-
-def test_inside_shard_map_an_axis_name_is_required():
-    with pytest.raises(
-        InvalidStateError,
-        match=r"inside pmap/shard_map over axes \('d',\).*"
-        r"axis_name='d'",
-    ):
-        _in_shard_map(lambda: _traced.check_axis_name(None))
-
-
-def test_inside_shard_map_the_axis_name_must_be_mapped():
-    with pytest.raises(InvalidStateError, match=r"axis_name='e' is not a pmap/shard_map axis"):
-        _in_shard_map(lambda: _traced.check_axis_name("e"))
-    _in_shard_map(lambda: _traced.check_axis_name("d"))
-    _traced.check_axis_name(None)  # outside any map: nothing to require
-
-
-def test_is_tracing_tells_traced_from_eager():
-    assert _traced.is_tracing(jnp.zeros(2)) is False
-    assert _traced.is_tracing({"a": 1}) is False
-    seen = []
-    jax.jit(lambda: seen.append(_traced.is_tracing()) or jnp.zeros(()))()  # constants only
-    jax.jit(lambda x: seen.append(_traced.is_tracing(x)) or x)(jnp.zeros(()))
-    jax.vmap(lambda x: seen.append(_traced.is_tracing(x)) or x)(jnp.zeros(2))
-    assert seen == [True, True, True]
 
 
 def test_widen_turns_packed_types_into_exact_bytes():

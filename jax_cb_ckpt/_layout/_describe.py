@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +273,27 @@ def describe_metrics(
             )
         names.append(name)
     return tuple(names), specs, leaves
+
+
+class Described(NamedTuple):
+    """What one save hands over, described (`describe_save`): the state's leaves, then
+    the metrics' (`specs`, `leaves`); the metrics' names; how many leaves are the
+    state's."""
+
+    specs: tuple[LeafSpec, ...]
+    leaves: list[Any]
+    metrics: tuple[str, ...]
+    state_leaves: int
+
+
+def describe_save(state: PyTree, metrics: PyTree) -> Described:
+    """`state` and `metrics=` (None: none) of one save, described in one pass: each leaf
+    checked (`describe_state`, `describe_metrics`)."""
+    _, specs, leaves = describe_state(state)
+    if metrics is None:
+        return Described(specs, leaves, (), len(specs))
+    names, metric_specs, metric_leaves = describe_metrics(metrics)
+    return Described(specs + metric_specs, leaves + metric_leaves, names, len(specs))
 
 
 # States described before: (treedef, prefix, abstract_ok, key paths, leaf keys) ->

@@ -4,8 +4,9 @@ One object owns everything the three share: the slots that bound saves in flight
 queue, the pending count, the steps handed over, the first writer error and the notes
 (warnings to emit in the user's thread). Each side uses its own methods:
 
-- callback side (inside JAX's callbacks, or an eager `save`): `claim`, `take_slot`,
-  `submit`, `supersede`, `unclaim`, `record`, `end_run`;
+- callback side (inside JAX's callbacks, or an eager `save`): `hand_over` (`admit`,
+  then the host's copy queued by `fill`, or its claim given back when the copy fails),
+  `record`, `end_run`; below them `claim`, `take_slot`, `submit`, `supersede`, `unclaim`;
 - writer thread: `next_item`, `finished`;
 - user thread: `drain`, `take_error`, `take_notes`, `forget`.
 
@@ -401,6 +402,28 @@ class Exchange:
             f"({self._queue_size} saves in flight, on_full='skip').",
         )
         return None
+
+    def hand_over(
+        self, step: int, owner: object, item: Callable[[Claim], SaveItem], *, in_callback: bool
+    ) -> int | None:
+        """One save handed over: its step admitted (`admit`), then `item(claim)` (the
+        host copy, run here in the caller's thread) queued (`fill`). The saves in
+        flight, or None when it is not to be written (`admit`)."""
+        claim = self.admit(step, owner, in_callback=in_callback)
+        if claim is None:
+            return None
+        return self.fill(claim, item)
+
+    def fill(self, claim: Claim, item: Callable[[Claim], SaveItem]) -> int:
+        """Queue the save `item(claim)` makes for a claim (its slot taken); when making
+        it fails, the claim and its slot are given back before the error propagates.
+        The saves in flight."""
+        try:
+            made = item(claim)
+        except BaseException:
+            self.unclaim_slot(claim)
+            raise
+        return self.submit(made)
 
     def unclaim_slot(self, claim: Claim) -> None:
         """A claimed save that will not be submitted after all: its step may come

@@ -25,6 +25,7 @@ XLA's own objects, left untyped: jaxlib has no types to name them by (see _cuda.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -295,7 +296,10 @@ class HostSide:
             ]
             return HostCopy(crossed, assembly.release)
 
-        self._submit(signature, members, copy_out, claim, blocking_s=assembly.blocking_s)
+        item = functools.partial(
+            self._item, signature, members, copy_out, blocking_s=assembly.blocking_s
+        )
+        self._stats.in_flight(self._exchange.fill(claim, item))
 
     def _settle(self, assembly: _assembly.Assembly) -> None:
         """A per-device save that will not be written: its staging and its slot (and the
@@ -378,14 +382,9 @@ class HostSide:
         jax.Array on the CPU is kept as it is (`_immutable_view`), with no copy."""
         start = time.perf_counter()
         self._check_open()
+        copy_out = self._staged(hosts)
         self._hand_over(
-            signature,
-            step,
-            np.asarray(True),
-            start,
-            self._staged(hosts),
-            in_callback=False,
-            owner=None,
+            signature, step, np.asarray(True), start, copy_out, in_callback=False, owner=None
         )
 
     def _staged(self, arrays: Sequence[np.ndarray | jax.Array]) -> Callable[[], HostCopy]:
@@ -440,13 +439,16 @@ class HostSide:
         owner: object,
         member_steps: np.ndarray | None = None,
     ) -> None:
-        claim = self._exchange.admit(step, owner, in_callback=in_callback)
-        if claim is not None:
-            self._submit(
-                signature, members, copy_out, claim, start=start, member_steps=member_steps
-            )
+        """Hand one save to the exchange, which admits its step, has `copy_out` run (in
+        this thread, while the device waits) and queues it (`Exchange.hand_over`)."""
+        item = functools.partial(
+            self._item, signature, members, copy_out, start=start, member_steps=member_steps
+        )
+        in_flight = self._exchange.hand_over(step, owner, item, in_callback=in_callback)
+        if in_flight is not None:
+            self._stats.in_flight(in_flight)
 
-    def _submit(
+    def _item(
         self,
         signature: Signature,
         members: np.ndarray,
@@ -456,24 +458,21 @@ class HostSide:
         start: float | None = None,
         blocking_s: float = 0.0,
         member_steps: np.ndarray | None = None,
-    ) -> None:
-        """Queue a claimed save (its slot taken): the claim travels with it to the
-        writer. The device waited `blocking_s`, or from `start` until now.
-        `member_steps`: each member's own step, where some differ from the save's."""
+    ) -> SaveItem:
+        """The item of a claimed save, its leaves in host memory (`copy_out`) as the
+        writer takes them (`Signature.assemble`). The device waited `blocking_s`, or
+        from `start` until now. `member_steps`: each member's own step, where some
+        differ from the save's."""
         copying = time.perf_counter()
-        try:
-            crossed, release, ready = copy_out()
-            hosts = signature.assemble(crossed, members.shape)
-            nbytes = sum(h.nbytes for h in hosts)
-        except BaseException:
-            self._exchange.unclaim_slot(claim)
-            raise
+        crossed, release, ready = copy_out()
+        hosts = signature.assemble(crossed, members.shape)
+        nbytes = sum(h.nbytes for h in hosts)
         saved_at = time.time()
         end = time.perf_counter()
         if start is not None:
             blocking_s = end - start
         self._stats.handed_off(blocking_s)
-        item = SaveItem(
+        return SaveItem(
             claim,
             signature,
             hosts,
@@ -486,7 +485,6 @@ class HostSide:
             ready,
             member_steps,
         )
-        self._stats.in_flight(self._exchange.submit(item))
 
 
 def _immutable_view(array: np.ndarray | jax.Array) -> np.ndarray | None:

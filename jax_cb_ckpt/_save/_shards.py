@@ -1,8 +1,9 @@
 """Per-device saves of sharded states (`maybe_save(..., shardings=...)`): what such a
 save is, shared by the stages that handle it.
 
-- `Layout` (built by `layout_of` when the save is planned, `_route.py`): the mesh, how
-  each leaf is split over it, and which block of a leaf each device holds.
+- `Layout` (built by `layout_of` when the save is planned, `_route.py`, from the
+  shardings `chosen` for it): the mesh, how each leaf is split over it, and which block
+  of a leaf each device holds.
 - Traced side (`_traced.py`): inside the save's `lax.cond`, a `shard_map` over the
   shardings' mesh runs the crossing on every device with only that device's block of
   each leaf, plus the device's coordinates in the mesh (`lax.axis_index` per mesh axis).
@@ -23,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .._base._errors import InvalidStateError, where
 
@@ -82,8 +85,10 @@ class Layout:
             index.append(slice(tile * length, (tile + 1) * length))
         return tuple(index)
 
-    def spec(self, leaf: int) -> PartitionSpec:
-        return PartitionSpec(*(names or None for names in self.dims[leaf]))
+    @property
+    def partition_specs(self) -> tuple[PartitionSpec, ...]:
+        """Each crossing leaf's PartitionSpec (the shard_map's `in_specs`)."""
+        return tuple(PartitionSpec(*(names or None for names in dims)) for dims in self.dims)
 
     def global_shape(self, leaf: int, block: tuple[int, ...]) -> tuple[int, ...]:
         size = dict(zip(self.axis_names, self.axis_sizes, strict=True))
@@ -94,12 +99,70 @@ class Layout:
         )
 
 
+def chosen(
+    given: Sequence[Sharding] | None,
+    leaves: Sequence[object],
+    crossing: Sequence[int],
+    state_leaves: int,
+) -> Sequence[Sharding] | None:
+    """The shardings a traced save's crossing leaves (`crossing`, indices into `leaves`)
+    go by: `given` (`shardings=`, one per leaf of the state), else the ones the trace
+    knows (`_explicit_shardings`). The metrics (scalars, after the state's
+    `state_leaves`) go along, replicated on the same mesh. None: the save is gathered."""
+    of_state = [i for i in crossing if i < state_leaves]
+    if given is not None:
+        shardings: Sequence[Sharding] | None = [given[i] for i in of_state]
+    else:
+        shardings = _explicit_shardings([leaves[i] for i in of_state])
+    if not shardings:
+        return None
+    extra = len(crossing) - len(of_state)
+    if extra:
+        mesh = getattr(shardings[0], "mesh", None)
+        if mesh is None:
+            return None
+        shardings = [*shardings, *[NamedSharding(mesh, PartitionSpec())] * extra]
+    return shardings
+
+
+def _explicit_shardings(leaves: Sequence[object]) -> list[NamedSharding] | None:
+    """The leaves' shardings when the trace knows them (a mesh with explicit axes, as
+    `jax.make_mesh` makes by default) and at least one leaf is split; else None."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None  # inside shard_map: the gather path (axis_name=)
+    found: list[NamedSharding | None] = []
+    split = False
+    for leaf in leaves:
+        sharding = None
+        if isinstance(leaf, (Tracer, jax.Array)):
+            try:
+                sharding = jax.typeof(leaf).sharding
+            except (AttributeError, TypeError):
+                sharding = None
+        if not isinstance(sharding, NamedSharding):
+            found.append(None)
+            continue
+        explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+        if not explicit:
+            found.append(None)
+            continue
+        split = split or any(entry is not None for entry in sharding.spec)
+        found.append(sharding)
+    if not split:
+        return None
+    meshes = {(s.mesh.axis_names, s.mesh.axis_sizes) for s in found if s is not None}
+    if len(meshes) != 1 or any(s is None for s in found):
+        return None  # mixed: save gathered
+    return cast(list[NamedSharding], found)  # (no None in it: checked above)
+
+
 def layout_of(
-    shardings: Sequence[NamedSharding],
+    shardings: Sequence[Sharding],
     payload: Sequence[jax.Array],
     names: Sequence[str],
 ) -> tuple[Layout, Mesh | AbstractMesh]:
-    """The Layout of the crossing leaves, from one NamedSharding per leaf; the mesh.
+    """The Layout of the crossing leaves, from one NamedSharding per leaf (another kind
+    is refused, naming the leaf); the mesh.
 
     Checks what the shard_map will need, naming the leaf: one mesh for all leaves, a
     spec no longer than the leaf's rank, dimensions divisible by their axes' sizes.

@@ -47,13 +47,12 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from .._base._dtypes import PACKED_AS, packed
 from .._base._errors import InvalidStateError, shown, where
-from .._base._types import Gather, PyTree
+from .._base._types import Gather
 from .._layout._format import MAX_STEP
 from ._shards import Layout
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
-    from jax.typing import ArrayLike
 
     from .._layout._spec import Signature
 
@@ -119,44 +118,6 @@ def check_step(step: Any) -> int | None:
     return value
 
 
-def traced_step(step: ArrayLike, value: int | None) -> jax.Array:
-    """`step` as the integer array that crosses through JAX (checked to fit)."""
-    if value is not None:
-        dtype = jax.dtypes.canonicalize_dtype(getattr(step, "dtype", np.int64))
-        if value > np.iinfo(dtype).max:
-            raise InvalidStateError(
-                f"{where()}: step {value} does not fit {np.dtype(dtype).name}, JAX's integer "
-                "type here (jax_enable_x64 is off), and would wrap around. Fix: enable "
-                "x64 (jax.config.update('jax_enable_x64', True)), save eagerly (outside "
-                "jit, where steps are exact), or number steps below 2**31."
-            )
-        return jnp.asarray(value, dtype)
-    return jnp.asarray(step)
-
-
-def is_tracing(*values: PyTree) -> bool:
-    """Are we inside a trace (jit, scan, vmap, grad, ...) rather than running eagerly?
-
-    Either an argument is a tracer, or a fresh array is one: inside `jit` even a function
-    of constants only is staged out and runs later, so it must save at run time.
-    """
-    leaves = jax.tree_util.tree_leaves(values)
-    if any(isinstance(leaf, Tracer) for leaf in leaves):
-        return True
-    if _trace_state_clean is not None and _trace_state_clean():
-        return False  # no trace at all (JAX's own test; 0.1 ms less than the array's)
-    return isinstance(jnp.zeros(()), Tracer)
-
-
-# JAX's "no trace and no named axis is active" (private; where it is missing, the fresh
-# array alone decides). True only where jnp.zeros(()) would be concrete.
-_trace_state_clean: Callable[[], bool] | None
-try:
-    from jax._src.core import trace_state_clean as _trace_state_clean
-except ImportError:  # pragma: no cover - a JAX that moved it
-    _trace_state_clean = None
-
-
 def check_when(when: Any) -> jax.Array:
     """`when` (whatever the user passed: hence `Any`) as a boolean scalar array, or an
     error that says how to fix it."""
@@ -172,31 +133,6 @@ def check_when(when: Any) -> jax.Array:
             "when=(step % 500 == 0) | done."
         )
     return jnp.asarray(when)
-
-
-def check_axis_name(axis_name: Hashable | None) -> None:
-    """Inside `pmap`/`shard_map` every device would save its own part as the same step:
-    require `axis_name`, and that it names a mapped axis."""
-    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    if axis_name is None and manual:
-        raise InvalidStateError(
-            f"{where()} is inside pmap/shard_map over axes {manual}: every device would "
-            f"save its own part of the state as the same step. Fix: pass "
-            f"axis_name={manual[0]!r} (add gather='replicated' if the state is the same "
-            "on every device, gather='concat' to concatenate shard_map blocks)."
-        )
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if axis_name is not None and manual and not set(names) <= set(manual):
-        raise InvalidStateError(
-            f"{where()}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
-            f"mapped axes are {manual}."
-        )
-
-
-def axis_size(axis_name: Hashable) -> int:
-    """How many devices the mapped axis (or axes) `axis_name` spans, while tracing."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    return int(np.prod([jax.lax.axis_size(name) for name in names]))
 
 
 class Host(Protocol):
@@ -375,7 +311,7 @@ def cross_sharded(
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     wanted = jnp.asarray(True) if wanted is None else wanted
-    specs = [layout.spec(i) for i in range(len(payload))]
+    specs = layout.partition_specs
     by_buffer = _per_device_by_buffer(by_buffer)
     replicated = jax.sharding.PartitionSpec()
 

@@ -3,6 +3,7 @@ the writer thread and restore together; each lives in its own module."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -38,9 +39,9 @@ from .._base._types import (
     OnFull,
     PyTree,
 )
-from .._layout import _describe, _format
+from .._layout import _format
 from .._read import _plain, _rebuild, _restore, _resume, _steps
-from .._save import _route, _traced
+from .._save import _route, _traced, _values
 from .._save._exchange import Closed, Exchange
 from .._save._host import HostSide, probe_callback_arrays
 from .._save._stats import Stats, StatsRecorder
@@ -204,7 +205,7 @@ class Checkpointer:
         self._stop = StopFlag()
         self._closed = False
         self._stats = StatsRecorder()
-        self._told_best: set[tuple[str, ...]] = set()  # (_check_best)
+        self._told_best: set[tuple[str, ...]] = set()  # (_cross: metrics without `best`)
         seconds = options.when.every_seconds
         self._clock = None if seconds is None else SaveClock(seconds, self._stats)
         # refuses a second live writer of this directory (one per process of a run)
@@ -372,18 +373,11 @@ class Checkpointer:
             wanted, condition = True, _traced.check_when(when)
         if last_step is not None:
             wanted, condition = _or_last(step, step_value, last_step, wanted, condition)
-        if callable(metrics) and wanted:  # computed only where a save is made
-            metrics = _scan.metrics_at_save(metrics, state, condition)
-        elif callable(metrics):
-            metrics = None
-        self._check_best(metrics)
-        if not wanted:
-            _describe.describe_state(state)  # still check the state
-            return
         self._cross(
             _route.Request(
                 state, step, step_value, condition, axis_name, gather, shardings, metrics
-            )
+            ),
+            wanted=wanted,
         )
 
     def _default_predicate(
@@ -406,7 +400,7 @@ class Checkpointer:
             if clock is None or step_value % check != 0:
                 return False, None
             return True, clock.traced(jnp.asarray(step_value), in_loop=True)  # asked at run
-        traced = _traced.traced_step(step, None)
+        traced = _values.traced_step(step, None)
         conditions = []
         if every is not None:
             conditions.append(traced % every == 0)
@@ -432,69 +426,63 @@ class Checkpointer:
         """
         self._check_usable()
         step_value = _traced.check_step(step)
-        if callable(metrics):
-            metrics = metrics(state)
-        self._check_best(metrics)
         self._cross(
             _route.Request(state, step, step_value, None, axis_name, gather, shardings, metrics)
         )
 
-    def _check_best(self, metrics: PyTree) -> None:
-        """`metrics=` checked (while tracing, or at an eager call); a warning, once per
-        set of names, when they lack the metric `keep_best` ranks by: a misspelt `best`
-        would otherwise keep none of the steps silently."""
-        if metrics is None:
-            return
-        names = _describe.describe_metrics(metrics)[0]
-        best = self._options.keep.best
-        if best is None or best in names or names in self._told_best:
-            return
-        self._told_best.add(names)
-        _warn.warn(
-            f"{where()}(metrics=...): the metrics are {list(names)}, without {best!r}, the "
-            f"metric keep_best ranks by (best={best!r}): these steps never count as best. "
-            f"Fix: pass best= the name of one of them, or add {best!r} to metrics.",
-            CheckpointWarning,
-        )
-
-    def _cross(self, request: _route.Request) -> None:
-        """One save on its way: planned (`_route`), then handed over eagerly or through
-        the traced crossing."""
+    def _cross(self, request: _route.Request, *, wanted: bool = True) -> None:
+        """One save on its way: its metrics computed (a function of the state: on the
+        device, only where it saves), planned (`_route`: checked and described, also
+        when not `wanted`; metrics without `keep_best`'s are warned about), then through
+        the traced crossing or handed over eagerly."""
+        if callable(request.metrics):
+            metrics = None
+            if wanted:
+                metrics = _scan.metrics_at_save(request.metrics, request.state, request.condition)
+            request = dataclasses.replace(request, metrics=metrics)
         processes = 1 if self._group is None else self._group.count
-        route = _route.plan(request, processes=processes)
-        if route is None:
-            return
-        if isinstance(route, _route.Eager):
+        route = _route.plan(request, processes=processes, wanted=wanted)
+        names, best = route.metrics, self._options.keep.best
+        if names and best is not None and best not in names and names not in self._told_best:
+            # Once per set of names: a misspelt `best` would keep none of the steps.
+            self._told_best.add(names)
+            _warn.warn(
+                f"{where()}(metrics=...): the metrics are {list(names)}, without {best!r}, "
+                f"the metric keep_best ranks by (best={best!r}): these steps never count as "
+                f"best. Fix: pass best= the name of one of them, or add {best!r} to metrics.",
+                CheckpointWarning,
+            )
+        if isinstance(route, _route.Traced):
+            crossing = self._options.where.crossing
+            by_buffer = crossing == "buffer" or (crossing == "auto" and _traced.buffer_by_default())
+            if route.layout is not None:
+                assert route.mesh is not None  # (a route's layout and mesh are set together)
+                _traced.cross_sharded(
+                    self._host,
+                    route.signature,
+                    route.layout,
+                    route.mesh,
+                    route.step,
+                    route.payload,
+                    request.condition,
+                    by_buffer=by_buffer,
+                )
+                return
+            _traced.cross(
+                self._host,
+                route.signature,
+                route.step,
+                route.payload,
+                request.condition,
+                axis_name=request.axis_name,
+                gather=request.gather,
+                by_buffer=by_buffer,
+            )
+        elif isinstance(route, _route.Eager):
             # No JAX callback: every leaf is copied into host memory the library keeps,
             # with its exact dtype, before this call returns.
             self._host.eager(route.signature, route.step, route.hosts)
             self._raise_writer_error()
-            return
-        crossing = self._options.where.crossing
-        by_buffer = crossing == "buffer" or (crossing == "auto" and _traced.buffer_by_default())
-        if route.layout is not None:
-            assert route.mesh is not None  # (a route's layout and mesh are set together)
-            _traced.cross_sharded(
-                self._host,
-                route.signature,
-                route.layout,
-                route.mesh,
-                route.step,
-                route.payload,
-                request.condition,
-                by_buffer=by_buffer,
-            )
-            return
-        _traced.cross(
-            self._host,
-            route.signature,
-            route.step,
-            route.payload,
-            request.condition,
-            axis_name=request.axis_name,
-            gather=request.gather,
-            by_buffer=by_buffer,
-        )
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -1034,7 +1022,7 @@ def _or_last(
         return True, None  # saved anyway
     if step_value is not None and last_value is not None:
         return (True, None) if step_value == last_value else (wanted, condition)
-    is_last = _traced.traced_step(step, step_value) == _traced.traced_step(last_step, last_value)
+    is_last = _values.traced_step(step, step_value) == _values.traced_step(last_step, last_value)
     if not wanted:
         return True, is_last
     assert condition is not None
