@@ -3,7 +3,8 @@ refuses saves and `with` (`CheckpointerClosedError`, saying to create a new one)
 `close()` stays idempotent; the `with` block waits for every save before it returns;
 `save_due` needs `every_seconds`; a copy is the same object and pickling is refused; a
 second Checkpointer on an open directory is refused, and allowed once it is closed;
-`request_stop` sets the flag loops read."""
+`request_stop` sets the flag loops read; a `maybe_save` at a step that does not save
+still refuses what a save would."""
 
 import copy
 import pickle
@@ -14,7 +15,12 @@ import numpy as np
 import pytest
 
 import jax_cb_ckpt
-from jax_cb_ckpt import CheckpointerClosedError, ConfigError, DirectoryLockedError
+from jax_cb_ckpt import (
+    CheckpointerClosedError,
+    ConfigError,
+    DirectoryLockedError,
+    InvalidStateError,
+)
 
 STATE = {"w": jnp.arange(4.0)}
 
@@ -61,6 +67,28 @@ def test_a_save_inside_jit_is_on_disk_after_wait(make_ckpt, ckpt_dir):
     assert jax_cb_ckpt.all_steps(ckpt_dir) == [0, 2]
     restored = ckpt.restore(STATE)
     np.testing.assert_array_equal(restored["w"], STATE["w"] + 2)
+
+
+def test_a_step_that_does_not_save_refuses_what_a_save_would(make_ckpt, ckpt_dir):
+    """A `maybe_save` at a step that does not save (eager, or a Python step under jit)
+    still checks its arguments, state and metrics: the mistake shows at the first call,
+    and nothing reaches the disk. What is fine passes, and keep_best's missing metric is
+    warned about there too."""
+    ckpt = make_ckpt(every=1000, keep_best=2, best="return")
+    good = {"w": np.ones(3, np.float32)}
+    with pytest.raises(InvalidStateError, match=r"^maybe_save: .*state\['w'\]"):
+        ckpt.maybe_save({"w": "text"}, 3)
+    with pytest.raises(ConfigError, match=r"^maybe_save\(gather='sum'\)"):
+        ckpt.maybe_save(good, 3, gather="sum")
+    with pytest.raises(InvalidStateError, match=r"^maybe_save\(metrics=\.\.\.\).*a metric is"):
+        ckpt.maybe_save(good, 3, metrics={"return": np.ones((2, 2))})
+    with pytest.raises(InvalidStateError, match="not a prefix"):
+        jax.jit(lambda s: ckpt.maybe_save(s, 3, shardings=[None, None]))(good)
+    with pytest.warns(jax_cb_ckpt.CheckpointWarning, match="without 'return'"):
+        ckpt.maybe_save(good, 3, metrics={"loss": 1.0})
+    ckpt.maybe_save(good, 3, metrics=lambda s: {"return": s["w"].sum()})  # not called
+    ckpt.wait()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [] and ckpt.stats.saves == 0
 
 
 def test_save_due_needs_every_seconds(make_ckpt):

@@ -312,7 +312,8 @@ class Checkpointer:
         step that saves, the device waits only for the hand-off of the state to host
         memory; the write runs in the writer thread. Outside any trace the state is
         copied before `maybe_save` returns: changing a numpy array afterwards does not
-        change the checkpoint.
+        change the checkpoint. Every call checks its arguments, state and metrics, also
+        at a step that does not save.
 
         Under `vmap` one checkpoint holds the whole batch (a leading axis per vmap); it
         is made on a step where any member's predicate holds, and records which members
