@@ -318,15 +318,14 @@ def _read_step(
     member: int | tuple[int, ...] | None,
     named: bool,
 ) -> Any:
-    treedef, like_specs, like_leaves = _describe.describe_state(
-        like, prefix="like", abstract_ok=True
-    )
+    described = _describe.describe_state(like, prefix="like", abstract_ok=True)
+    treedef, like_specs, like_leaves = described
     opened = _steps.open_step(storage, step, "restore" if named else None)
     seen, meta = opened.identity, _steps.parsed(opened.meta)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
         index = _member_index(member, meta)
-        return _restore_member(storage, opened, meta, like, index, verify)
+        return _restore_member(storage, opened, meta, described, index, verify)
     if batch:
         _check_batched_like(like_specs, saved_specs, batch)
     _rebuild.check_like(like_specs, saved_specs)
@@ -477,29 +476,28 @@ def _restore_member(
     storage: Storage,
     opened: OpenedStep,
     meta: _format.StepMeta,
-    like: Any,
+    described: tuple[Any, tuple[_spec.LeafSpec, ...], list[Any]],
     index: tuple[int, ...],
     verify: bool,
 ) -> Any:
-    """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch)."""
+    """One member of a batched checkpoint, read chunk by chunk (no Orbax, no batch), into
+    the `like` `_read_step` described (`described`: treedef, specs, leaves)."""
     step = opened.step
     shown = index[0] if len(index) == 1 else index
     with calling(f"restore(step={step}, member={shown}) from {storage.path!r}"):
-        return _read_member(storage, opened, meta, like, index, verify)
+        return _read_member(storage, opened, meta, described, index, verify)
 
 
 def _read_member(
     storage: Storage,
     opened: OpenedStep,
     meta: _format.StepMeta,
-    like: Any,
+    described: tuple[Any, tuple[_spec.LeafSpec, ...], list[Any]],
     index: tuple[int, ...],
     verify: bool,
 ) -> Any:
     step, seen = opened.step, opened.identity
-    treedef, like_specs, like_leaves = _describe.describe_state(
-        like, prefix="like", abstract_ok=True
-    )
+    treedef, like_specs, like_leaves = described
     batch = meta.batch_shape
     n = len(batch)
     batched = {s.name for s in meta.leaves if s.shape[:n] == batch}
