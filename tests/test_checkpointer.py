@@ -82,6 +82,8 @@ def test_a_step_that_does_not_save_refuses_what_a_save_would(make_ckpt, ckpt_dir
         ckpt.maybe_save(good, 3, gather="sum")
     with pytest.raises(InvalidStateError, match=r"^maybe_save\(metrics=\.\.\.\).*a metric is"):
         ckpt.maybe_save(good, 3, metrics={"return": np.ones((2, 2))})
+    with pytest.raises(InvalidStateError, match=r"^maybe_save\(axis_name='i'\): no axis"):
+        ckpt.maybe_save(good, 3, axis_name="i")
     with pytest.raises(InvalidStateError, match="not a prefix"):
         jax.jit(lambda s: ckpt.maybe_save(s, 3, shardings=[None, None]))(good)
     with pytest.warns(jax_cb_ckpt.CheckpointWarning, match="without 'return'"):

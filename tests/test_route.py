@@ -255,3 +255,16 @@ def test_inside_shard_map_the_axis_name_must_be_mapped():
         _in_shard_map(lambda: _route.check_axis_name("e"))
     _in_shard_map(lambda: _route.check_axis_name("d"))
     _route.check_axis_name(None)  # outside any map: nothing to require
+
+
+def test_an_axis_name_no_transformation_binds_is_refused_by_name():
+    """Outside pmap/shard_map an `axis_name` must still name a bound axis (a named vmap's
+    is one); else the save would end in JAX's bare "unbound axis name"."""
+    with (
+        calling("save"),
+        pytest.raises(InvalidStateError, match=r"^save\(axis_name='i'\): no axis 'i'"),
+    ):
+        _route.check_axis_name("i")
+    seen = []
+    jax.vmap(lambda x: seen.append(_route.check_axis_name("i")) or x, axis_name="i")(jnp.ones(2))
+    assert seen == [None]

@@ -162,13 +162,13 @@ def _check_arguments(
             f"{where()}: gather={gather!r} says how to gather over a device axis; it "
             "needs axis_name= (the pmap/shard_map axis name)."
         )
-    check_axis_name(axis_name)
     if shardings is not None and axis_name is not None:
         raise ConfigError(
             f"{where()}: shardings= is for a sharded state under jit; inside pmap/"
             "shard_map (axis_name=) each device already holds its block. Pass one "
             "of the two."
         )
+    check_axis_name(axis_name)
     if metrics is None:
         return
     if gather == "concat":
@@ -188,7 +188,8 @@ def _check_arguments(
 
 def check_axis_name(axis_name: Hashable | None) -> None:
     """Inside `pmap`/`shard_map` every device would save its own part as the same step:
-    require `axis_name`, and that it names a mapped axis."""
+    require `axis_name`, and that it names a mapped axis; outside, refuse an
+    `axis_name` no transformation binds."""
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
     if axis_name is None and manual:
         raise InvalidStateError(
@@ -197,12 +198,24 @@ def check_axis_name(axis_name: Hashable | None) -> None:
             f"axis_name={manual[0]!r} (add gather='replicated' if the state is the same "
             "on every device, gather='concat' to concatenate shard_map blocks)."
         )
+    if axis_name is None:
+        return
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if axis_name is not None and manual and not set(names) <= set(manual):
+    if manual and not set(names) <= set(manual):
         raise InvalidStateError(
             f"{where()}: axis_name={axis_name!r} is not a pmap/shard_map axis here; the "
             f"mapped axes are {manual}."
         )
+    if not manual:  # outside any map: a named axis (vmap's) may still be bound
+        for name in names:
+            try:
+                jax.lax.axis_size(name)
+            except NameError as e:  # JAX's "unbound axis name", raised at the save
+                raise InvalidStateError(
+                    f"{where()}(axis_name={axis_name!r}): no axis {name!r} is mapped here "
+                    "(outside pmap/shard_map). Fix: leave axis_name out, or call it "
+                    "inside the pmap/shard_map over that axis."
+                ) from e
 
 
 def _per_leaf_shardings(shardings: PyTree, state: PyTree) -> list[Sharding] | None:
