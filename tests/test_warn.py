@@ -1,5 +1,6 @@
 """`_base/_warn.py`: `warn` attributes a warning to the first frame outside the package
-(the user's line), however many of the package's own frames lie between."""
+(the user's line), however many of the package's own frames lie between, and passing
+over JAX's frames where our call runs through them (`ckpt.scan` tracing its body)."""
 
 import sys
 import types
@@ -76,3 +77,76 @@ def test_in_a_thread_that_starts_in_the_package_it_points_at_threading():
     thread.join()
     assert len(caught) == 1
     assert caught[0].filename == threading.__file__
+
+
+def _compiled(code, filename, **names):
+    namespace = dict(names)
+    exec(compile(code, filename, "exec"), namespace)
+    return namespace
+
+
+def test_jax_frames_between_ours_are_passed_over():
+    """`ckpt.scan`'s case: our call traces a body of ours inside JAX (`lax.scan`), and
+    the body warns: the warning still points at the user's line."""
+    import jax
+
+    jax_file = _warn._jax_folders()[0] + "_src/_fake_tracing.py"
+    assert jax_file.startswith(jax.__file__.rsplit("__init__.py", 1)[0])
+    ours = _compiled(
+        "def body():\n    warn('in the body', category)\n",
+        _warn._PACKAGE + "_fake_body.py",
+        warn=_warn.warn,
+        category=CheckpointWarning,
+    )
+    tracing = _compiled("def trace(f):\n    f()\n", jax_file)
+    entry = _compiled(
+        "def public():\n    trace(body)\n",
+        _warn._PACKAGE + "_fake_entry.py",
+        trace=tracing["trace"],
+        body=ours["body"],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        entry["public"]()
+    assert [(c.filename, c.lineno) for c in caught] == [(__file__, line)]
+
+
+def test_a_user_function_jax_calls_is_the_users_line():
+    """A user's step function that saves, traced by JAX: the user's own line in it (the
+    first frame outside ours that is not JAX's), not the outer call."""
+    jax_file = _warn._jax_folders()[0] + "_src/_fake_tracing.py"
+    ours = _compiled(
+        "def maybe_save():\n    warn('here', category)\n",
+        _warn._PACKAGE + "_fake_save.py",
+        warn=_warn.warn,
+        category=CheckpointWarning,
+    )
+    lines = []
+
+    def user_step():
+        lines.append(sys._getframe().f_lineno + 1)
+        ours["maybe_save"]()
+
+    tracing = _compiled("def trace(f):\n    f()\n", jax_file)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracing["trace"](user_step)
+    assert [(c.filename, c.lineno) for c in caught] == [(__file__, lines[0])]
+
+
+def test_a_keep_best_warning_from_ckpt_scan_points_at_the_scan_call(make_ckpt):
+    import jax.numpy as jnp
+
+    ckpt = make_ckpt(every=2, keep_best=1, best="return")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        ckpt.scan(
+            lambda c, _: (c + 1, None), jnp.zeros(()), length=4, metrics=lambda c: {"loss": c}
+        )
+    ours = [c for c in caught if issubclass(c.category, CheckpointWarning)]
+    assert ours and all((c.filename, c.lineno) == (__file__, line) for c in ours), [
+        (c.filename, c.lineno, str(c.message)[:60]) for c in ours
+    ]
+    assert "without 'return'" in str(ours[0].message)
