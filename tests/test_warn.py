@@ -12,6 +12,14 @@ from jax_cb_ckpt import CheckpointWarning
 from jax_cb_ckpt._base import _warn
 
 
+def _compiled(code, filename, **names):
+    """The names `code` defines, compiled as if it were the file `filename` (a file of
+    the package, or of JAX), with `names` in scope."""
+    namespace = dict(names)
+    exec(compile(code, filename, "exec"), namespace)
+    return namespace
+
+
 def _package_frames(depth):
     """A function compiled as if it were a file of the package, calling `warn` through
     `depth` of its own frames (as a public call reaches a warning through ours)."""
@@ -22,8 +30,9 @@ def _package_frames(depth):
         "    else:\n"
         "        inner(n - 1)\n"
     )
-    namespace = {"warn": _warn.warn, "category": CheckpointWarning}
-    exec(compile(code, _warn._PACKAGE + "_fake_module.py", "exec"), namespace)
+    namespace = _compiled(
+        code, _warn._PACKAGE + "_fake_module.py", warn=_warn.warn, category=CheckpointWarning
+    )
     return namespace["inner"]
 
 
@@ -69,20 +78,15 @@ def test_in_a_thread_that_starts_in_the_package_it_points_at_threading():
         "        warn('from our thread', category)\n"
         "    out.extend(got)\n"
     )
-    namespace = {"warn": _warn.warn, "category": CheckpointWarning}
-    exec(compile(code, _warn._PACKAGE + "_fake_writer.py", "exec"), namespace)
+    namespace = _compiled(
+        code, _warn._PACKAGE + "_fake_writer.py", warn=_warn.warn, category=CheckpointWarning
+    )
     caught = []
     thread = threading.Thread(target=namespace["target"], args=(caught,))
     thread.start()
     thread.join()
     assert len(caught) == 1
     assert caught[0].filename == threading.__file__
-
-
-def _compiled(code, filename, **names):
-    namespace = dict(names)
-    exec(compile(code, filename, "exec"), namespace)
-    return namespace
 
 
 def test_jax_frames_between_ours_are_passed_over():
