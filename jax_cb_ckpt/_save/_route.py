@@ -52,7 +52,9 @@ class Request:
     axis_name: Hashable | None = None
     gather: Gather = "stack"
     shardings: PyTree = None
-    metrics: PyTree = None  # scalars recorded with the step (None: none)
+    # Scalars recorded with the step (None: none); from the façade also a function of the
+    # state, which `Checkpointer._cross` computes before `plan` sees the request.
+    metrics: PyTree = None
 
 
 @dataclasses.dataclass(frozen=True)
