@@ -1,5 +1,5 @@
 """Strict settings for every test: several CPU devices, rank promotion raises,
-warnings are errors (see pyproject.toml)."""
+our own warnings are errors, upstream ones shown (see pyproject.toml)."""
 
 import os
 import subprocess

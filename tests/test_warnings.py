@@ -10,6 +10,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from helpers import ROOT, run_child
 
 import jax_cb_ckpt
 from jax_cb_ckpt import DamagedStepWarning, DuplicateStepWarning
@@ -99,3 +100,66 @@ def test_a_damaged_step_is_reported_at_the_user_s_checkpointer_call(tmp_path, ca
             "restore": lambda: ckpt.restore(STATE),
         }
         _points_at_this_file(_issued(calls[call]), DamagedStepWarning)
+
+
+# -- the suite's own warning filters (pyproject.toml) ------------------------------------
+# Only our own warnings are errors: an upstream release that deprecates something at import
+# (jax 0.12.1 + orbax-checkpoint 0.12.8: "SingleDeviceSharding is deprecated", raised while
+# Orbax was imported) must not stop a user's `pytest` before one test ran.
+
+_UPSTREAM = """
+import warnings
+
+warnings.warn("fake_upstream.OldThing is deprecated", DeprecationWarning, stacklevel=2)
+"""
+
+_TESTS = """
+import warnings
+
+import fake_upstream  # warns at import, that is while pytest collects this file
+
+import jax_cb_ckpt
+
+
+def test_an_upstream_warning_is_shown():
+    warnings.warn("fake_upstream.call is deprecated", DeprecationWarning)
+
+
+def test_a_warning_of_ours_fails():
+    warnings.warn("ours", jax_cb_ckpt.DuplicateStepWarning)
+
+
+def test_a_deprecated_call_from_our_code_fails():
+    warnings.warn_explicit(
+        "jax.old_api is deprecated", DeprecationWarning, "_traced.py", 1,
+        module="jax_cb_ckpt._save._traced",
+    )
+"""
+
+
+def test_an_upstream_deprecation_at_import_never_fails_the_suite_and_ours_do(tmp_path):
+    (tmp_path / "fake_upstream.py").write_text(_UPSTREAM)
+    (tmp_path / "test_fake.py").write_text(_TESTS)
+    ran = run_child(
+        [
+            "python",
+            "-m",
+            "pytest",
+            "-c",
+            os.path.join(ROOT, "pyproject.toml"),
+            "--rootdir",
+            tmp_path,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            tmp_path / "test_fake.py",
+        ],
+        cwd=tmp_path,
+    )
+    out = ran.stdout + ran.stderr
+    assert "error" not in out.splitlines()[-1], out  # collected: no collection error
+    assert "2 failed, 1 passed" in out, out
+    assert "fake_upstream.OldThing is deprecated" in out, out  # shown in the summary
+    assert "fake_upstream.call is deprecated" in out, out
+    assert "FAILED test_fake.py::test_a_warning_of_ours_fails" in out, out
+    assert "FAILED test_fake.py::test_a_deprecated_call_from_our_code_fails" in out, out
