@@ -1,9 +1,10 @@
 """Exact resume in the shape users write (issue 34), on a PureJaxRL-shaped trainer of 4
 seeds under `jit(vmap)` (tests/purejaxrl_worker.py):
 
-- its bits change when the initial state is built inside the jitted function: a run
-  in PureJaxRL's own shape cannot be resumed exactly (the resume must pass the state
-  in: another program), which is why the recommended shape exists;
+- a run in PureJaxRL's own shape (the initial state built inside the jitted function)
+  restores exactly what it saved, but its resume is another program (the state passed
+  in): its bits may change, in the last places, as XLA compiles it; which is why the
+  recommended shape exists;
 - the recommended shape (`ckpt.restore_or_init`, the state and start passed in),
   SIGKILLed mid-run and run again, ends bit for bit as the uninterrupted run, for every
   seed;
@@ -48,19 +49,22 @@ def _differing(a, b):
 
 def test_the_initial_state_built_inside_train_is_another_program(tmp_path):
     """PureJaxRL's shape, `jit(vmap(train))(rngs)` with the initial state built inside
-    `train`: resumed from update 12 the only way a resume can (the restored state passed
-    in), it ends in other bits than its uninterrupted run, in the last place. The
-    library restored exactly what was saved; XLA compiled init-plus-updates apart from
-    updates alone."""
+    `train`, resumed from update 12 the only way a resume can (the restored state passed
+    in). What is guaranteed: the library restores exactly what the fresh run saved (its
+    final step restores as its final state, bit for bit), and the resumed run, another
+    program, differs from the uninterrupted one at most in the last places. Whether it
+    differs at all is XLA's choice: 35 of 52 leaves on a PPO trainer with jax 0.10.2, none
+    of this test's with jax 0.12.1."""
     with jax_cb_ckpt.Checkpointer(tmp_path / "naive", every=worker.EVERY) as ckpt:
         fresh = jax.jit(jax.vmap(worker.make_train_inside(ckpt)))(worker.keys())
         like = jax.eval_shape(jax.vmap(worker.init), worker.keys())
         middle = ckpt.restore(like, step=RESUME_AT)
+        assert jax_cb_ckpt.same_bits(ckpt.restore(like, step=worker.NUM_UPDATES), fresh)
     with jax_cb_ckpt.Checkpointer(tmp_path / "naive-resumed", every=worker.EVERY) as ckpt:
         resumed = worker.make_train(ckpt)(middle, RESUME_AT)
     differ, total, largest = _differing(fresh, resumed)
     print(f"\nnaive resume: {differ} of {total} leaves differ, by at most {largest:.2g}")
-    assert differ > 0 and 0 < largest < 1e-4
+    assert largest < 1e-4, (differ, largest)
 
 
 @pytest.fixture(scope="module")

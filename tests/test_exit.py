@@ -6,6 +6,7 @@ in `LIVE` while its thread runs and leaves it once closed; the hook is registere
 `threading`'s exit hooks (before the thread pools shut down) at import."""
 
 import os
+import sys
 
 import jax.numpy as jnp
 from helpers import run_child
@@ -43,10 +44,21 @@ def test_unclosed_checkpointers_and_late_threads_are_written_at_exit(tmp_path):
     done = run_child(["python", script, first, late], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "main thread ends"
-    assert "Traceback" not in done.stderr
-    assert jax_cb_ckpt.all_steps(first) == list(range(6))
+    # The unclosed Checkpointer's saves are written on every Python, also where no new
+    # thread may start any more (its fsyncs then run in the exit hook's thread).
+    assert jax_cb_ckpt.all_steps(first) == list(range(6)), done.stderr
     assert float(jax_cb_ckpt.restore(first, {"w": jnp.zeros((20000,))})["w"][0]) == 5.0
-    assert jax_cb_ckpt.all_steps(late) == [0, 1, 2]
+    if sys.version_info[:3] in ((3, 12, 0), (3, 12, 1)):
+        # These refuse every new thread once the main thread has ended: a Checkpointer
+        # created then cannot start its writer, and says so (nothing is half-written).
+        assert "jax_cb_ckpt.SaveError: could not open" in done.stderr, done.stderr
+        assert "refuses to start a thread once the main thread has ended" in done.stderr
+        assert "Fix: create the Checkpointer before the main thread ends" in done.stderr
+        assert "saving step" not in done.stderr  # the first one's saves all succeeded
+        assert jax_cb_ckpt.all_steps(late) == []
+    else:
+        assert "Traceback" not in done.stderr, done.stderr
+        assert jax_cb_ckpt.all_steps(late) == [0, 1, 2]
 
 
 def test_a_writer_is_live_while_open_and_not_after_close(make_ckpt, ckpt_dir):

@@ -37,10 +37,11 @@ def test_eager_numpy_save_is_a_snapshot(make_ckpt, dtype):
 
 
 def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
-    """An eager save keeps a CPU jax.Array's own buffer (a numpy view, no copy): JAX
-    neither frees it on delete() nor donates it to a jit while the view lives (the jit
-    copies instead). Checked here on every JAX the tests run on: if a version freed or
-    reused such a buffer, saves would hold garbage."""
+    """An eager save keeps a CPU jax.Array's own buffer (a numpy view, no copy): while
+    the view lives JAX neither frees that memory on delete() nor lets a jit given the
+    array donated write into it (jax 0.10 copies and keeps the array; 0.12 marks the array
+    deleted, and writes its result elsewhere). Checked here on every JAX the tests run
+    on: if a version freed or reused such a buffer, saves would hold garbage."""
     from jax_cb_ckpt._save._host import _immutable_view
 
     x, y = jnp.arange(1 << 20, dtype=jnp.float32), jnp.arange(1 << 20, dtype=jnp.float32)
@@ -48,12 +49,17 @@ def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
     assert xv is not None and yv is not None and not xv.flags.writeable
     x.delete()
     twice = jax.jit(lambda a: a * 2, donate_argnums=0)
-    out = [twice(y) for _ in range(2)] if not y.is_deleted() else []
+    out, held = y, {xv.ctypes.data, yv.ctypes.data}
+    for _ in range(3):  # a donation chain: any memory the jit may reuse, it does
+        out = twice(out)
+        assert out.unsafe_buffer_pointer() not in held
+    del x, y
     garbage = [jnp.full(1 << 20, -1.0) for _ in range(8)]  # reuse any freed memory
     expected = np.arange(1 << 20, dtype=np.float32)
     np.testing.assert_array_equal(xv, expected)
     np.testing.assert_array_equal(yv, expected)
-    assert len(out) == 2 and len(garbage) == 8
+    np.testing.assert_array_equal(out, expected * 8)
+    assert len(garbage) == 8
     # numpy, and arrays on another platform or on several devices, are copied instead
     assert _immutable_view(np.arange(3)) is None
 

@@ -172,7 +172,19 @@ def fsync_tree(path: str) -> None:
         todo += [(os.path.join(root, n), False) for n in files]
         todo.append((root, True))
     todo = [(p, d) for p, d in todo if not os.path.islink(p)]
-    for future in [_FSYNC_POOL.submit(_fsync, p, d) for p, d in todo]:
+    futures = []
+    for i, (p, d) in enumerate(todo):
+        try:
+            futures.append(_FSYNC_POOL.submit(_fsync, p, d))
+        except RuntimeError:
+            # The pool could not start a thread: Python 3.12.0/3.12.1 refuse new threads
+            # once the main thread has ended, while the exit hook still writes unclosed
+            # Checkpointers' saves (_write/_exit.py). The rest are synced here, one after
+            # another; what was submitted has a thread (the first submit starts one).
+            for p, d in todo[i:]:
+                _fsync(p, d)
+            break
+    for future in futures:
         future.result()
 
 

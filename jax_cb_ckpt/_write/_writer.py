@@ -25,6 +25,7 @@ import functools
 import importlib.metadata
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -106,7 +107,11 @@ class Writer:
             daemon=True,
         )
         _exit.LIVE.add(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as e:
+            _exit.LIVE.discard(self)
+            raise SaveError(_no_thread_message(directory, e)) from e
 
     def flush_at_exit(self) -> None:
         """Interpreter exit with saves possibly in flight: write them all, then stop.
@@ -618,3 +623,18 @@ def _untouched_message(urls: list[str]) -> str:
         "have it as a step here, restore it where it came from and save it with a "
         "Checkpointer on this location."
     )
+
+
+def _no_thread_message(directory: str, e: RuntimeError) -> str:
+    """Why a Checkpointer cannot open: its writer thread could not start."""
+    if sys.version_info[:3] in ((3, 12, 0), (3, 12, 1)) and "shutdown" in str(e):
+        why = (
+            f"Python {sys.version.split()[0]} refuses to start a thread once the main "
+            "thread has ended (3.12.2 and later allow it while other threads run), and "
+            "the writer is one. Fix: create the Checkpointer before the main thread ends "
+            "(and hand it to the thread that trains), join the training threads at the "
+            "end of the main thread, or use Python >= 3.12.2"
+        )
+    else:
+        why = f"its writer thread could not start ({e})"
+    return f"could not open {directory!r} for checkpoints: {why}."
