@@ -48,7 +48,7 @@ from .._save._stats import Stats, StatsRecorder
 from .._storage import _places, _remote
 from .._write import _processes
 from .._write._writer import Writer
-from . import _options, _run, _scan
+from . import _loops, _options, _run, _scan
 from ._clock import SaveClock
 from ._preempt import StopFlag
 
@@ -763,6 +763,68 @@ class Checkpointer:
             unroll,
             every=every,
             start=start,
+            shardings=shardings,
+            metrics=metrics,
+        )
+
+    def fori_loop(
+        self,
+        lower: ArrayLike,
+        upper: ArrayLike,
+        body_fun: _loops.ForiBody,
+        init_val: PyTree,
+        *,
+        every: int | None = None,
+        check_every: int | None = None,
+        stoppable: bool = False,
+        save_last: bool = False,
+        shardings: PyTree = None,
+        metrics: Callable[[PyTree], PyTree] | None = None,
+    ) -> PyTree:
+        """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`, saving the carry after
+        iteration `i` as checkpoint `i + 1` whenever `i + 1` is a multiple of `every`
+        (default: the Checkpointer's `every`), with no conditional per iteration.
+
+        Same results as `lax.fori_loop`, in the same order on the same values, under
+        `jit`, `vmap` and (concrete bounds) `grad`. The loop is cut at the multiples of
+        `every`: whole chunks of `every` iterations, each a loop of a static trip count
+        (a scan) followed by one save; the iterations before the first multiple (a
+        resume from another step) and after the last whole chunk run one at a time,
+        deciding after each. `lower` and `upper` may be traced: pass the restored step
+        as `lower` and one program serves the fresh run and every resume. What blocks
+        and what runs in the background: as `maybe_save`.
+
+        Args:
+            every: save when `i + 1` is a multiple of it (default: the Checkpointer's).
+            check_every: with the Checkpointer's `every_seconds` or `stoppable`, ask the
+                host (the clock, the stop request) every this many iterations, at a
+                chunk end (default: `every`, or the Checkpointer's `check_every`
+                without `every`); each ask is one host crossing of a bool.
+            stoppable: read the stop request (`request_stop()`, or a signal handler of
+                yours that calls it) at those asks; when one came, save and end the loop
+                there, returning the carry saved. Check `ckpt.stop_requested` after the
+                jitted call (`ckpt.run` does all of this for you).
+            save_last: save after the last iteration too (checkpoint `upper`).
+            shardings, metrics: as `maybe_save` (metrics: a function of the carry).
+
+        Example:
+            ```python
+            @jax.jit
+            def train(state, start):
+                return ckpt.fori_loop(start, 10_000, lambda i, s: update(s), state, every=100)
+            ```
+        """
+        return _loops.fori_loop(
+            self,
+            self._options.when,
+            lower,
+            upper,
+            body_fun,
+            init_val,
+            every=self._options.when.every if every is None else every,
+            check_every=check_every,
+            stoppable=stoppable,
+            save_last=save_last,
             shardings=shardings,
             metrics=metrics,
         )
