@@ -4,7 +4,7 @@
 - processes: `start_process`, `ProcessGroup`, `wait_for_step`, `kill_group`,
   `run_child`, `run_script`: the one driver for every test that starts, kills or
   interrupts a real child process (servers and multi-process runs too); `free_port`,
-  `json_lines`.
+  `json_lines`; `PEAK_KIB`, a child's measure of its own peak memory.
 """
 
 import contextlib
@@ -154,6 +154,21 @@ def run_child(args, *, timeout=240, cwd=ROOT, env=None):
         cwd=cwd,
         env=dict(CHILD_ENV, **(env or {})),
     )
+
+
+# For a child's script that measures its own memory: `peak_kib()`, the peak RSS of the
+# process, in KiB, from /proc's VmHWM, which starts anew at exec. getrusage's ru_maxrss
+# does not: a child that Python starts (vfork + exec) begins with its parent's peak
+# (pytest's, with JAX and TensorStore loaded: ~300 MiB), which hides any growth below it.
+PEAK_KIB = """
+def peak_kib():
+    try:
+        with open("/proc/self/status") as status:
+            return int(next(s for s in status if s.startswith("VmHWM:")).split()[1])
+    except (OSError, StopIteration):  # not Linux: the weaker measure
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+"""
 
 
 def run_script(tmp_path, text, *args, timeout=240):

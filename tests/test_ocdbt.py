@@ -6,15 +6,17 @@ found before anything is allocated on its claims."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import struct
 import sys
 
 import numpy as np
 import pytest
 import tensorstore as ts
-from helpers import flip, flip_stored, run_child, same_as_tensorstore
+from helpers import PEAK_KIB, flip, flip_stored, run_child, same_as_tensorstore
 
 import jax_cb_ckpt
 from jax_cb_ckpt._layout import _ocdbt
@@ -138,9 +140,10 @@ def _files(paths):
     return out + b"".join(encoded)
 
 
-def _leaf(keys, values, files=("d/x",)):
-    """A leaf node: `values` are bytes (inline) or (file index, offset, length)."""
-    body = bytes([0]) + _files(files) + _varint(len(keys))
+def _leaf(keys, values, files=("d/x",), table=None):
+    """A leaf node: `values` are bytes (inline) or (file index, offset, length)
+    (`table`: its data file table, encoded; default `files`)."""
+    body = bytes([0]) + (_files(files) if table is None else table) + _varint(len(keys))
     body += b"".join(_varint(0) for _ in keys[1:])
     body += b"".join(_varint(len(k)) for k in keys) + b"".join(keys)
     body += b"".join(_varint(len(v) if isinstance(v, bytes) else v[2]) for v in values)
@@ -151,10 +154,12 @@ def _leaf(keys, values, files=("d/x",)):
     return _wrap(0x0CDB20DE, body)
 
 
-def _interior(height, children, files=("d/x",), common=0):
+def _interior(height, children, files=("d/x",), common=0, table=None):
     """An interior node over `children`: (key, file index, offset, length), each
-    child's keys sharing the first `common` bytes of its key."""
-    body = bytes([height]) + _files(files) + _varint(len(children))
+    child's keys sharing the first `common` bytes of its key (`table`: its data file
+    table, encoded; default `files`)."""
+    table = _files(files) if table is None else table
+    body = bytes([height]) + table + _varint(len(children))
     body += b"".join(_varint(0) for _ in children[1:])
     body += b"".join(_varint(len(c[0])) for c in children)
     body += b"".join(_varint(common) for _ in children)
@@ -501,13 +506,16 @@ def _manifest(root, versions, *, arity_log2=4, files=("d/x",), nodes=b"\0"):
     return root
 
 
-def _manifest_bytes(versions, arity_log2=4, files=("d/x",), nodes=b"\0"):
+def _manifest_bytes(
+    versions, arity_log2=4, files=("d/x",), nodes=b"\0", table=None, compression=b"\0"
+):
     """A manifest of `versions`: (generation, commit time, (height, offset, length,
     keys, tree bytes) or None for an empty version), the version tree node references
-    `nodes` after them (encoded; default none)."""
+    `nodes` after them (encoded; default none); `table`: its data file table, encoded
+    (default: `files`, none sharing a prefix); `compression`: its nodes', encoded."""
     missing = (1 << 64) - 1  # an empty version's root: offset and length
     body = b"\x11" * 16 + bytes([0]) + _varint(64) + _varint(1 << 20) + bytes([arity_log2])
-    body += _varint(0) + _files(files) + _varint(len(versions))
+    body += compression + (_files(files) if table is None else table) + _varint(len(versions))
     body += b"".join(_varint(v[0]) for v in versions)
     body += bytes(0 if v[2] is None else v[2][0] for v in versions)
     body += b"".join(_varint(0) for v in versions)  # data file ids
@@ -653,18 +661,21 @@ def test_verify_and_restore_agree_on_a_step_whose_manifest_breaks_tensorstore_s_
 
 # -- bounded before it allocates (issue 43 items 1-3) -------------------------------------
 
-_PEAK = """
-import resource, sys
+_PEAK = (
+    PEAK_KIB
+    + """
+import sys
 sys.path.insert(0, sys.argv[2])
 from jax_cb_ckpt._layout import _ocdbt
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kib()
 try:
     _ocdbt.Database(sys.argv[1])
     outcome = "read"
 except (_ocdbt.Unsupported, _ocdbt.Damaged) as e:
     outcome = type(e).__name__
-print(outcome, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(outcome, peak_kib() - before)
 """
+)
 
 
 def _shared_leaf(first, suffixes, shared):
@@ -707,6 +718,174 @@ def test_a_crafted_index_is_refused_within_64_mib_before_it_is_built(tmp_path, c
     assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
 
 
+def _inflated_table(real, count=4_500, shared=64_999):
+    """A data file table of `count` paths: `real`, then one of `shared + 1` bytes and
+    more, each sharing `shared` bytes with the one before: 6 bytes each on disk, a new
+    path of `shared + 1` bytes in memory (in TensorStore's reader too)."""
+    real = real.encode()
+    table = _varint(count) + _varint(0) + _varint(shared) * (count - 2)  # shared prefixes
+    table += _varint(len(real)) + _varint(shared + 1) + _varint(1) * (count - 2)  # suffixes
+    table += _varint(0) * count  # no base paths
+    return table + real + b"p" * shared + b"\0" + bytes(i % 255 + 1 for i in range(count - 2))
+
+
+def _inflated_index(manifest, where):
+    """A database's index given an inflated data file table (`_inflated_table`), its
+    keys and values the ones written: (its manifest, None) with the table in the
+    manifest (`where`: "manifest"), or (a manifest, a new root node above the real
+    root, to be the data file `d/inflated`) with the table in that node ("node")."""
+    latest = _ocdbt._latest(manifest, "the manifest")
+    real = latest.root[0]
+    version = (latest.height, latest.offset, latest.length, latest.keys, latest.tree_bytes)
+    if where == "manifest":
+        return _manifest_bytes([(1, 1, version)], table=_inflated_table(real)), None
+    child = [(b"", 0, latest.offset, latest.length)]
+    node = _interior(latest.height + 1, child, table=_inflated_table(real))
+    above = (latest.height + 1, 0, len(node), latest.keys, latest.tree_bytes + len(node))
+    return _manifest_bytes([(1, 1, above)], files=("d/inflated",)), node
+
+
+def _inflate(item, where):
+    """The database in folder `item` (a step's state item) inflated (`_inflated_index`)."""
+    manifest, node = _inflated_index((item / "manifest.ocdbt").read_bytes(), where)
+    if node is not None:
+        (item / "d" / "inflated").write_bytes(node)
+    (item / "manifest.ocdbt").write_bytes(manifest)
+
+
+# Each entry point on a directory whose step 8 is inflated (step 4 intact), in one child
+# process, after a read of step 4 by each (imports, thread pools; a restart's on a copy
+# of the directory without step 8, its Checkpointer's thread and pools): its outcome and the
+# growth of the process's peak RSS since then, in MiB (a peak: each line bounds the calls
+# before it too). The command line is its `main`, in the same process.
+_ENTRY_POINTS = (
+    PEAK_KIB
+    + """
+import contextlib, io, json, sys, warnings
+sys.path.insert(0, sys.argv[2])
+import numpy as np
+import jax_cb_ckpt
+from jax_cb_ckpt._cli._main import main
+
+directory, intact = sys.argv[1], sys.argv[3]
+like = {"w": np.zeros(3, np.float32)}
+warnings.simplefilter("ignore")
+jax_cb_ckpt.restore(directory, like, step=4)
+jax_cb_ckpt.verify(directory, step=4)
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["verify", directory, "--step", "4"])
+with jax_cb_ckpt.Checkpointer(intact) as ckpt:
+    assert ckpt.restore_or_init(lambda: like)[1] == 4
+before = peak_kib()
+
+
+def report(entry, outcome):
+    grown = (peak_kib() - before) >> 10
+    print(json.dumps({"entry": entry, "outcome": outcome, "grown_mib": grown}), flush=True)
+
+
+for entry, call in [
+    ("restore", lambda: jax_cb_ckpt.restore(directory, like, step=8)),
+    ("verify", lambda: jax_cb_ckpt.verify(directory)),
+]:
+    try:
+        call()
+        report(entry, "read")
+    except jax_cb_ckpt.RestoreError as e:
+        report(entry, f"{type(e).__name__}: {e}")
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    code = main(["verify", directory])
+report("jax-cb-ckpt verify", f"exit {code}: {out.getvalue()}")
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    with jax_cb_ckpt.Checkpointer(directory) as ckpt:
+        _, step = ckpt.restore_or_init(lambda: like)
+passed = [str(w.message) for w in said if issubclass(w.category, jax_cb_ckpt.DamagedStepWarning)]
+report("restore_or_init", f"step {step}; " + " ".join(passed))
+"""
+)
+
+
+@pytest.mark.parametrize("case", ["many files", "a long inherited base path", "zstd nodes"])
+def test_an_inflated_data_file_table_is_refused_before_it_is_built(tmp_path, case):
+    """Issue 58, what a table builds besides its own paths: 1.5 M files of empty paths
+    in a 4.5 MiB leaf (3 bytes each on disk, ~90 bytes each as Python objects:
+    +150 MiB), and a leaf of 100,000 one-byte paths below a node that gives it a
+    3,765-byte base path (4 bytes each on disk, each path built with the base path
+    before it: +370 MiB); and an inflated table in a manifest that says its nodes are
+    compressed (not read here: TensorStore's, which would expand the table). Refused
+    (`Inflated`, never TensorStore's to read) within 64 MiB of the process's peak,
+    measured in a child process."""
+    if case == "zstd nodes":
+        root = tmp_path / "db"
+        root.mkdir()
+        manifest = _manifest_bytes(
+            [(1, 1, (0, 0, 1, 1, 1))],
+            table=_inflated_table("d/x"),
+            compression=_varint(1) + struct.pack("<i", 3),
+        )
+        (root / "manifest.ocdbt").write_bytes(manifest)
+    elif case == "many files":
+        n = 1_500_000
+        table = _varint(n) + bytes(n - 1) + bytes(n) + bytes(n)  # every length 0
+        root = _database(tmp_path / "db", _leaf([b"a"], [b"1"], table=table))
+    else:
+        base = ("b" * 250 + "/") * 15
+        n = 100_000
+        table = _varint(n) + bytes(n - 1) + b"\1" * n + bytes(n) + b"a" * n
+        leaf = _leaf([b"a"], [b"1"], table=table)
+        os.makedirs(tmp_path / "db" / base / "d")
+        (tmp_path / "db" / base / "d" / "y").write_bytes(leaf)
+        path = (base + "d/y").encode()  # one file, whose base path its children inherit
+        parent = _varint(1) + _varint(len(path)) + _varint(len(base)) + path
+        node = _interior(1, [(b"", 0, 0, len(leaf))], table=parent)
+        root = _database(tmp_path / "db", node, height=1, tree=len(leaf) + len(node))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
+    result = run_child(["python", "-c", _PEAK, root, package], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcome, grown_kib = result.stdout.split()
+    assert outcome == "Inflated", result.stdout
+    assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
+
+
+@pytest.mark.parametrize(
+    "where", ["manifest", pytest.param("node", marks=pytest.mark.slow)]
+)  # (a node's table is refused fast above, and on a bucket below)
+def test_an_inflated_data_file_table_is_refused_by_every_entry_point_within_64_mib(tmp_path, where):
+    """Issue 58: a step whose manifest (or a B-tree node) holds a data file table of
+    4,500 paths, each sharing 64,999 bytes with the one before (~92 KiB on disk, ~290
+    MB expanded), grew `restore`, `verify`, `restore_or_init` and `jax-cb-ckpt verify`
+    by +416 MiB here, and passed them: the package's reader expanded it (and
+    TensorStore expands it again, +270 MiB, issue 58), then read the step.
+    The tables' expanded size is bounded from their lengths before a path is built:
+    refused as damage, never handed to TensorStore, within 64 MiB of the process's
+    peak; a restart passes over the step, naming it, and resumes from step 4."""
+    d = tmp_path / "ckpt"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        for step in (4, 8):
+            ckpt.save({"w": np.full(3, step, np.float32)}, step)
+    shutil.copytree(d, tmp_path / "intact", ignore=lambda at, names: ["8"] if at == str(d) else [])
+    _inflate(d / "8" / "state", where)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
+    result = run_child(
+        ["python", "-c", _ENTRY_POINTS, d, package, tmp_path / "intact"], timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    grown = {line["entry"]: line["grown_mib"] for line in lines}
+    outcome = {line["entry"]: line["outcome"] for line in lines}
+    assert len(lines) == 4, result.stdout
+    assert all(g < 64 for g in grown.values()), grown
+    for entry in ("restore", "verify"):
+        assert outcome[entry].startswith("DamagedStepError"), outcome[entry]
+        assert "data file table" in outcome[entry] and "bytes" in outcome[entry]
+    assert outcome["jax-cb-ckpt verify"].startswith("exit 1"), outcome
+    assert "step 8: FAILED" in outcome["jax-cb-ckpt verify"], outcome
+    assert outcome["restore_or_init"].startswith("step 4;"), outcome
+    assert "step 8" in outcome["restore_or_init"], outcome
+    assert "data file table" in outcome["restore_or_init"], outcome
+
+
 def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote, monkeypatch):
     """Bucket.index read bytes [0, root_end) of an object, root_end from the manifest and
     never compared with what a small step may hold: a manifest claiming its root at 1
@@ -729,6 +908,42 @@ def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote
     with pytest.raises(_ocdbt.Unsupported, match=r"a step of \d+ bytes"):
         storage.index(opened)
     assert fetched == []
+
+
+@pytest.mark.parametrize("where", ["manifest", "node"])
+def test_an_inflated_bucket_step_is_refused_not_handed_to_tensorstore(remote, monkeypatch, where):
+    """Issue 58 on a bucket: the package's reader of a small bucket step passes a damaged
+    index on to TensorStore (`Unsupported`); an inflated data file table is not passed
+    on (TensorStore would expand it): restore and verify refuse the step as damaged,
+    TensorStore's database never opened, and a restart resumes from the step before."""
+    from jax_cb_ckpt._storage import _places, _remote
+
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        for step in (4, 8):
+            ckpt.save({"w": np.full(3, step, np.float32)}, step)
+    state = f"{remote.url}/8/state"
+    manifest, node = _inflated_index(_remote.read(f"{state}/manifest.ocdbt")[0], where)
+    if node is not None:
+        _remote.write(f"{state}/d/inflated", node)
+    _remote.write(f"{state}/manifest.ocdbt", manifest)
+    storage = _places.at(remote.url)
+    with pytest.raises(_ocdbt.Inflated, match=r"data file table of 4500 files .* \d+ bytes"):
+        storage.index(storage.open_step(8))
+
+    def no_database(*args, **kwargs):
+        raise AssertionError("TensorStore's database was opened")
+
+    monkeypatch.setattr(_places.Bucket, "database", no_database)
+    like = {"w": np.zeros(3, np.float32)}
+    for call in (
+        lambda: jax_cb_ckpt.restore(remote.url, like, step=8),
+        lambda: jax_cb_ckpt.verify(remote.url, step=8),
+    ):
+        with pytest.raises(jax_cb_ckpt.DamagedStepError, match="data file table of 4500"):
+            call()
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning, match="step 8: .*data file table"):
+        restored = jax_cb_ckpt.restore(remote.url, like)
+    assert jax_cb_ckpt.same_bits(restored, {"w": np.full(3, 4, np.float32)})
 
 
 @pytest.mark.parametrize("variant", ["a field after the node's", "a newer format version"])

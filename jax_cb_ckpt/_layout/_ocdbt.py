@@ -19,7 +19,11 @@ order or too long, more nodes or keys than the manifest counts, a file that is n
 regular file) is `Damaged`, found before anything is allocated on its claim: every
 length is checked against the file's size, every node's CRC-32C against its footer,
 every count against the bytes that hold it, and the walk reads each node once and at
-most the bytes of B-tree the manifest counts.
+most the bytes of B-tree the manifest counts. A data file table (the manifest's, each
+node's) whose paths would expand past what any writer's do (`Inflated`: paths sharing
+long prefixes, 5 bytes each on disk, up to 64 KiB each in memory) is damage too, found
+from its lengths before a path is built, and never left to TensorStore, whose reader
+would expand it as well.
 
 Blocks the calling thread while it reads; nothing runs in the background.
 """
@@ -50,6 +54,16 @@ _MAX_TREE_BYTES = 64 << 20
 # the keys of ~60,000 leaves). A larger index is TensorStore's to read.
 _MAX_KEY_TOTAL = 16 << 20
 _MAX_ENTRIES = 1 << 17
+# What the data file tables of a read (the manifest's and every node's) may build, found
+# from their lengths before a path is built: each file's path with the base path it
+# inherits, its own base path, and ~100 bytes of Python objects. TensorStore names a data
+# file `d/` and 32 hex digits (a multi-process step's under `ocdbt.process_<i>/`): 100-130
+# bytes a file in all, and a table lists only the files its entries point at, so 16 MiB
+# holds more files than a walk holds entries. Paths sharing long prefixes are 5 bytes
+# each on disk and up to 64 KiB each in memory, in TensorStore's reader too: a table
+# past this is no index a writer writes, refused (`Inflated`), never TensorStore's.
+_MAX_TABLE_BYTES = 16 << 20
+_FILE_BYTES = 100
 _MAX_PREAD = 1 << 30
 
 
@@ -64,6 +78,14 @@ class Damaged(ValueError):
     """A database's index is provably not what was written: a CRC-32C that does not
     match, a file cut, missing or not a regular file, a length or count its bytes
     cannot hold, a path outside the database's folder, keys out of order."""
+
+
+class Inflated(Damaged):
+    """An index whose data file tables would build more than `_MAX_TABLE_BYTES`: paths
+    that share long prefixes, a few bytes each on disk and up to 64 KiB each once
+    expanded. No writer writes one, and TensorStore's reader would expand it too: it is
+    damage, found before a path is built, and a step that holds one is never handed
+    to TensorStore (a bucket's reader passes every other `Damaged` on to it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +130,7 @@ class Database:
         self._tree_left, self._keys_left = latest.tree_bytes, latest.keys
         self._key_bytes_left = _MAX_KEY_TOTAL
         self._entries_left = _MAX_ENTRIES
+        self._table_bytes_left = _MAX_TABLE_BYTES - latest.table_bytes
         path, base = latest.root
         self._node(path, base, latest.offset, latest.length, latest.height, b"", b"", None)
         if len(self.values) != latest.keys:  # (statistics TensorStore does not check)
@@ -164,7 +187,8 @@ class Database:
         reader = _Reader(_unwrap(encoded, _BTREE_MAGIC, where), where)
         if reader.byte() != height:
             raise Damaged(f"{where} is not of the height its parent gives")
-        files = _file_table(reader, base)
+        files, built = _file_table(reader, base, self._table_bytes_left)
+        self._table_bytes_left -= built
         count = reader.count(1, "entries")
         if count == 0:
             raise Damaged(f"{where} is empty")
@@ -298,8 +322,9 @@ def indexed_bytes(manifest: bytes, where: str) -> tuple[int, str, int]:
     return indexed, latest.root[0], latest.offset + latest.length
 
 
-def _latest(manifest: bytes, named: str) -> _Version:
-    """The latest version of an encoded manifest."""
+def _latest(manifest: bytes, named: str, table_bytes: int = _MAX_TABLE_BYTES) -> _Version:
+    """The latest version of an encoded manifest, whose data file table may build at
+    most `table_bytes` (`Inflated`)."""
     reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
     reader.take(16)  # the database's uuid
     if reader.byte() != 0:
@@ -308,10 +333,20 @@ def _latest(manifest: bytes, named: str) -> _Version:
     reader.varint()  # max_decoded_node_bytes
     arity_log2 = reader.byte()
     if reader.varint() != 0:
+        # (zstd, its level in 4 bytes; another method TensorStore refuses.) Its data file
+        # table is read all the same, bounded: TensorStore, which reads this database,
+        # would expand it; whether the table decodes, TensorStore judges.
+        try:
+            reader.take(4)
+            _file_table(reader, "", table_bytes)
+        except Inflated:
+            raise
+        except Damaged:
+            pass
         raise Unsupported("compressed B-tree nodes (zstd)")
     if not 1 <= arity_log2 <= 16:
         raise Damaged(f"{named} gives a version tree arity of 2**{arity_log2}")
-    files = _file_table(reader, "")
+    files, built = _file_table(reader, "", table_bytes)
     count = reader.count(16, "versions")
     generations = [reader.varint() for _ in range(count)]
     heights = [reader.byte() for _ in range(count)]
@@ -358,7 +393,14 @@ def _latest(manifest: bytes, named: str) -> _Version:
     reader.end()
     root = None if offsets[-1] == lengths[-1] == _MISSING else files[ids[-1]]
     return _Version(
-        root, heights[-1], offsets[-1], lengths[-1], keys[-1], tree_bytes[-1], value_bytes[-1]
+        root,
+        heights[-1],
+        offsets[-1],
+        lengths[-1],
+        keys[-1],
+        tree_bytes[-1],
+        value_bytes[-1],
+        built,
     )
 
 
@@ -423,6 +465,7 @@ class _Version:
     keys: int  # in the B-tree
     tree_bytes: int  # of the B-tree's nodes
     value_bytes: int  # of the values stored out of line
+    table_bytes: int  # what the manifest's data file table built (`_file_table`)
 
 
 class Files(Protocol):
@@ -534,21 +577,36 @@ def _unwrap(encoded: bytes, magic: int, where: str) -> bytes:
     return reader.rest()
 
 
-def _file_table(reader: _Reader, transitive: str) -> list[tuple[str, str]]:
-    """A data file table: (full path, the base path its children inherit) per file."""
+def _file_table(reader: _Reader, transitive: str, left: int) -> tuple[list[tuple[str, str]], int]:
+    """A data file table: (full path, the base path its children inherit) per file,
+    under the base path `transitive` its node inherits; and the bytes that built
+    (`_MAX_TABLE_BYTES`), found from the table's lengths before a path is built:
+    `Inflated` when that is more than `left`."""
     count = reader.count(1, "data files")
-    prefixes = [reader.varint() for _ in range(count - 1)] if count else []
+    built = count * _FILE_BYTES  # (before the lists of its lengths are made)
+    if built > left:
+        raise Inflated(_inflated(reader.where, count, built, left))
+    prefixes = [0] + [reader.varint() for _ in range(count - 1)]
     suffixes = [reader.varint() for _ in range(count)]
     bases = [reader.varint() for _ in range(count)]
+    # Each path's length follows from the lengths alone (a path keeps a prefix of the
+    # one before it): the paths and base paths the table will build are counted first.
+    # A path longer than the format allows once its node's base path is put before it
+    # is damage, as TensorStore finds it.
+    length = 0
+    for i in range(count):
+        if prefixes[i] > length:
+            raise Damaged(f"{reader.where} has a data file table that does not decode")
+        length = prefixes[i] + suffixes[i]
+        if len(transitive) + length > _MAX_KEY_BYTES or bases[i] > length:
+            raise Damaged(f"{reader.where} has a data file table that does not decode")
+        built += 2 * len(transitive) + length + bases[i]
+    if built > left:
+        raise Inflated(_inflated(reader.where, count, built, left))
     files: list[tuple[str, str]] = []
     previous = b""
     for i in range(count):
-        keep = prefixes[i - 1] if i else 0
-        if keep > len(previous):
-            raise Damaged(f"{reader.where} has a data file table that does not decode")
-        path = previous[:keep] + reader.take(suffixes[i])
-        if len(path) > _MAX_KEY_BYTES or bases[i] > len(path):
-            raise Damaged(f"{reader.where} has a data file table that does not decode")
+        path = previous[: prefixes[i]] + reader.take(suffixes[i])
         # Bytes that are not UTF-8 name no file the writer makes, but only a file that is
         # read matters (TensorStore reads a database whose older versions name such
         # files): kept as the OS would take them, and found missing if read.
@@ -556,7 +614,18 @@ def _file_table(reader: _Reader, transitive: str) -> list[tuple[str, str]]:
         base = path[: bases[i]].decode(errors="surrogateescape")
         files.append((transitive + text, transitive + base))
         previous = path
-    return files
+    return files, built
+
+
+def _inflated(where: str, count: int, built: int, left: int) -> str:
+    """What an `Inflated` data file table says."""
+    of = "" if left == _MAX_TABLE_BYTES else f"the {left} bytes left of "
+    return (
+        f"{where} has a data file table of {count} files that would build {built} bytes "
+        f"of paths, more than {of}the {_MAX_TABLE_BYTES >> 20} MiB the data file tables of "
+        "one index may build (a writer names its data files 'd/' and 32 hex digits): "
+        "paths sharing long prefixes, refused before they are built"
+    )
 
 
 class _Reader:

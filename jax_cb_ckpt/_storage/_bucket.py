@@ -183,7 +183,8 @@ class Bucket(StepsBase):
         more bytes than the manifest and the index give. `_ocdbt.Unsupported` for any
         other step (more than `HELD_BYTES`, a node in another object, an object shorter
         than the index says, a damaged index): it is read by TensorStore, which
-        reports what is wrong with it."""
+        reports what is wrong with it; but `_ocdbt.Inflated` for an index whose data
+        file tables would expand past their bound (TensorStore would expand them too)."""
         step, manifest, keys = opened.step, opened.manifest, opened.keys
         if manifest is None:
             raise _ocdbt.Unsupported("a step without its manifest")
@@ -210,6 +211,8 @@ class Bucket(StepsBase):
                 if got is None:
                     raise _ocdbt.Unsupported(f"data object '{value.path}' is missing")
                 source.add(value, got)
+        except _ocdbt.Inflated:  # (damage TensorStore would expand too: never its to read)
+            raise
         except (_remote.StorageError, _ocdbt.Damaged, FileNotFoundError) as e:
             raise _ocdbt.Unsupported(f"{e}") from e
         return index
