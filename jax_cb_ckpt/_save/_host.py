@@ -36,6 +36,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .._base import _warn
+from .._base._dtypes import packed
 from .._base._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -514,10 +515,14 @@ class HostCopy(NamedTuple):
 
 
 def _as_saved_dtypes(arrays: list[np.ndarray], widened: dict[int, np.dtype]) -> list[np.ndarray]:
-    """`arrays` with the leaves that crossed widened (packed sub-byte types, see
-    _traced._widen) cast back to their dtype {index: dtype} (exact)."""
+    """`arrays` with the leaves that crossed as another dtype (see _traced._widen) turned
+    back into their dtype {index: dtype}, exactly: packed sub-byte types cast back from
+    the bytes they were widened to, every other one viewed as the bits it crossed as."""
     for index, dtype in widened.items():
-        arrays[index] = arrays[index].astype(dtype)
+        if packed(dtype):
+            arrays[index] = arrays[index].astype(dtype)
+        else:
+            arrays[index] = arrays[index].view(dtype)
     return arrays
 
 

@@ -373,17 +373,40 @@ def _keep_alive(token: jax.Array) -> None:
     del token
 
 
+# The dtypes jaxlib's `Buffer.__cuda_array_interface__` serves (jaxlib/ffi.cc): the GPU
+# buffer crossing reads every operand through it (_cuda.py), and refused any other dtype
+# (float8_*: the H200 run of 2026-12-04 saved nothing from a jitted save of one).
+_SERVED = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+    + ["bfloat16", "float16", "float32", "float64", "complex64", "complex128"]
+)
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def _widen(values: Sequence[jax.Array]) -> tuple[dict[int, np.dtype], list[jax.Array]]:
-    """XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte,
-    so those leaves cross widened to a byte-per-element dtype that holds their values
-    exactly; returns `widened`, {index: original dtype} of those leaves (for the host
-    to cast back), and the values to cross."""
-    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if packed(v.dtype)}
-    crossing = [
-        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in widened else v
-        for i, v in enumerate(values)
-    ]
+    """Every leaf as a dtype the buffer crossing can hand over on every backend; returns
+    `widened`, {index: original dtype} of the leaves that cross as another dtype (for the
+    host to turn back, `_host._as_saved_dtypes`), and the values to cross.
+
+    XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte, so
+    those cross widened to a byte-per-element dtype that holds their values exactly. Any
+    other dtype outside `_SERVED` (float8_*, float6_*) crosses as its bits (an unsigned
+    integer of its width, `bitcast_convert_type`: NaN payloads kept), the same on a CPU
+    as on a GPU, so the CPU tests cover the GPU's path."""
+    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if _crosses_as_other(v)}
+    crossing = [_as_crossing(v) if i in widened else v for i, v in enumerate(values)]
     return widened, crossing
+
+
+def _crosses_as_other(value: jax.Array) -> bool:
+    return packed(value.dtype) or np.dtype(value.dtype).name not in _SERVED
+
+
+def _as_crossing(value: jax.Array) -> jax.Array:
+    dtype = np.dtype(value.dtype)
+    if packed(dtype):
+        return value.astype(PACKED_AS.get(dtype.name, np.float32))
+    return jax.lax.bitcast_convert_type(value, _BITS[dtype.itemsize])
 
 
 def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
