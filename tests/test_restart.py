@@ -204,10 +204,13 @@ def test_the_restart_message_in_process(make_ckpt):
     ckpt.wait()
     state, start = ckpt.restore_or_init(lambda: state_at(0))
     assert start == 5
-    with pytest.raises(jax.errors.JaxRuntimeError):  # the callback's error, wrapped
+    try:  # on a CPU the call raises the callback's error, wrapped; on an accelerator a
+        # program with no outputs may fail after the call returned (the H200 run)
         jax.jit(lambda s: ckpt.save(s, 3))(state)
+    except jax.errors.JaxRuntimeError as e:
+        assert "StepExistsError" in str(e)
     with pytest.raises(StepExistsError, match=r"resumed from step 5.*step 3 is not after it"):
-        ckpt.wait()
+        ckpt.wait()  # ours, with its text, on every backend
 
 
 @pytest.mark.slow

@@ -80,6 +80,34 @@ def probe_callback_arrays() -> bool:
     return bool(_OWNED)
 
 
+def _reported(entry: Callable[..., None]) -> Callable[..., None]:
+    """A callback entry point whose every failure is kept for the user's thread: JAX
+    wraps an exception raised in a callback into the program's failure, which a program
+    with no outputs on an accelerator may never show (the jitted call has returned
+    before it ran; the H200 run of 2026-12-04). Ours is recorded as it is; anything
+    else (a CUDA call, a buffer the host cannot read) as a `CheckpointError` naming the
+    directory and the cause. `wait()`, `close()`, the next save from Python and the next
+    crossing raise it."""
+
+    @functools.wraps(entry)
+    def reported(self: HostSide, *args: Any) -> None:
+        try:
+            entry(self, *args)
+        except CheckpointError as e:
+            self._exchange.record(e)
+            raise
+        except Exception as e:
+            error = CheckpointError(
+                f"a save to {self.directory!r} failed while the device program handed "
+                f"its state over (in JAX's callback): {type(e).__name__}: {e}. Nothing of "
+                "that save was written; earlier checkpoints are untouched."
+            )
+            self._exchange.record(error)
+            raise error from e
+
+    return reported
+
+
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
@@ -99,6 +127,7 @@ class HostSide:
     def directory(self) -> str:
         return self._exchange.directory
 
+    @_reported
     def __call__(
         self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
     ) -> None:
@@ -114,6 +143,7 @@ class HostSide:
 
         self._in_callback(signature, step, wanted, copy_out, owner=None)
 
+    @_reported
     def deposit(
         self,
         signature: Signature,
@@ -132,7 +162,7 @@ class HostSide:
         `widened` gives the saved dtype of the leaves that crossed widened (packed sub-byte
         types), by index.
         """
-        if buffers and _cuda.is_device_buffer(buffers[0]):
+        if _cuda.is_device_buffer(out):  # (the token: always there, an int32)
             self._deposit_from_gpu(signature, widened, ctx, step, wanted, buffers)
             return
         np.asarray(out)[...] = 0
@@ -163,6 +193,7 @@ class HostSide:
 
         self._in_callback(signature, step, wanted, copy_out, owner=signature)
 
+    @_reported
     def deposit_shard(
         self,
         signature: Signature,
@@ -323,6 +354,7 @@ class HostSide:
         for assembly in self._assemblies.take_failed():
             self._settle(assembly)
 
+    @_reported
     def end_run(
         self,
         signature: Signature,

@@ -517,8 +517,9 @@ class Checkpointer:
             try:
                 jax.effects_barrier()
             except jax.errors.JaxRuntimeError as e:
-                # A program whose callback raised (JAX raises the same failure from
-                # every later barrier; the caller of that program has seen it already).
+                # A program whose callback raised: ours was kept for this thread
+                # (`_host._reported`) and is raised below, chained to JAX's; a failure
+                # of the user's own code is theirs (JAX raises it from every barrier).
                 failure = e
             self._exchange.drain()
             # A per-device save that failed mid-step can no longer complete: give back
