@@ -26,8 +26,10 @@ and docs/handoff.md have the evidence):
   with stop-gradient inputs it is silently dropped. Why not `pure_callback`: it has no
   effect, so dead-code elimination removes it.
 - Unordered: ordered effects are refused for programs on more than one device. Order is
-  not needed: iterations run one after another, `jax.effects_barrier()` waits for
-  unordered effects too, and the host side keys everything by step. Inside
+  not needed: `jax.effects_barrier()` waits for unordered effects too, and the host side
+  keys everything by step. A program's crossings may reach the host in any order (XLA
+  runs them as their data is ready: on a GPU an unrolled loop's step 0 came after its
+  step 4); the exchange judges the order of steps only across `wait()` (`settle`). Inside
   `pmap`/`shard_map` every device would make its own call, so there (`axis_name=`
   given) the state is gathered and the first device saves. With `shardings=` every
   device hands over its own block instead (`cross_sharded`, see _shards.py).

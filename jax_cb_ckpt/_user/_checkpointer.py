@@ -522,6 +522,7 @@ class Checkpointer:
                 # of the user's own code is theirs (JAX raises it from every barrier).
                 failure = e
             self._exchange.drain()
+            self._exchange.settle()  # later lower steps: a restarted counter (StepOrderWarning)
             # A per-device save that failed mid-step can no longer complete: give back
             # its memory and slot. (Saves still assembling are left alone: a program
             # another thread started since the barrier may be filling them.)
