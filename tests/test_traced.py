@@ -124,7 +124,8 @@ def test_every_leaf_crosses_as_a_dtype_the_gpu_buffer_interface_serves():
 
 
 def test_the_buffer_crossing_is_the_default_on_cpu():
-    assert jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":  # (the suite on CUDA: gpu_check.py checks it there)
+        pytest.skip(f"the default on a CPU; this run's backend is {jax.default_backend()}")
     assert _traced.buffer_by_default() is True
 
 
