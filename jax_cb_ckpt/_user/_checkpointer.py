@@ -505,8 +505,11 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save handed over so far is on disk; re-raise writer errors.
 
-        Also waits for callbacks of jitted code still running (`jax.effects_barrier()`),
-        so call it from your own thread, never from inside a callback. When it returns,
+        Also waits for callbacks of jitted code still running (`jax.effects_barrier()`:
+        every program this thread dispatched, whatever it returns), so call it from your
+        own thread, never from inside a callback. A save that failed inside a callback is
+        raised here with its text, whether or not the jitted call raised JAX's error (on
+        an accelerator it may have returned before the program ran). When it returns,
         every checkpoint written so far is fsynced: it survives a crash or power loss.
         """
         self._wait()
