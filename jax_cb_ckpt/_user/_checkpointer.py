@@ -586,7 +586,9 @@ class Checkpointer:
         saved, so the loop went on past its last checkpoint and its final state is not
         on disk (a loop of one's own that saves by `every` or the clock only)."""
         seen = None if self._clock is None else self._clock.seen
-        saved = self._stats.snapshot().last_saved_step
+        # The highest step written, not the last: one program's saves may reach the
+        # host in any order (issue 54).
+        saved = max((record.step for record in self._stats.snapshot().recent), default=None)
         if seen is None or (saved is not None and saved >= seen):
             return
         newest = "no step" if saved is None else f"step {saved}"
