@@ -186,8 +186,9 @@ class HostSide:
 
         def copy_out() -> HostCopy:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
-            if not widened:
-                return HostCopy(list(hosts), release, ready)
+            if not any(packed(dtype) for dtype in widened.values()):
+                # (leaves that crossed as bits are views: nothing is read before `ready`)
+                return HostCopy(_as_saved_dtypes(list(hosts), widened), release, ready)
             ready()  # packed dtypes are cast back here, so wait for their copies now
             return HostCopy(_as_saved_dtypes(list(hosts), widened), release)
 
