@@ -19,6 +19,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KILL_POINTS = 2  # in the default suite; the slow test tries 20
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_workers_backend():
+    """The workers run on the CPU (`JAX_PLATFORMS=cpu`); what this process computes to
+    compare with them (the uninterrupted run, the resumes) runs there too: on another
+    backend XLA gives other bits (a parent on CUDA against CPU children, 2026-12-04)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     return crash_worker.train(tmp_path_factory.mktemp("reference") / "ckpt")

@@ -308,6 +308,32 @@ def test_cached_jitted_function_of_a_closed_checkpointer_names_the_cause(make_ck
         info.value
     )
     assert "re-create the jitted function" in str(info.value)
+    # Kept for the user's thread too (issue 54): on an accelerator a program with no
+    # outputs may fail after the call returned, unseen; close() and wait() say it.
+    with pytest.raises(jax_cb_ckpt.CheckpointerClosedError, match="re-create the jitted"):
+        ckpt.close()
+
+
+def test_any_failure_inside_a_callback_is_kept_for_wait_with_its_text(tmp_path):
+    """Issue 54: an exception that is not ours, raised on the callback side (here a
+    token the host cannot write; on the H200, a buffer __cuda_array_interface__ refused),
+    failed the program, and JAX's failure was all there was: wait() swallowed it and
+    returned with nothing on disk. It is kept as a CheckpointError naming the directory
+    and the cause, and raised by wait()/close() whatever XLA did with the callback's."""
+    from jax_cb_ckpt._save._exchange import Exchange
+    from jax_cb_ckpt._save._host import HostSide
+
+    exchange = Exchange(str(tmp_path), queue_size=2, on_existing="raise", old_steps=[])
+    host = HostSide(exchange, 2)
+    token = np.zeros(1, np.int32)
+    token.flags.writeable = False
+    with pytest.raises(jax_cb_ckpt.CheckpointError) as raised:
+        host.deposit(None, {}, None, token, np.int32(3), np.bool_(True), np.zeros(2))
+    kept = exchange.take_error()
+    assert kept is raised.value and isinstance(kept.__cause__, ValueError)
+    assert repr(str(tmp_path)) in str(kept) and "read-only" in str(kept)
+    assert exchange.pending == 0  # nothing was queued; the step may be saved again
+    assert exchange.claim(3) == ()
 
 
 def test_an_unwritable_directory_is_a_config_error_with_a_fix(small_disk):

@@ -54,7 +54,7 @@ def test_the_initial_state_built_inside_train_is_another_program(tmp_path):
     final step restores as its final state, bit for bit), and the resumed run, another
     program, differs from the uninterrupted one at most in the last places. Whether it
     differs at all is XLA's choice: 35 of 52 leaves on a PPO trainer with jax 0.10.2, none
-    of this test's with jax 0.12.1."""
+    of this test's with jax 0.12.1 on CPU, nor on an H200. Backend-neutral."""
     with jax_cb_ckpt.Checkpointer(tmp_path / "naive", every=worker.EVERY) as ckpt:
         fresh = jax.jit(jax.vmap(worker.make_train_inside(ckpt)))(worker.keys())
         like = jax.eval_shape(jax.vmap(worker.init), worker.keys())

@@ -57,6 +57,37 @@ def test_a_step_below_one_handed_over_is_claimed_and_noted_once():
     assert [c for c, _ in ex.take_notes()] == [StepOrderWarning]
 
 
+def test_crossings_of_one_program_may_arrive_out_of_order_a_later_program_is_said():
+    """Issue 54: on a GPU the crossings of one program arrive in any order (step 0 of an
+    unrolled loop after its step 4: XLA orders neither pure callbacks nor unordered
+    effects), and the StepOrderWarning failed the run. Crossings (`in_order=False`) are
+    judged against the steps handed over when the user's thread last settled (wait()),
+    so one program's order does not count; a lower step after a wait() is a counter
+    that restarted and is said; eager saves (made in order) count every step."""
+    ex = exchange()
+    for step in (4, 0, 12, 8):  # one program's crossings, as a GPU delivered them
+        assert ex.claim(step, in_order=False) == ()
+    assert ex.take_notes() == []
+    ex.settle()  # wait(): every save dispatched so far has arrived
+    assert ex.claim(16, in_order=False) == () and ex.claim(14, in_order=False) == ()
+    assert ex.take_notes() == []  # 14 is below 16, but both come after the wait
+    assert ex.claim(2, in_order=False) == ()  # below 12, handed before the wait
+    [(category, message)] = ex.take_notes()
+    assert category is StepOrderWarning and "step 2 was saved after step 12" in message
+    ex.forget([])  # after a restore: said again, and eager saves count every step
+    assert ex.claim(30) == () and ex.claim(25) == ()
+    [(category, message)] = ex.take_notes()
+    assert "step 25 was saved after step 30" in message
+    ex.forget([])
+    assert ex.claim(40, in_order=False) == () and ex.claim(20, in_order=False) == ()
+    ex.settle()
+    ex.unclaim(40)  # the settled highest was not written after all: the next below counts
+    assert ex.claim(35, in_order=False) == () and ex.take_notes() == []
+    assert ex.claim(10, in_order=False) == ()
+    [(category, message)] = ex.take_notes()
+    assert "step 10 was saved after step 20" in message
+
+
 def test_handed_steps_know_their_highest():
     steps = HandedSteps()
     assert steps.highest() is None
@@ -241,6 +272,8 @@ def test_handed_steps_answers_as_a_dict_would_under_random_use():
             for probe in range(max(0, step - 25), step + 12):
                 assert (probe in handed) == (probe in model), (seed, probe)
                 assert handed.get(probe, "none") is model.get(probe, "none"), (seed, probe)
+                below = max((s for s in model if s < probe), default=None)
+                assert handed.highest_below(probe) == below, (seed, probe)
         assert len(handed) == len(model)
         handed.clear()
         assert len(handed) == 0 and 0 not in handed

@@ -204,3 +204,30 @@ def test_a_lower_step_after_higher_ones_is_said_not_discarded_in_silence(make_ck
     assert "step 5 was saved after step 200" in str(record[0].message)
     assert "max_to_keep retention" in str(record[0].message)
     assert ckpt.all_steps() == [100, 200]  # as it said: retention keeps the highest
+
+
+def test_one_programs_saves_arriving_out_of_order_are_not_a_restarted_counter(make_ckpt):
+    """Issue 54: on a GPU the crossings of one program reach the host in any order (an
+    unrolled loop's step 0 after its step 4), and the StepOrderWarning meant for a
+    restarted counter failed the run. XLA:CPU does it too: it runs a program's
+    crossings as their data is ready, not in the order they were traced. Here step 0's
+    state takes longer to compute than step 4's, so step 4 arrives first: both written,
+    nothing said. A lower step from a program run after wait() is still said."""
+    ckpt = make_ckpt()
+
+    @jax.jit
+    def one_program(x):
+        y = x
+        for _ in range(3):
+            y = jnp.tanh(y @ jnp.ones((64, 64)))
+        ckpt.save({"x": y}, 0)
+        ckpt.save({"x": x}, 4)
+
+    one_program(jnp.zeros((64, 64)))
+    ckpt.wait()  # (warnings are errors in the tests)
+    arrived = [r.step for r in ckpt.stats.recent]
+    assert arrived == [4, 0], f"the premise: step 4 reached the host first ({arrived})"
+    assert ckpt.all_steps() == [0, 4]
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning, match="step 2 was saved after step 4"):
+        jax.jit(lambda x: ckpt.save({"x": x}, 2))(jnp.zeros((64, 64)))
+        ckpt.wait()

@@ -41,10 +41,12 @@ def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
     the view lives JAX neither frees that memory on delete() nor lets a jit given the
     array donated write into it (jax 0.10 copies and keeps the array; 0.12 marks the array
     deleted, and writes its result elsewhere). Checked here on every JAX the tests run
-    on: if a version freed or reused such a buffer, saves would hold garbage."""
+    on: if a version freed or reused such a buffer, saves would hold garbage. (On the
+    CPU device whatever the default backend: a GPU array is copied instead, below.)"""
     from jax_cb_ckpt._save._host import _immutable_view
 
-    x, y = jnp.arange(1 << 20, dtype=jnp.float32), jnp.arange(1 << 20, dtype=jnp.float32)
+    cpu = jax.devices("cpu")[0]
+    x, y = (jax.device_put(np.arange(1 << 20, dtype=np.float32), cpu) for _ in range(2))
     xv, yv = _immutable_view(x), _immutable_view(y)
     assert xv is not None and yv is not None and not xv.flags.writeable
     x.delete()
@@ -54,7 +56,7 @@ def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
         out = twice(out)
         assert out.unsafe_buffer_pointer() not in held
     del x, y
-    garbage = [jnp.full(1 << 20, -1.0) for _ in range(8)]  # reuse any freed memory
+    garbage = [jax.device_put(np.full(1 << 20, -1.0), cpu) for _ in range(8)]  # reuse freed memory
     expected = np.arange(1 << 20, dtype=np.float32)
     np.testing.assert_array_equal(xv, expected)
     np.testing.assert_array_equal(yv, expected)
@@ -62,6 +64,9 @@ def test_a_cpu_array_kept_without_a_copy_outlives_delete_and_donation():
     assert len(garbage) == 8
     # numpy, and arrays on another platform or on several devices, are copied instead
     assert _immutable_view(np.arange(3)) is None
+    others = [d for d in jax.devices() if d.platform != "cpu"]
+    if others:  # a GPU run: an array in its memory is never viewed
+        assert _immutable_view(jax.device_put(np.arange(3), others[0])) is None
 
 
 @pytest.mark.parametrize("how", ["delete", "donate"])

@@ -8,12 +8,14 @@ queue, the pending count, the steps handed over, the first writer error and the 
   then the host's copy queued by `fill`, or its claim given back when the copy fails),
   `record`, `end_run`; below them `claim`, `take_slot`, `submit`, `supersede`, `unclaim`;
 - writer thread: `next_item`, `finished`;
-- user thread: `drain`, `take_error`, `take_notes`, `forget`.
+- user thread: `drain`, `settle`, `take_error`, `take_notes`, `forget`.
 
 Which saves may be written is decided here, in memory (the callback never touches the
 disk): a step already handed over by this Checkpointer is dropped with a warning (a
 repeated call); a step below one already handed over is written, with a warning once
-(a counter that restarted: retention would delete it at once); a step at or below a
+(a counter that restarted: retention would delete it at once; a jitted save is compared
+with the steps handed over when the user last waited, `settle`, since one program's
+crossings arrive in any order); a step at or below a
 step another run left in
 the directory is a conflict (an error by default, or a replace of those steps when the
 user asked for it), so two runs never mix silently. A step that was skipped or whose
@@ -147,6 +149,16 @@ class HandedSteps:
         ends = [run[0] + run[1] * (run[2] - 1) for run in self._runs[-1:]]
         return max([*ends, *self._odd], default=None)
 
+    def highest_below(self, step: int) -> int | None:
+        """The highest step held below `step` (None when there is none)."""
+        below = [s for s in self._odd if s < step]
+        i = bisect.bisect_left(self._runs, step, key=lambda run: run[0]) - 1
+        if i >= 0:  # the last run that starts below `step`
+            first, stride, count, _ = self._runs[i]
+            k = 0 if not stride else min(count - 1, (step - 1 - first) // stride)
+            below.append(first + k * stride)
+        return max(below, default=None)
+
     def _find(self, step: int) -> int | None:
         i = bisect.bisect_right(self._runs, step, key=lambda run: run[0]) - 1
         if i < 0:
@@ -231,18 +243,29 @@ class Exchange:
         self._error: CheckpointError | None = None
         self._notes: list[tuple[type[Warning], str]] = []
         self._order_noted = False  # a step below one handed over: said once
+        # The highest step handed over when the user's thread last settled (`settle`:
+        # wait()/close(), once every save its programs dispatched had arrived).
+        self._settled: int | None = None
         self.closed: Closed | None = None  # set: saves handed over from then on fail
 
     # -- callback side --------------------------------------------------------------
 
     def claim(
-        self, step: int, owner: object = None
+        self, step: int, owner: object = None, *, in_order: bool = True
     ) -> tuple[int, ...] | Literal["duplicate", "replica"]:
         """May `step` be written? `"duplicate"`: drop it (noted for the user);
         `"replica"`: drop it silently (another device's copy of the same save, or a
         later run's, which `end_run` reports); otherwise the old steps to delete first
         (empty unless replacing). Raises `StepExistsError` when the step would mix with
-        steps another run left in the directory."""
+        steps another run left in the directory.
+
+        A step below one already handed over is noted once (`StepOrderWarning`: a
+        counter that restarted). `in_order`: the saves reach here in the order they were
+        made (eager saves, in the user's thread), so any higher step handed over counts.
+        Not in order (a callback): the crossings of one program may arrive in any order
+        (XLA orders neither the pure buffer callbacks nor unordered effects: on a GPU
+        an unrolled loop's step 0 arrived after its step 4), so only the steps handed
+        over before the user's thread last settled (`settle`) count."""
         with self._cond:
             if owner is not None and (owner, step) in self._skipped:
                 return "replica"  # another device's copy of a save that was skipped
@@ -270,7 +293,7 @@ class Exchange:
                     f"step {step} on, create the Checkpointer with on_existing='replace'."
                 )
             del self._old[cut:]
-            highest = self._handed.highest()
+            highest = self._handed.highest() if in_order else self._settled
             if highest is not None and step < highest and not self._order_noted:
                 self._order_noted = True
                 self._note(StepOrderWarning, self._order_message(step, highest))
@@ -349,6 +372,8 @@ class Exchange:
 
     def _unclaim(self, step: int, replace: tuple[int, ...]) -> None:
         owner = self._handed.pop(step, None)
+        if self._settled is not None and step == self._settled:  # not written after all
+            self._settled = self._handed.highest_below(step)
         self._arrived.discard((owner, step))
         if replace:
             self._old = sorted(set(self._old) | set(replace))
@@ -362,7 +387,7 @@ class Exchange:
         slot; with "newest" it gives up its oldest waiting save instead (counted in
         `superseded`)."""
         try:
-            replace = self.claim(step, owner)
+            replace = self.claim(step, owner, in_order=not in_callback)
         except CheckpointError as e:
             if in_callback:  # JAX re-wraps it: keep ours for wait()/close()
                 self.record(e)
@@ -522,6 +547,13 @@ class Exchange:
             while self._pending:
                 self._cond.wait()
 
+    def settle(self) -> None:
+        """Every save the caller's programs dispatched so far has arrived (wait(), after
+        `jax.effects_barrier()`): a step handed over from now on below the highest one
+        now is a later program's, a counter that restarted (see `claim`)."""
+        with self._cond:
+            self._settled = self._handed.highest()
+
     def take_error(self) -> CheckpointError | None:
         with self._cond:
             error, self._error = self._error, None
@@ -580,4 +612,5 @@ class Exchange:
             self._arrived.clear()
             self._skipped.clear()
             self._order_noted = False
+            self._settled = None
             self._old = sorted(steps_on_disk)

@@ -36,6 +36,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .._base import _warn
+from .._base._dtypes import packed
 from .._base._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -79,6 +80,34 @@ def probe_callback_arrays() -> bool:
     return bool(_OWNED)
 
 
+def _reported(entry: Callable[..., None]) -> Callable[..., None]:
+    """A callback entry point whose every failure is kept for the user's thread: JAX
+    wraps an exception raised in a callback into the program's failure, which a program
+    with no outputs on an accelerator may never show (the jitted call has returned
+    before it ran; the H200 run of 2026-12-04). Ours is recorded as it is; anything
+    else (a CUDA call, a buffer the host cannot read) as a `CheckpointError` naming the
+    directory and the cause. `wait()`, `close()`, the next save from Python and the next
+    crossing raise it."""
+
+    @functools.wraps(entry)
+    def reported(self: HostSide, *args: Any) -> None:
+        try:
+            entry(self, *args)
+        except CheckpointError as e:
+            self._exchange.record(e)
+            raise
+        except Exception as e:
+            error = CheckpointError(
+                f"a save to {self.directory!r} failed while the device program handed "
+                f"its state over (in JAX's callback): {type(e).__name__}: {e}. Nothing of "
+                "that save was written; earlier checkpoints are untouched."
+            )
+            self._exchange.record(error)
+            raise error from e
+
+    return reported
+
+
 class HostSide:
     """The callback target of one Checkpointer (see module doc for what it may do)."""
 
@@ -98,6 +127,7 @@ class HostSide:
     def directory(self) -> str:
         return self._exchange.directory
 
+    @_reported
     def __call__(
         self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
     ) -> None:
@@ -113,6 +143,7 @@ class HostSide:
 
         self._in_callback(signature, step, wanted, copy_out, owner=None)
 
+    @_reported
     def deposit(
         self,
         signature: Signature,
@@ -131,7 +162,7 @@ class HostSide:
         `widened` gives the saved dtype of the leaves that crossed widened (packed sub-byte
         types), by index.
         """
-        if buffers and _cuda.is_device_buffer(buffers[0]):
+        if _cuda.is_device_buffer(out):  # (the token: always there, an int32)
             self._deposit_from_gpu(signature, widened, ctx, step, wanted, buffers)
             return
         np.asarray(out)[...] = 0
@@ -155,13 +186,15 @@ class HostSide:
 
         def copy_out() -> HostCopy:
             hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
-            if not widened:
-                return HostCopy(list(hosts), release, ready)
+            if not any(packed(dtype) for dtype in widened.values()):
+                # (leaves that crossed as bits are views: nothing is read before `ready`)
+                return HostCopy(_as_saved_dtypes(list(hosts), widened), release, ready)
             ready()  # packed dtypes are cast back here, so wait for their copies now
             return HostCopy(_as_saved_dtypes(list(hosts), widened), release)
 
         self._in_callback(signature, step, wanted, copy_out, owner=signature)
 
+    @_reported
     def deposit_shard(
         self,
         signature: Signature,
@@ -322,6 +355,7 @@ class HostSide:
         for assembly in self._assemblies.take_failed():
             self._settle(assembly)
 
+    @_reported
     def end_run(
         self,
         signature: Signature,
@@ -515,10 +549,14 @@ class HostCopy(NamedTuple):
 
 
 def _as_saved_dtypes(arrays: list[np.ndarray], widened: dict[int, np.dtype]) -> list[np.ndarray]:
-    """`arrays` with the leaves that crossed widened (packed sub-byte types, see
-    _traced._widen) cast back to their dtype {index: dtype} (exact)."""
+    """`arrays` with the leaves that crossed as another dtype (see _traced._widen) turned
+    back into their dtype {index: dtype}, exactly: packed sub-byte types cast back from
+    the bytes they were widened to, every other one viewed as the bits it crossed as."""
     for index, dtype in widened.items():
-        arrays[index] = arrays[index].astype(dtype)
+        if packed(dtype):
+            arrays[index] = arrays[index].astype(dtype)
+        else:
+            arrays[index] = arrays[index].view(dtype)
     return arrays
 
 

@@ -26,8 +26,10 @@ and docs/handoff.md have the evidence):
   with stop-gradient inputs it is silently dropped. Why not `pure_callback`: it has no
   effect, so dead-code elimination removes it.
 - Unordered: ordered effects are refused for programs on more than one device. Order is
-  not needed: iterations run one after another, `jax.effects_barrier()` waits for
-  unordered effects too, and the host side keys everything by step. Inside
+  not needed: `jax.effects_barrier()` waits for unordered effects too, and the host side
+  keys everything by step. A program's crossings may reach the host in any order (XLA
+  runs them as their data is ready: on a GPU an unrolled loop's step 0 came after its
+  step 4); the exchange judges the order of steps only across `wait()` (`settle`). Inside
   `pmap`/`shard_map` every device would make its own call, so there (`axis_name=`
   given) the state is gathered and the first device saves. With `shardings=` every
   device hands over its own block instead (`cross_sharded`, see _shards.py).
@@ -373,17 +375,40 @@ def _keep_alive(token: jax.Array) -> None:
     del token
 
 
+# The dtypes jaxlib's `Buffer.__cuda_array_interface__` serves (jaxlib/ffi.cc): the GPU
+# buffer crossing reads every operand through it (_cuda.py), and refused any other dtype
+# (float8_*: the H200 run of 2026-12-04 saved nothing from a jitted save of one).
+_SERVED = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+    + ["bfloat16", "float16", "float32", "float64", "complex64", "complex128"]
+)
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def _widen(values: Sequence[jax.Array]) -> tuple[dict[int, np.dtype], list[jax.Array]]:
-    """XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte,
-    so those leaves cross widened to a byte-per-element dtype that holds their values
-    exactly; returns `widened`, {index: original dtype} of those leaves (for the host
-    to cast back), and the values to cross."""
-    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if packed(v.dtype)}
-    crossing = [
-        v.astype(PACKED_AS.get(np.dtype(v.dtype).name, np.float32)) if i in widened else v
-        for i, v in enumerate(values)
-    ]
+    """Every leaf as a dtype the buffer crossing can hand over on every backend; returns
+    `widened`, {index: original dtype} of the leaves that cross as another dtype (for the
+    host to turn back, `_host._as_saved_dtypes`), and the values to cross.
+
+    XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte, so
+    those cross widened to a byte-per-element dtype that holds their values exactly. Any
+    other dtype outside `_SERVED` (float8_*, float6_*) crosses as its bits (an unsigned
+    integer of its width, `bitcast_convert_type`: NaN payloads kept), the same on a CPU
+    as on a GPU, so the CPU tests cover the GPU's path."""
+    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if _crosses_as_other(v)}
+    crossing = [_as_crossing(v) if i in widened else v for i, v in enumerate(values)]
     return widened, crossing
+
+
+def _crosses_as_other(value: jax.Array) -> bool:
+    return packed(value.dtype) or np.dtype(value.dtype).name not in _SERVED
+
+
+def _as_crossing(value: jax.Array) -> jax.Array:
+    dtype = np.dtype(value.dtype)
+    if packed(dtype):
+        return value.astype(PACKED_AS.get(dtype.name, np.float32))
+    return jax.lax.bitcast_convert_type(value, _BITS[dtype.itemsize])
 
 
 def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:

@@ -505,8 +505,11 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save handed over so far is on disk; re-raise writer errors.
 
-        Also waits for callbacks of jitted code still running (`jax.effects_barrier()`),
-        so call it from your own thread, never from inside a callback. When it returns,
+        Also waits for callbacks of jitted code still running (`jax.effects_barrier()`:
+        every program this thread dispatched, whatever it returns), so call it from your
+        own thread, never from inside a callback. A save that failed inside a callback is
+        raised here with its text, whether or not the jitted call raised JAX's error (on
+        an accelerator it may have returned before the program ran). When it returns,
         every checkpoint written so far is fsynced: it survives a crash or power loss.
         """
         self._wait()
@@ -517,10 +520,12 @@ class Checkpointer:
             try:
                 jax.effects_barrier()
             except jax.errors.JaxRuntimeError as e:
-                # A program whose callback raised (JAX raises the same failure from
-                # every later barrier; the caller of that program has seen it already).
+                # A program whose callback raised: ours was kept for this thread
+                # (`_host._reported`) and is raised below, chained to JAX's; a failure
+                # of the user's own code is theirs (JAX raises it from every barrier).
                 failure = e
             self._exchange.drain()
+            self._exchange.settle()  # later lower steps: a restarted counter (StepOrderWarning)
             # A per-device save that failed mid-step can no longer complete: give back
             # its memory and slot. (Saves still assembling are left alone: a program
             # another thread started since the barrier may be filling them.)
@@ -581,7 +586,9 @@ class Checkpointer:
         saved, so the loop went on past its last checkpoint and its final state is not
         on disk (a loop of one's own that saves by `every` or the clock only)."""
         seen = None if self._clock is None else self._clock.seen
-        saved = self._stats.snapshot().last_saved_step
+        # The highest step written, not the last: one program's saves may reach the
+        # host in any order (issue 54).
+        saved = max((record.step for record in self._stats.snapshot().recent), default=None)
         if seen is None or (saved is not None and saved >= seen):
             return
         newest = "no step" if saved is None else f"step {saved}"
