@@ -497,8 +497,9 @@ class Checkpointer:
         at the end of a traceback); ours is raised instead, JAX's chained to it. Returns
         when the failure is not ours (the caller re-raises it). (Not a context manager:
         contextlib's frame would take the user's line from a warning issued here.)"""
-        if self._exchange.peek_error() is None:
-            return
+        error = self._exchange.peek_error()
+        if error is None or not self._exchange.stops_saving(error):
+            return  # (a failed write under on_error="continue" fails no program)
         try:
             self._raise_writer_error()
         except CheckpointError as ours:
