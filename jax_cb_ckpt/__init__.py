@@ -12,6 +12,7 @@ from ._base._errors import CheckpointerClosedError as CheckpointerClosedError
 from ._base._errors import CheckpointError as CheckpointError
 from ._base._errors import CheckpointWarning as CheckpointWarning
 from ._base._errors import ConfigError as ConfigError
+from ._base._errors import ConstantStepWarning as ConstantStepWarning
 from ._base._errors import DamagedStepError as DamagedStepError
 from ._base._errors import DamagedStepWarning as DamagedStepWarning
 from ._base._errors import DirectoryLockedError as DirectoryLockedError

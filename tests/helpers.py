@@ -5,12 +5,14 @@
   `run_child`, `run_script`: the one driver for every test that starts, kills or
   interrupts a real child process (servers and multi-process runs too); `free_port`,
   `json_lines`; `PEAK_KIB`, a child's measure of its own peak memory.
+- the docs' code blocks: `doc_blocks`, `doc_programs`, `doc_script`, `run_doc_program`.
 """
 
 import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -367,3 +370,140 @@ def fresh_copy(written, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(written, copy)
     return copy
+
+
+# -- the documentation's code blocks ------------------------------------------------------
+#
+# Every fenced block of README.md and docs/*.md is one of: ```text (output, a tree, a
+# message: not code); a ```python or ```bash block that runs as written; or a block
+# marked, in an HTML comment right above it (invisible on the page), with why it is not
+# run here. The markers:
+#
+#   <!-- doc-test: skip: REASON -->    not run here; the reason is required (and a test it
+#                                      names as tests/x.py::name must exist)
+#   <!-- doc-test: setup               code run first, in the same process: the names a
+#   CODE                               fragment takes from the program around it
+#   -->
+#   <!-- doc-test: after               code run after the block (checks of what it did)
+#   CODE
+#   -->
+#   <!-- doc-test: continues -->       the block goes on from the one before it on the
+#                                      page (one process, in order)
+
+DOC_PAGES = ["README.md"] + sorted(
+    f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")
+)
+DOC_LANGUAGES = ("python", "bash")  # run; "text" is shown only
+_FENCE = re.compile(r"^( *)```(\S*)\s*$")
+_MARK = re.compile(r"^\s*<!--\s*doc-test:\s*([\w-]+)\s*(?::\s*(.*?))?\s*(-->)?\s*$")
+
+
+class DocBlock(NamedTuple):
+    page: str  # "README.md", "docs/usage.md"
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str  # dedented to the fence
+    marks: dict  # {kind: reason or code ("" for continues)}
+    problems: list  # what is wrong with its fence or its marks (the fast test fails on it)
+
+    @property
+    def id(self):
+        return f"{self.page}:{self.line}"
+
+
+def doc_blocks(page):
+    """The fenced blocks of `page` (relative to the repository root), with their marks."""
+    with open(os.path.join(ROOT, page)) as f:
+        lines = f.read().split("\n")
+    blocks, marks, problems, i = [], {}, [], 0
+    while i < len(lines):
+        line, i = lines[i], i + 1
+        mark = _MARK.match(line)
+        if mark:
+            kind, reason, closed = mark.groups()
+            body = []
+            while not closed:
+                if i >= len(lines):
+                    problems.append(f"{page}:{i}: a doc-test mark that is never closed")
+                    break
+                text, i = lines[i], i + 1
+                if text.strip() == "-->":
+                    break
+                body.append(text)
+            if kind in marks:
+                problems.append(f"{page}:{i}: two doc-test marks {kind!r} on one block")
+            marks[kind] = (
+                (reason or "")
+                if kind != "setup" and kind != "after"
+                else (textwrap.dedent("\n".join(body)) + "\n")
+            )
+            continue
+        fence = _FENCE.match(line)
+        if not fence:
+            if line.strip() and marks:
+                problems.append(
+                    f"{page}:{i}: doc-test marks {sorted(marks)} not right above a block"
+                )
+                marks = {}
+            continue
+        indent, language = len(fence.group(1)), fence.group(2)
+        start, code = i, []
+        while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
+            code.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1
+        blocks.append(DocBlock(page, start, language, "\n".join(code) + "\n", marks, problems))
+        marks, problems = {}, []
+    if marks:
+        problems.append(f"{page}: doc-test marks {sorted(marks)} after the last block")
+    if problems:  # (marks left over: on the last block, so that the fast test sees them)
+        if blocks:
+            blocks[-1].problems.extend(problems)
+        else:
+            blocks.append(DocBlock(page, 0, "text", "", {}, problems))
+    return blocks
+
+
+def doc_programs(page):
+    """The programs `page`'s blocks make: a list of lists of blocks (a block that
+    `continues` joins the one before it), the blocks not run (text, skipped, of a
+    language not run) left out."""
+    programs = []
+    for block in doc_blocks(page):
+        if block.language not in DOC_LANGUAGES or "skip" in block.marks:
+            continue  # (a block of another language fails the fast check instead)
+        if "continues" in block.marks and programs:
+            programs[-1].append(block)
+        else:
+            programs.append([block])
+    return programs
+
+
+def doc_script(program):
+    """The script of a program: each block's set-up, the block, its checks, in order."""
+    parts = []
+    for block in program:
+        parts += [block.marks.get("setup", ""), block.code, block.marks.get("after", "")]
+    return "".join(parts)
+
+
+def run_doc_program(tmp_path, program, times=1):
+    """Run a program of the docs as a reader would paste it, in a fresh process whose
+    working directory (and tempfile's) is `tmp_path`, `times` times in a row there (a
+    reader runs a script again). The last run's result."""
+    language = program[0].language
+    script = tmp_path / ("doc.py" if language == "python" else "doc.sh")
+    script.write_text(doc_script(program))
+    command = [sys.executable, str(script)] if language == "python" else ["bash", "-e", str(script)]
+    for run in range(times):
+        result = subprocess.run(
+            command,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        )
+        where = ", ".join(block.id for block in program)
+        assert result.returncode == 0, f"{where}, run {run + 1}:\n{result.stderr[-3000:]}"
+    return result

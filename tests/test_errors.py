@@ -535,3 +535,61 @@ def test_orbax_option_names_are_answered_with_ours(ckpt_dir, orbax, ours):
         jax_cb_ckpt.Checkpointer(ckpt_dir, **{orbax: 3})
     with pytest.raises(TypeError, match="unexpected keyword"):  # any other name: Python's
         jax_cb_ckpt.Checkpointer(ckpt_dir, no_such_option=3)
+
+
+# -- errors that point the right way (issue 52 item 7) ---------------------------------
+
+
+def test_a_function_passed_as_like_is_told_to_use_eval_shape(make_ckpt, ckpt_dir):
+    def init(key):
+        return {"w": jnp.zeros(2)}
+
+    ckpt = make_ckpt()
+    ckpt.save(init(0), 1)
+    ckpt.wait()
+    fix = r"leaf like is a function .*not the function that makes it.*jax\.eval_shape\(init, key\)"
+    with pytest.raises(InvalidStateError, match=fix):
+        ckpt.restore(init)
+    with pytest.raises(InvalidStateError, match=fix):
+        jax_cb_ckpt.restore(ckpt_dir, jax.jit(init))
+    with pytest.raises(InvalidStateError, match=r"leaf state is a function .*pass the state"):
+        ckpt.save(init, 2)
+
+
+def test_a_directory_nobody_can_write_is_a_config_error_with_the_errno():
+    """/proc/self exists and no lock is held there: not a DirectoryLockedError."""
+    with pytest.raises(
+        ConfigError, match=r"the directory is not writable.*\(errno \d+, E[A-Z]+"
+    ) as info:
+        jax_cb_ckpt.Checkpointer("/proc/self")
+    assert not isinstance(info.value, jax_cb_ckpt.DirectoryLockedError)
+    assert "/proc/" in str(info.value)
+
+
+def test_an_error_of_ours_under_jit_is_raised_as_ours_by_ckpt_scan_and_the_next_calls(
+    make_ckpt, ckpt_dir
+):
+    """A refusal in a callback reaches the jitted call as `JaxRuntimeError: INTERNAL:
+    ...`: `ckpt.scan` run eagerly (its own program) raises ours instead; after a
+    user's own jitted call, the next maybe_save (and close) raises ours."""
+    with jax_cb_ckpt.Checkpointer(ckpt_dir) as other_run:
+        other_run.save({"w": np.zeros(2, np.float32)}, 5)
+    ckpt = make_ckpt(every=5)
+
+    def f(state, x):
+        return {"w": state["w"] + 1.0}, None
+
+    with pytest.raises(jax_cb_ckpt.StepExistsError, match=r"^saving step 5 ") as info:
+        ckpt.scan(f, {"w": jnp.zeros(2)}, length=10)
+    assert isinstance(info.value.__cause__, jax.errors.JaxRuntimeError)
+
+    train = jax.jit(lambda s: ckpt.scan(f, s, length=10)[0])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="StepExistsError"):  # JAX's own
+        train({"w": jnp.zeros(2)})
+    with pytest.raises(jax_cb_ckpt.StepExistsError, match=r"^saving step 5 "):
+        ckpt.maybe_save({"w": np.zeros(2, np.float32)}, 7)
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        train({"w": jnp.zeros(2)})
+    with pytest.raises(jax_cb_ckpt.StepExistsError, match=r"^saving step 5 "):
+        ckpt.close()
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [5]

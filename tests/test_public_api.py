@@ -12,6 +12,7 @@ PUBLIC = [
     "CheckpointerClosedError",
     "CheckpointWarning",
     "ConfigError",
+    "ConstantStepWarning",
     "DamagedStepError",
     "DamagedStepWarning",
     "DirectoryLockedError",

@@ -107,3 +107,48 @@ def test_in_thread_returns_the_result_and_reraises_the_error():
     ticks = []
     assert _in_thread(lambda: time.sleep(0.2) or 7, flag, lambda: ticks.append(1)) == 7
     assert len(ticks) >= 2  # the caller waited in short steps, ticking
+
+
+def test_run_says_where_it_starts_on_stderr_unless_quiet(make_ckpt, ckpt_dir, capfd):
+    """Issue 52 item 8: a mistyped directory trains from step 0 again; run says so in one
+    line on stderr, without any logging configured (and resumed runs say from where)."""
+    ckpt = make_ckpt(every=2)
+    ckpt.run(body, INIT, 4)
+    err = capfd.readouterr().err
+    assert f"jax_cb_ckpt: run starting fresh at step 0 in {ckpt_dir} (no checkpoint there)" in err
+    ckpt.run(body, INIT, 6)
+    assert f"jax_cb_ckpt: run resumed from step 4 of {ckpt_dir}\n" in capfd.readouterr().err
+    ckpt.run(body, INIT, 6)
+    assert "resumed from step 6 of" in capfd.readouterr().err  # (and nothing to do)
+    ckpt.run(body, INIT, 6, quiet=True)
+    assert "jax_cb_ckpt" not in capfd.readouterr().err
+    with pytest.raises(ConfigError, match=r"run: quiet must be True or False, got 'yes'"):
+        ckpt.run(body, INIT, 6, quiet="yes")
+
+
+def test_an_error_of_ours_in_run_s_loop_is_raised_as_ours(make_ckpt, ckpt_dir):
+    """Issue 52 item 7: a save refused inside run's jitted loop (here: the writer failed
+    on a directory replaced mid-run) reached the user as `JaxRuntimeError: INTERNAL:
+    ...`; run raises our SaveError with its text, JAX's error chained."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    ckpt = make_ckpt(every=2)
+
+    def at_step(i):
+        if int(i) == 1:  # before step 2 is saved: the directory replaced under the writer
+            shutil.rmtree(ckpt_dir)
+            ckpt_dir.mkdir()
+        if int(i) == 3:  # step 2's write has failed by now: step 4's crossing refuses
+            ckpt._exchange.drain()
+        return np.float32(0)
+
+    def watched(state, step):  # (the state depends on the callback: it runs in order)
+        zero = jax.pure_callback(at_step, jax.ShapeDtypeStruct((), jnp.float32), step)
+        return {"x": state["x"] + zero, "n": state["n"] + step}
+
+    with pytest.raises(jax_cb_ckpt.SaveError, match=r"^saving step 2 .*was replaced") as info:
+        ckpt.run(watched, INIT, 8)
+    assert isinstance(info.value.__cause__, jax.errors.JaxRuntimeError)

@@ -1,34 +1,34 @@
-"""The documentation site's own pages run: every ```python block of docs/index.md and
-docs/cli.md is a complete program, executed twice in a fresh process. (CI builds the
+"""The documentation site's own pages run: every program of docs/index.md and docs/cli.md
+(`helpers.doc_programs`) runs twice in a fresh process. (CI builds the
 site itself with `mkdocs build --strict`: .ci/run.)"""
 
 import os
 import re
 
 import pytest
-from helpers import run_child, run_twice
+from helpers import doc_programs, doc_script, run_child, run_doc_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def blocks(*names):
-    out = []
-    for name in names:
-        with open(os.path.join(ROOT, "docs", name)) as f:
-            codes = re.findall(r"^```python\n(.*?)^```$", f.read(), re.M | re.S)
-        out += [pytest.param(code, id=f"{name}-{i}") for i, code in enumerate(codes)]
-    return out
+def programs(*names):
+    """The programs of docs pages (`helpers.doc_programs`: every block that runs)."""
+    return [
+        pytest.param(program, id=program[0].id)
+        for name in names
+        for program in doc_programs(f"docs/{name}")
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("code", blocks("index.md", "cli.md"))
-def test_page_block_runs_twice(tmp_path, code):
-    run_twice(tmp_path, code)
+@pytest.mark.parametrize("program", programs("index.md", "cli.md"))
+def test_page_block_runs_twice(tmp_path, program):
+    run_doc_program(tmp_path, program, times=2)
 
 
 def test_index_block_prints_what_it_says():
-    (code,) = [p.values[0] for p in blocks("index.md")]
-    result = run_child(["python", "-c", code], timeout=300)
+    (program,) = [p.values[0] for p in programs("index.md")]
+    result = run_child(["python", "-c", doc_script(program)], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     steps, value = result.stdout.splitlines()
     assert steps == "[900, 1000]", result.stdout

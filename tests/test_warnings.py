@@ -102,6 +102,93 @@ def test_a_damaged_step_is_reported_at_the_user_s_checkpointer_call(tmp_path, ca
         _points_at_this_file(_issued(calls[call]), DamagedStepWarning)
 
 
+# -- a step that never changes (issue 52 item 6) ---------------------------------------
+
+
+def _loop(kind, body, state, n):
+    """`body(i, state) -> state` run n times by the loop `kind`, inside jit."""
+    if kind == "scan":
+        return jax.lax.scan(lambda s, i: (body(i, s), None), state, jax.numpy.arange(n))[0]
+    if kind == "fori_loop":
+        return jax.lax.fori_loop(0, n, body, state)
+    return jax.lax.while_loop(
+        lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (0, state)
+    )[1]
+
+
+@pytest.mark.parametrize(
+    "kind, named",
+    [("scan", "lax.scan"), ("fori_loop", "lax.fori_loop"), ("while_loop", "lax.while_loop")],
+)
+def test_a_counter_bumped_in_a_loop_body_is_told_while_tracing(tmp_path, kind, named):
+    """`step += 1` on a Python counter in a loop body is traced once: every iteration
+    asks for step 1, which every=10 never saves. Said while tracing, at the user's line,
+    with the fix; nothing is saved."""
+    ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt", every=10)
+    step = 0
+
+    def body(i, state):
+        nonlocal step
+        step += 1
+        ckpt.maybe_save(state, step)
+        return state + 1.0
+
+    train = jax.jit(lambda s: _loop(kind, body, s, 30))
+    with pytest.warns(
+        jax_cb_ckpt.ConstantStepWarning,
+        match=rf"step 1 is a Python number inside a {named} body.*no iteration saves"
+        r".*Fix: pass the loop's counter, traced: `i \+ 1`",
+    ) as record:
+        train(np.zeros(2, np.float32))
+    assert [w.filename for w in record] == [__file__]
+    ckpt.close()
+    assert ckpt.all_steps() == []
+
+
+def test_a_fixed_step_in_a_scan_is_told_and_its_duplicates_name_the_cause(tmp_path):
+    ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt", every=10)
+
+    def body(state, i):
+        ckpt.maybe_save(state, 100)
+        return state + 1.0, None
+
+    with pytest.warns(jax_cb_ckpt.ConstantStepWarning, match=r"every iteration saves step 100"):
+        train = jax.jit(lambda s: jax.lax.scan(body, s, jax.numpy.arange(3))[0])
+        train(np.zeros(2, np.float32))
+    with pytest.warns(
+        DuplicateStepWarning,
+        match=r"step 100 was handed over again .*most likely the same step at every "
+        r"iteration of a loop.*`i \+ 1`",
+    ):
+        ckpt.close()
+    assert ckpt.all_steps() == [100]
+
+
+def test_concrete_steps_that_are_meant_are_not_warned_about(tmp_path):
+    """Eagerly, in a jitted function without a loop, a traced step with last_step=, a
+    traced when= and a save in a cond's branch inside a loop: no ConstantStepWarning."""
+    ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt", every=10)
+    x = np.zeros(2, np.float32)
+
+    def fori(body):
+        return jax.jit(lambda s: jax.lax.fori_loop(0, 30, body, s))(x)
+
+    def in_branch(i, s):
+        jax.lax.cond(i == 29, lambda: ckpt.save(s, 5000), lambda: None)
+        return s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning of ours fails the test
+        ckpt.maybe_save(x, 10)
+        jax.jit(lambda s: ckpt.maybe_save(s, 20))(x)
+        jax.jit(lambda s: ckpt.save(s, 21))(x)
+        fori(lambda i, s: (ckpt.maybe_save(s, i + 1000, last_step=1029), s)[1])
+        fori(lambda i, s: (ckpt.maybe_save(s, 4000, when=i == 29), s)[1])
+        fori(in_branch)
+        ckpt.close()
+    assert ckpt.all_steps() == [10, 20, 21, 1000, 1010, 1020, 1029, 4000, 5000]
+
+
 # -- the suite's own warning filters (pyproject.toml) ------------------------------------
 # Only our own warnings are errors: an upstream release that deprecates something at import
 # (jax 0.12.1 + orbax-checkpoint 0.12.8: "SingleDeviceSharding is deprecated", raised while

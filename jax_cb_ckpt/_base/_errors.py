@@ -140,6 +140,14 @@ class DuplicateStepWarning(CheckpointWarning):
     """A step handed over again by the same Checkpointer was dropped (the first is kept)."""
 
 
+class ConstantStepWarning(CheckpointWarning):
+    """`maybe_save` or `save` was traced in the body of a `lax.scan`, `fori_loop` or
+    `while_loop` with a step Python knows (a Python int or numpy number, such as a
+    counter bumped in the body) and no traced `when=`: the body is traced once, so every
+    iteration asks for the same step. Issued while tracing; the fix is the loop's own
+    counter (`i + 1`)."""
+
+
 class StepOrderWarning(CheckpointWarning):
     """A step lower than one this Checkpointer already handed over was saved (a counter
     that restarted): it is written, but it is not the latest, and `max_to_keep`

@@ -132,6 +132,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool)
         np_dtype = _check_dtype(leaf.dtype, path, leaf)
         weak = bool(getattr(leaf, "weak_type", False))
         return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape, weak=weak)
+    kind = type(leaf).__name__
     shown = repr(leaf)
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -145,6 +146,19 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool)
             "older flax): save `nnx.state(model)` and rebuild with "
             "`nnx.merge(graphdef, restored)` (docs/frameworks.md)."
         )
+    elif callable(leaf) and path in ("like", "state") and not isinstance(leaf, type):
+        # The whole tree is a function (a jitted one too): the one that makes the state.
+        kind = "function"
+        maker = getattr(leaf, "__name__", None) or "init"
+        if path == "like":
+            fix = (
+                f"Fix: `like` is the state to restore into, not the function that makes "
+                f"it: pass its shapes, `jax.eval_shape({maker}, key)` (with {maker}'s "
+                "arguments; nothing is computed), or call "
+                f"`ckpt.restore_or_init({maker}, key)`, which restores or calls {maker}."
+            )
+        else:
+            fix = f"Fix: pass the state, `{maker}(...)`, not the function that makes it."
     elif callable(leaf):
         fix = (
             "Fix: a model object that holds functions next to its arrays (an "
@@ -160,9 +174,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool)
             "state (a Flax TrainState keeps them in static fields), or convert numbers "
             "to arrays with jnp.asarray."
         )
-    raise InvalidStateError(
-        f"{where()}: leaf {path} is a {type(leaf).__name__} ({shown}), which {what}. {fix}"
-    )
+    raise InvalidStateError(f"{where()}: leaf {path} is a {kind} ({shown}), which {what}. {fix}")
 
 
 def _abstract_impl(leaf: Any) -> str | None:

@@ -314,7 +314,7 @@ class Exchange:
                 self._arrived.discard((owner, step))
                 return True
             if self._handed.get(step, None) is owner:
-                self._note(DuplicateStepWarning, self._duplicate_message(step))
+                self._note(DuplicateStepWarning, self._duplicate_message(step, again=True))
                 return False
             return True  # skipped or failed: said elsewhere
 
@@ -348,11 +348,23 @@ class Exchange:
             "on_existing='replace' (it deletes the steps from there on)."
         )
 
-    def _duplicate_message(self, step: int) -> str:
+    def _duplicate_message(self, step: int, again: bool = False) -> str:
+        """`again`: the same traced save (one `maybe_save` call site) handed the step
+        over before, in this program run or an earlier one."""
+        if not again:
+            why = "a repeated save, or a remat recomputation"
+        else:
+            why = (
+                "most likely the same step at every iteration of a loop: a step that is a "
+                "Python number in a scan or fori_loop body, or a counter bumped there "
+                "(`step += 1`), is traced once and never changes; fix: pass the loop's "
+                "counter, `i + 1`. Otherwise: the jitted function called again with the "
+                "same steps, or a remat recomputation"
+            )
         return (
             f"jax_cb_ckpt: step {step} was handed over again by the same Checkpointer "
-            f"on {self.directory!r} (a repeated save, or a remat recomputation); the "
-            "first save of it is kept, this one was dropped."
+            f"on {self.directory!r} ({why}); the first save of it is kept, this one was "
+            "dropped."
         )
 
     def _order_message(self, step: int, highest: int) -> str:

@@ -47,11 +47,13 @@ import numpy as np
 from jax.core import Tracer
 from jax.experimental.buffer_callback import buffer_callback
 
+from .._base import _warn
 from .._base._dtypes import PACKED_AS, packed
-from .._base._errors import InvalidStateError, shown, where
+from .._base._errors import ConstantStepWarning, InvalidStateError, shown, where
 from .._base._types import Gather
 from .._layout._format import MAX_STEP
 from ._shards import Layout
+from ._values import loop_body
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
@@ -118,6 +120,32 @@ def check_step(step: Any) -> int | None:
             "e.g. the scan index or TrainState.step."
         )
     return value
+
+
+def warn_if_constant_in_loop(step: int, due: bool) -> None:
+    """A step Python knows, saved from the body of a loop without a traced predicate:
+    the body is traced once, so every iteration asks for this same step (a counter
+    bumped in the body, `step += 1`, counts traces, not iterations). Said while
+    tracing (`ConstantStepWarning`): at run time the saves would be dropped as
+    duplicates, or, at a step that is not due, never made at all."""
+    loop = loop_body()
+    if loop is None:
+        return
+    what = (
+        f"every iteration saves step {step}: the first is written, the others are dropped "
+        "as duplicates"
+        if due
+        else f"step {step} is not a saving step, so no iteration saves anything"
+    )
+    _warn.warn(
+        f"{where()}: step {step} is a Python number inside a {loop} body, which is traced "
+        f"once: {what} (a counter bumped in the body, `step += 1`, counts traces, not "
+        "iterations). Fix: pass the loop's counter, traced: `i + 1` for the index `i` of "
+        "a scan (`jnp.arange(n)` as xs) or fori_loop (checkpoint k = the state after k "
+        "updates), or a step carried in the state (TrainState.step); or, to save one "
+        "step only once, a traced when= (when=i == n - 1).",
+        ConstantStepWarning,
+    )
 
 
 def check_when(when: Any) -> jax.Array:

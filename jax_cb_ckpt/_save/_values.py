@@ -149,6 +149,37 @@ except ImportError:  # pragma: no cover - a JAX that moved it
     _trace_state_clean = None
 
 
+# What JAX's traces say they were made for (`DebugInfo.traced_for`): the body of a loop,
+# which runs once per iteration; and a branch of a conditional, which may not.
+_LOOP_BODIES = {"scan": "lax.scan", "fori_loop": "lax.fori_loop", "while_body": "lax.while_loop"}
+_BRANCHES = {"cond", "switch", "while_cond"}
+
+
+def loop_body() -> str | None:
+    """The loop ("lax.scan", "lax.fori_loop", "lax.while_loop") whose body is being
+    traced now, or None: outside any loop, in a branch of a `cond` (a save there may be
+    meant to happen once), or where JAX does not say. The traces are walked from the
+    innermost outwards: `vmap`/`grad` traces and staged functions such as a `jit` called
+    inside the body are passed over, a loop body or a branch decides. Reads JAX's
+    private trace context (`jax._src.core.trace_ctx`); a JAX without it gives None."""
+    trace = getattr(getattr(_core, "trace_ctx", None), "trace", None)
+    while trace is not None:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        traced_for = getattr(info, "traced_for", None)
+        if traced_for in _BRANCHES:
+            return None
+        if traced_for in _LOOP_BODIES:
+            return _LOOP_BODIES[traced_for]
+        trace = getattr(trace, "parent_trace", None)
+    return None
+
+
+try:
+    from jax._src import core as _core
+except ImportError:  # pragma: no cover - a JAX that moved it
+    _core = None
+
+
 def axis_size(axis_name: Hashable) -> int:
     """How many devices the mapped axis (or axes) `axis_name` spans, while tracing."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)

@@ -81,13 +81,17 @@ class DirectoryLock:
         try:
             fd = os.open(self.path, flags, 0o644)
         except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                # Not a lock held by anyone: a directory nobody can write (permissions,
+                # a read-only mount, /proc), or one that went away.
+                name = errno.errorcode.get(e.errno or 0, str(e.errno))
                 raise ConfigError(
                     f"Checkpointer({directory!r}): the directory is not writable: cannot "
-                    f"create the lock file {self.path!r} ({e}). Fix: make it writable "
-                    "(permissions, owner, a read-only mount), or pass a directory this "
-                    "process can write."
+                    f"create the lock file {self.path!r} (errno {e.errno}, {name}: "
+                    f"{e.strerror}). Fix: make it writable (permissions, owner, a "
+                    "read-only mount), or pass a directory this process can write."
                 ) from e
+            # Something planted under the lock's name: a symlink (O_NOFOLLOW), a folder.
             raise DirectoryLockedError(
                 f"Checkpointer({directory!r}): cannot open the lock file {self.path!r}: "
                 f"{e}. Fix: make the directory writable, and remove {LOCK_NAME} if it is "

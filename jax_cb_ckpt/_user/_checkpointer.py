@@ -372,6 +372,9 @@ class Checkpointer:
             wanted, condition = when, None
         else:
             wanted, condition = True, _traced.check_when(when)
+        if step_value is not None and (when is None or isinstance(when, bool)):
+            # (with every_seconds the clock's condition is traced, yet the step is not)
+            _traced.warn_if_constant_in_loop(step_value, due=wanted)
         if last_step is not None:
             wanted, condition = _or_last(step, step_value, last_step, wanted, condition)
         self._cross(
@@ -427,6 +430,8 @@ class Checkpointer:
         """
         self._check_usable()
         step_value = _traced.check_step(step)
+        if step_value is not None:
+            _traced.warn_if_constant_in_loop(step_value, due=True)
         self._cross(
             _route.Request(state, step, step_value, None, axis_name, gather, shardings, metrics)
         )
@@ -484,6 +489,21 @@ class Checkpointer:
             # with its exact dtype, before this call returns.
             self._host.eager(route.signature, route.step, route.hosts)
             self._raise_writer_error()
+
+    def _ours_instead(self, failure: Exception) -> None:
+        """A program the library runs itself (`run`'s loop, an eager `scan`) failed: an
+        error of ours raised in its callback reaches Python wrapped by JAX
+        (`JaxRuntimeError: INTERNAL: Error when calling buffer callback: ...`, our text
+        at the end of a traceback); ours is raised instead, JAX's chained to it. Returns
+        when the failure is not ours (the caller re-raises it). (Not a context manager:
+        contextlib's frame would take the user's line from a warning issued here.)"""
+        error = self._exchange.peek_error()
+        if error is None or not self._exchange.stops_saving(error):
+            return  # (a failed write under on_error="continue" fails no program)
+        try:
+            self._raise_writer_error()
+        except CheckpointError as ours:
+            raise ours from failure
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -646,6 +666,7 @@ class Checkpointer:
         check_every: int | None = None,
         progress: bool = False,
         metrics: Callable[[PyTree], PyTree] | None = None,
+        quiet: bool = False,
     ) -> PyTree:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
@@ -685,6 +706,10 @@ class Checkpointer:
             metrics: `metrics(state) -> {name: scalar}`, recorded with each save (see
                 `maybe_save`); computed on the device only at the steps that save.
                 With `batched=True`, written for one member (it is vmapped).
+            quiet: leave out the one line on stderr that says where the run starts
+                ("jax_cb_ckpt: run resumed from step N of DIR", or "starting fresh at
+                step 0 in DIR"): a mistyped directory trains from step 0 again, and
+                this line shows it.
 
         With `every_seconds`, the loop also saves when that long has passed since the
         last save, asked at the stop-flag reads (every `check_every` steps, default
@@ -698,21 +723,26 @@ class Checkpointer:
             ```
         """
         self._check_usable()
-        return _run.run(
-            self,
-            self._options.when,
-            self._stop,
-            body,
-            init,
-            num_steps,
-            batched=batched,
-            sigint=sigint,
-            check_every=check_every,
-            progress=progress,
-            loops=self._run_loops,
-            metrics=metrics,
-            resume=lambda like: self._resume(lambda: like),
-        )
+        try:
+            return _run.run(
+                self,
+                self._options.when,
+                self._stop,
+                body,
+                init,
+                num_steps,
+                batched=batched,
+                sigint=sigint,
+                check_every=check_every,
+                progress=progress,
+                loops=self._run_loops,
+                metrics=metrics,
+                quiet=quiet,
+                resume=lambda like: self._resume(lambda: like),
+            )
+        except jax.errors.JaxRuntimeError as failure:
+            self._ours_instead(failure)
+            raise
 
     def scan(
         self,
@@ -759,20 +789,24 @@ class Checkpointer:
                 "scan: no every. Fix: pass every=N, or create the Checkpointer with "
                 "every=N (or every_seconds=T)."
             )
-        return _scan.scan(
-            self,
-            self._options.when,
-            f,
-            init,
-            xs,
-            length,
-            reverse,
-            unroll,
-            every=every,
-            start=start,
-            shardings=shardings,
-            metrics=metrics,
-        )
+        try:
+            return _scan.scan(
+                self,
+                self._options.when,
+                f,
+                init,
+                xs,
+                length,
+                reverse,
+                unroll,
+                every=every,
+                start=start,
+                shardings=shardings,
+                metrics=metrics,
+            )
+        except jax.errors.JaxRuntimeError as failure:
+            self._ours_instead(failure)
+            raise
 
     def fori_loop(
         self,

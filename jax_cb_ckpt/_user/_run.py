@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -54,6 +55,7 @@ def run(
     progress: bool = False,
     loops: dict[Hashable, Loop] | None = None,
     metrics: Callable[[PyTree], PyTree] | None = None,
+    quiet: bool = False,
     resume: Callable[[PyTree], tuple[PyTree, int | np.ndarray] | None],
 ) -> PyTree:
     """`Checkpointer.run` (its docstring); `when`: the Checkpointer's saving options;
@@ -62,12 +64,15 @@ def run(
     step to continue from, or None for a fresh run)."""
     loops = {} if loops is None else loops
     every, by_clock = when.every, when.every_seconds is not None
-    check = _checked_arguments(when, num_steps, metrics, check_every, progress)
+    check = _checked_arguments(when, num_steps, metrics, check_every, progress, quiet)
     bar_type = _progress_bar_type() if progress else None
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
-    state, start = _start(ckpt, when, init, resume(init), num_steps, metrics, batched)
+    resumed = resume(init)
+    state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched)
+    if not quiet:
+        _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -118,6 +123,7 @@ def _checked_arguments(
     metrics: object,
     check_every: object,
     progress: object,
+    quiet: object = False,
 ) -> int:
     """`run`'s arguments checked before anything is traced; the number of steps between
     two looks at the stop request and the clock."""
@@ -144,7 +150,22 @@ def _checked_arguments(
         raise ConfigError(f"run: check_every must be a positive int, got {check_every!r}.")
     if not isinstance(progress, bool):
         raise ConfigError(f"run: progress must be True or False, got {progress!r}.")
+    if not isinstance(quiet, bool):
+        raise ConfigError(f"run: quiet must be True or False, got {quiet!r}.")
     return check
+
+
+def _say_where(directory: str, start: int | None, num_steps: int) -> None:
+    """One line on stderr: where the run starts (`start`: the step resumed from, None
+    for a fresh start), so that a mistyped directory, which trains from step 0 again,
+    is seen at once, without configuring logging. `quiet=True` leaves it out."""
+    if start is None:
+        where = f"starting fresh at step 0 in {directory} (no checkpoint there)"
+    else:
+        where = f"resumed from step {start} of {directory}"
+        if start == num_steps:
+            where += f" (num_steps={num_steps}: the run is complete, nothing to do)"
+    print(f"jax_cb_ckpt: run {where}", file=sys.stderr, flush=True)
 
 
 def _start(
