@@ -181,6 +181,110 @@ def test_a_damaged_bucket_step_is_set_aside_whole(remote):
     assert ".jax_cb_ckpt-set-aside.json" in moved
 
 
+# A restart that sets step 400 aside, SIGKILLed at the instant given as argv[2]: "bucket"
+# just after it deleted the step's commit marker in a bucket, "local" just after the
+# rename of a local step (issue 53, item 3).
+KILLED_SETTING_ASIDE = """
+import os, signal, sys
+import numpy as np
+import jax_cb_ckpt
+from jax_cb_ckpt._storage import _remote
+
+def killed():
+    print("killed", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+delete, rename = _remote.delete, os.rename
+
+def deleted(url):
+    delete(url)
+    if url.endswith("/400/commit_success.txt"):
+        killed()
+
+def renamed(source, target):
+    rename(source, target)
+    if "-damaged-" in str(target):
+        killed()
+
+if sys.argv[2] == "bucket":
+    _remote.delete = deleted
+else:
+    os.rename = renamed
+with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
+    ckpt.restore_or_init(lambda: {"w": np.zeros(1000, np.float32)})
+print("not killed", flush=True)
+"""
+
+
+def _corrupt_bucket_step(url, step):
+    from jax_cb_ckpt._storage import _remote
+
+    keys = [k for k in _remote.list_keys(f"{url}/{step}") if "/d/" in k]
+    big = max(keys, key=lambda k: len(_remote.read(f"{url}/{step}/{k}")[0]))
+    data = bytearray(_remote.read(f"{url}/{step}/{big}")[0])
+    data[len(data) // 2] ^= 1
+    _remote.write(f"{url}/{step}/{big}", bytes(data))
+    return big, bytes(data)
+
+
+def _restart_killed_setting_aside(tmp_path, directory, where, env=None):
+    from helpers import kill_group, start_script
+
+    child = start_script(tmp_path, KILLED_SETTING_ASIDE, directory, where, env=env)
+    out, err = child.communicate(timeout=240)
+    kill_group(child)
+    assert child.returncode == -9 and out.strip() == "killed", err[-3000:]
+
+
+@pytest.mark.parametrize("remote", ["gs", "s3", "gcp-storage-emulator"], indirect=True)
+def test_a_restart_killed_while_setting_a_bucket_step_aside_is_finished_by_the_next(
+    remote, tmp_path
+):
+    """Killed just after the set-aside deleted the step's commit marker: every later
+    run resumed from the step before, then failed `SaveError: ... '.../400' already exists
+    and is not a checkpoint`, with a ForeignStepWarning calling the half-moved step "a
+    step copied there" (a crash loop only a hand edit ended). Now our marker names the
+    whole copy before the step is unlisted: the next opening finishes the move, the
+    run writes step 400 again, and the damaged step is kept, set aside, with its note."""
+    from jax_cb_ckpt._storage import _places, _remote
+
+    url = remote.url
+    _saved(url, (300, 400))
+    big, data = _corrupt_bucket_step(url, 400)
+    _restart_killed_setting_aside(tmp_path, url, "bucket", env=remote.env)
+    assert jax_cb_ckpt.all_steps(url) == [300]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with jax_cb_ckpt.Checkpointer(url) as ckpt:
+            state, start = ckpt.restore_or_init(lambda: LIKE)
+            assert start == 300 and state["w"][0] == 300
+            ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
+    ours = [w for w in seen if issubclass(w.category, jax_cb_ckpt.CheckpointWarning)]
+    assert ours == [], [str(w.message) for w in ours]
+    assert jax_cb_ckpt.all_steps(url) == [300, 400]
+    assert jax_cb_ckpt.restore(url, LIKE)["w"][0] == 401
+    [(step, name, why)] = _places.at(url).set_aside_steps()
+    assert step == 400 and "checksum" in why
+    assert _remote.read(f"{url}/{name}/{big}")[0] == data  # kept as it was
+
+
+def test_a_restart_killed_while_setting_a_local_step_aside_leaves_its_reason(tmp_path):
+    """Killed just after the rename: the note saying why was written after it, so the
+    folder set aside had none ("no reason recorded"); now it is written first."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    _flip_step(d, 400)
+    _restart_killed_setting_aside(tmp_path, d, "local")
+    from jax_cb_ckpt._storage import _places
+
+    [(step, name, why)] = _places.at(str(d)).set_aside_steps()
+    assert step == 400 and "checksum" in why, why
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        assert ckpt.restore_or_init(lambda: LIKE)[1] == 300
+        ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
+    assert jax_cb_ckpt.all_steps(d) == [300, 400]
+
+
 # -- item 2: a loop whose counter restarts -----------------------------------------------
 
 

@@ -249,6 +249,49 @@ def set_aside_name(step: int) -> str:
     return f"{step}.jax_cb_ckpt-damaged-{uuid.uuid4().hex}"
 
 
+def aside_marker(marker: bytes | None, name: str) -> bytes:
+    """Our marker object of a bucket step being set aside as `name` (`Bucket.
+    set_aside_damaged`): the marker as it was (its writer kept), naming where the step
+    went. Written once the copy and its note are whole and before the step is unlisted,
+    so a set-aside cut short at any later instant is finished by the next opening
+    (`moved_to`), never taken for someone's copy of a step."""
+    try:
+        record = json.loads(marker or b"{}")
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        record = {"format": FORMAT}
+    return json.dumps(dict(record, set_aside_as=name)).encode()
+
+
+def moved_to(marker: bytes | None, step: int) -> str | None:
+    """The set-aside name our marker object of bucket step `step` names (`aside_marker`):
+    None when there is none, or it is not a set-aside name of that step (an edited or
+    foreign object: never trusted to say where a step went)."""
+    try:
+        record = json.loads(marker or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        return None
+    name = record.get("set_aside_as")
+    match = SET_ASIDE_PATTERN.fullmatch(name) if isinstance(name, str) else None
+    return name if match is not None and int(match.group(1)) == step else None
+
+
+def note_step(data: bytes | None) -> int | None:
+    """The step a set-aside note (`set_aside_note`) says it was; None when there is no
+    note or it is not one of ours."""
+    try:
+        note = json.loads(data or b"")
+    except ValueError:
+        return None
+    if not isinstance(note, dict) or note.get("format") != FORMAT:
+        return None
+    step = note.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def set_aside_note(step: int, why: str) -> bytes:
     """The note written beside a step set aside: which step it was, why, and when."""
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
