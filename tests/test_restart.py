@@ -722,3 +722,20 @@ def test_a_restart_s_errors_name_the_call_that_was_made(tmp_path):
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
         with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=r"^restore_or_init\(step=300"):
             ckpt.restore_or_init(lambda: {"w": np.zeros(9, np.float32)})
+
+
+def test_restore_of_a_step_set_aside_names_where_it_went(tmp_path):
+    """After a restart set step 400 aside, restore(step=400) answered "the steps there
+    are [300]" without naming the folder it went to; now it names it, and why."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    _flip_step(d, 400)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.warns(DamagedStepWarning):
+            ckpt.restore_or_init(lambda: LIKE)
+    [aside] = [n for n in os.listdir(d) if "-damaged-" in n]
+    with pytest.raises(jax_cb_ckpt.NoCheckpointError) as raised:
+        jax_cb_ckpt.restore(d, LIKE, step=400)
+    text = str(raised.value)
+    assert "the steps there are [300]" in text
+    assert f"set it aside as '{aside}'" in text and "checksum" in text, text

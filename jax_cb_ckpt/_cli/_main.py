@@ -315,13 +315,14 @@ def _ranked(
             continue
         best = float(counted.max() if mode == "max" else counted.min())
         order = -best if mode == "max" else best
-        ranked.append((order, meta.saved_seconds or 0.0, r["step"], r))
+        # Ties: the step saved first (to the ms, then the order recorded within one).
+        ranked.append((order, meta.saved_seconds or 0.0, meta.saved_ns or 0, r["step"], r))
     if args.member is not None and not batched:
         raise ConfigError(
             f"--member {args.member}: the steps that recorded {name!r} are plain saves (no "
             "members). Fix: leave --member out."
         )
-    ranked.sort(key=lambda item: item[:3])
+    ranked.sort(key=lambda item: item[:4])
     if not ranked:
         raise NoCheckpointError(f"no complete step in {directory} recorded {name!r} (not NaN)")
     return [r for *_, r in ranked][: args.top]

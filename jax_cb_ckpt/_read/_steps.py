@@ -174,7 +174,23 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
         return steps[-1]
     raise NoCheckpointError(
         f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
-        f"{short(steps)}.{other}"
+        f"{short(steps)}.{_set_aside(storage, step)}{other}"
+    )
+
+
+def _set_aside(storage: Storage, step: int) -> str:
+    """Where a restart set the damaged step `step` aside (for a message naming a step
+    that is not there), or ''."""
+    try:
+        found = [(name, why) for s, name, why in storage.set_aside_steps() if s == step]
+    except (OSError, ConfigError):
+        return ""
+    if not found:
+        return ""
+    names = ", ".join(repr(name) for name, _ in found)
+    return (
+        f" Step {step} was damaged, and a restart set it aside as {names} "
+        f"({found[-1][1]}): kept there whole, no longer a step (`jax-cb-ckpt ls` shows it)."
     )
 
 
