@@ -181,9 +181,10 @@ def test_a_damaged_bucket_step_is_set_aside_whole(remote):
     assert ".jax_cb_ckpt-set-aside.json" in moved
 
 
-# A restart that sets step 400 aside, SIGKILLed at the instant given as argv[2]: "bucket"
-# just after it deleted the step's commit marker in a bucket, "local" just after the
-# rename of a local step (issue 53, item 3).
+# A restart that sets step 400 aside, SIGKILLed at the instant given as argv[2]: in a
+# bucket, just after our marker was rewritten to name the copy ("named"), after the
+# step's commit marker was deleted ("unlisted"), or after its other objects were
+# ("emptied"); "local": just after the rename of a local step (issue 53, item 3).
 KILLED_SETTING_ASIDE = """
 import os, signal, sys
 import numpy as np
@@ -194,11 +195,24 @@ def killed():
     print("killed", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-delete, rename = _remote.delete, os.rename
+write, delete, delete_prefix, rename = (
+    _remote.write, _remote.delete, _remote.delete_prefix, os.rename
+)
+
+def written(url, data, **kwargs):
+    done = write(url, data, **kwargs)
+    if url.endswith("/400/.jax_cb_ckpt") and b"set_aside_as" in data:
+        killed()
+    return done
 
 def deleted(url):
     delete(url)
     if url.endswith("/400/commit_success.txt"):
+        killed()
+
+def emptied(url, **kwargs):
+    delete_prefix(url, **kwargs)
+    if url.endswith("/400"):
         killed()
 
 def renamed(source, target):
@@ -206,8 +220,12 @@ def renamed(source, target):
     if "-damaged-" in str(target):
         killed()
 
-if sys.argv[2] == "bucket":
+if sys.argv[2] == "named":
+    _remote.write = written
+elif sys.argv[2] == "unlisted":
     _remote.delete = deleted
+elif sys.argv[2] == "emptied":
+    _remote.delete_prefix = emptied
 else:
     os.rename = renamed
 with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
@@ -236,31 +254,45 @@ def _restart_killed_setting_aside(tmp_path, directory, where, env=None):
     assert child.returncode == -9 and out.strip() == "killed", err[-3000:]
 
 
-@pytest.mark.parametrize("remote", ["gs", "s3", "gcp-storage-emulator"], indirect=True)
+@pytest.mark.parametrize(
+    "remote, point",
+    [
+        ("gs", "unlisted"),
+        ("s3", "unlisted"),
+        ("gcp-storage-emulator", "unlisted"),
+        ("s3", "named"),
+        ("gs", "emptied"),
+    ],
+    indirect=["remote"],
+)
 def test_a_restart_killed_while_setting_a_bucket_step_aside_is_finished_by_the_next(
-    remote, tmp_path
+    remote, point, tmp_path
 ):
     """Killed just after the set-aside deleted the step's commit marker: every later
     run resumed from the step before, then failed `SaveError: ... '.../400' already exists
     and is not a checkpoint`, with a ForeignStepWarning calling the half-moved step "a
     step copied there" (a crash loop only a hand edit ended). Now our marker names the
-    whole copy before the step is unlisted: the next opening finishes the move, the
+    whole copy before the step is unlisted: the next opening (or, killed before the
+    step was unlisted, the next restart, which reuses the copy) finishes the move, the
     run writes step 400 again, and the damaged step is kept, set aside, with its note."""
     from jax_cb_ckpt._storage import _places, _remote
 
     url = remote.url
     _saved(url, (300, 400))
     big, data = _corrupt_bucket_step(url, 400)
-    _restart_killed_setting_aside(tmp_path, url, "bucket", env=remote.env)
-    assert jax_cb_ckpt.all_steps(url) == [300]
+    _restart_killed_setting_aside(tmp_path, url, point, env=remote.env)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with jax_cb_ckpt.Checkpointer(url) as ckpt:
             state, start = ckpt.restore_or_init(lambda: LIKE)
             assert start == 300 and state["w"][0] == 300
             ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
-    ours = [w for w in seen if issubclass(w.category, jax_cb_ckpt.CheckpointWarning)]
-    assert ours == [], [str(w.message) for w in ours]
+    ours = [str(w.message) for w in seen if issubclass(w.category, jax_cb_ckpt.CheckpointWarning)]
+    if point == "named":  # still listed, and damaged: passed over again, its copy reused
+        [said] = ours
+        assert "step 400: " in said and "(set aside as '400.jax_cb_ckpt-damaged-" in said
+    else:
+        assert ours == [], ours
     assert jax_cb_ckpt.all_steps(url) == [300, 400]
     assert jax_cb_ckpt.restore(url, LIKE)["w"][0] == 401
     [(step, name, why)] = _places.at(url).set_aside_steps()
