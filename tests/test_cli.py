@@ -373,3 +373,32 @@ def test_verify_beside_a_running_writer_skips_the_steps_its_retention_removes(tm
     assert removed, "no step was removed while verify read it: the test shows nothing"
     main(["verify", str(d)])
     assert "FAILED" not in capsys.readouterr().out
+
+
+def test_verify_of_a_step_removed_while_it_is_read(tmp_path, capsys, monkeypatch):
+    """The race of the test above, at a set instant: each step is removed (renamed
+    aside, as retention does) just as verify starts reading it. Without --step every
+    step is "removed ..., skipped" (exit 0); with --step N the one step asked for is
+    not there: exit 2 (nothing verified), not 1 (damage)."""
+    import uuid
+
+    from jax_cb_ckpt._cli._main import main
+    from jax_cb_ckpt._read import _steps
+
+    d = tmp_path / "run"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": np.full(8, step, np.float32)}, step)
+    verify_one = _steps._verify_one
+
+    def removed_first(storage, step, what):
+        os.rename(d / str(step), d / f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
+        return verify_one(storage, step, what)
+
+    monkeypatch.setattr(_steps, "_verify_one", removed_first)
+    capsys.readouterr()
+    assert main(["verify", str(d), "--step", "1"]) == 2
+    assert "step 1 of" in capsys.readouterr().err
+    assert main(["verify", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("removed while it was being read") == 1 and "step 2: removed" in out

@@ -542,8 +542,13 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
             result["ok"] = False
             result["error"] = f"DAMAGED: {e}; not listed, not restored"
         except (CheckpointError, OSError) as e:
-            if args.step is None and found[step].kind == "complete" and gone(storage, step):
+            if step in found and found[step].kind == "complete" and gone(storage, step):
                 # A run writing the directory removed it (retention): no damage.
+                if args.step is not None:  # the one step asked for is not there (exit 2)
+                    raise NoCheckpointError(
+                        f"step {step} of {directory} was removed while it was being read "
+                        "(by the retention of a run writing here): nothing was verified"
+                    ) from e
                 result.update(ok=True, removed=True)
             else:
                 result["ok"] = False
