@@ -319,3 +319,86 @@ def test_a_closed_pipe_ends_the_command_quietly(saved):
             )
             assert run.returncode == 0, (command, run.returncode, run.stderr)
             assert run.stderr == "", (command, run.stderr)
+
+
+def test_verify_beside_a_running_writer_skips_the_steps_its_retention_removes(tmp_path, capsys):
+    """`jax-cb-ckpt verify DIR` beside a writer saving in a loop with max_to_keep=2: 8 of
+    59 runs exited 1 ("step 28: FAILED: ... was removed while it was being read", "not
+    a complete step"). A step removed by retention while it is read is no damage: the
+    command says "removed ..., skipped" and exits 0, and `jax_cb_ckpt.verify(DIR)`
+    skips it the same way (it raised NoCheckpointError)."""
+    import threading
+
+    from jax_cb_ckpt._cli._main import main
+
+    d = tmp_path / "run"
+    stop, failed = threading.Event(), []
+
+    def write():
+        try:
+            with jax_cb_ckpt.Checkpointer(d, max_to_keep=2) as ckpt:
+                step = 0
+                while not stop.is_set():
+                    step += 1
+                    ckpt.save({"w": np.full((64, 256), step, np.float32)}, step)
+                    ckpt.wait()
+        except BaseException as e:
+            failed.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    codes, removed, api_errors = [], 0, []
+    try:
+        while jax_cb_ckpt.latest_step(d) is None and not failed:
+            stop.wait(0.01)
+        for _ in range(400):  # bounded; most rounds meet no removal
+            capsys.readouterr()
+            codes.append(main(["verify", str(d), "--json"]))
+            report = json.loads(capsys.readouterr().out)
+            assert codes[-1] == 0, report
+            removed += sum(1 for r in report["steps"] if r.get("removed"))
+            try:
+                checked = jax_cb_ckpt.verify(d)
+            except jax_cb_ckpt.CheckpointError as e:
+                api_errors.append(f"{type(e).__name__}: {e}")
+            else:
+                assert checked == sorted(checked)
+            if removed >= 3:
+                break
+    finally:
+        stop.set()
+        writer.join()
+    assert not failed, failed
+    assert api_errors == [], api_errors[:3]
+    assert removed, "no step was removed while verify read it: the test shows nothing"
+    main(["verify", str(d)])
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_verify_of_a_step_removed_while_it_is_read(tmp_path, capsys, monkeypatch):
+    """The race of the test above, at a set instant: each step is removed (renamed
+    aside, as retention does) just as verify starts reading it. Without --step every
+    step is "removed ..., skipped" (exit 0); with --step N the one step asked for is
+    not there: exit 2 (nothing verified), not 1 (damage)."""
+    import uuid
+
+    from jax_cb_ckpt._cli._main import main
+    from jax_cb_ckpt._read import _steps
+
+    d = tmp_path / "run"
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": np.full(8, step, np.float32)}, step)
+    verify_one = _steps._verify_one
+
+    def removed_first(storage, step, what):
+        os.rename(d / str(step), d / f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
+        return verify_one(storage, step, what)
+
+    monkeypatch.setattr(_steps, "_verify_one", removed_first)
+    capsys.readouterr()
+    assert main(["verify", str(d), "--step", "1"]) == 2
+    assert "step 1 of" in capsys.readouterr().err
+    assert main(["verify", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("removed while it was being read") == 1 and "step 2: removed" in out

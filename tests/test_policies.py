@@ -623,6 +623,32 @@ def test_ls_best_ranks_steps_by_a_metric(make_ckpt, ckpt_dir, capsys):
     assert code == 2 and "are plain saves (no members)" in err
 
 
+def test_ls_best_orders_tied_steps_saved_in_one_millisecond_by_their_save_order(
+    make_ckpt, ckpt_dir, capsys, monkeypatch
+):
+    """Steps 20 then 10 (a counter that restarted) with the same value, handed over in
+    one millisecond: `saved_at` (to the ms) ties, and `ls --best` put step 10 first
+    (by step) where the step saved first ranks first. Each step now records the order
+    it was saved in (`saved_ns`, which older readers and plain Orbax ignore)."""
+    import types
+
+    from jax_cb_ckpt._save import _host
+
+    clock = types.SimpleNamespace(time=lambda: 1.8e9, perf_counter=time.perf_counter)
+    monkeypatch.setattr(_host, "time", clock)  # every hand-off in the same millisecond
+    ckpt = make_ckpt(keep_best=2, best="return", mode="max")
+    with pytest.warns(jax_cb_ckpt.StepOrderWarning, match="step 10 was saved after step 20"):
+        for step in (20, 10):
+            ckpt.save({"w": jnp.zeros(2)}, step, metrics={"return": 1.0})
+            ckpt.wait()
+        ckpt.close()
+    metas = [jax_cb_ckpt.metadata(ckpt_dir, step=step) for step in (20, 10)]
+    assert metas[0]["saved_at"] == metas[1]["saved_at"]
+    code, out, _ = _ls(ckpt_dir, "--best", "return", "--json", capsys=capsys)
+    assert code == 0 and [r["step"] for r in json.loads(out)["steps"]] == [20, 10]
+    assert metas[0]["saved_ns"] < metas[1]["saved_ns"]
+
+
 def test_metrics_table_of_a_batch_the_state_holds_itself(make_ckpt, ckpt_dir):
     """run(batched=True) records 1-D metrics for a batch the state holds without vmap:
     the table crashed on them (`.item()` of a (3,) array); a row per index now."""

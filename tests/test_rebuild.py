@@ -122,6 +122,26 @@ def test_rebuild_refuses_a_python_number_that_does_not_fit():
     assert out.dtype == jnp.int8 and int(out) == 100
 
 
+def test_a_python_float_too_large_for_float32_is_refused_without_numpy_s_warning(tmp_path):
+    """A Python 1e300 restored into a float32 leaf: our clear error only. Before, the
+    cast that finds it does not fit also leaked numpy's "overflow encountered in cast"
+    RuntimeWarning (an error under -W error, or a stray line in the user's log)."""
+    import warnings
+
+    import jax_cb_ckpt
+
+    with jax_cb_ckpt.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save({"a": 1e300, "b": -1e300}, 1)
+    like = {"a": np.float32(0), "b": np.zeros((), np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning, ours or numpy's, fails the test
+        with pytest.raises(StructureMismatchError, match=r"Python number 1e\+300, which"):
+            jax_cb_ckpt.restore(tmp_path / "ckpt", like)
+        spec, saved = _array("b", "float32", ()), _scalar("b", "float", "float64")
+        with pytest.raises(StructureMismatchError, match=r"Python number -1e\+300"):
+            _rebuild.rebuild(jnp.float32(0), spec, saved, np.asarray(-1e300))
+
+
 def test_rebuild_wraps_key_data_as_the_saved_implementation():
     key = jax.random.key(1, impl="rbg")
     spec = _key("k", "rbg")

@@ -181,6 +181,142 @@ def test_a_damaged_bucket_step_is_set_aside_whole(remote):
     assert ".jax_cb_ckpt-set-aside.json" in moved
 
 
+# A restart that sets step 400 aside, SIGKILLed at the instant given as argv[2]: in a
+# bucket, just after our marker was rewritten to name the copy ("named"), after the
+# step's commit marker was deleted ("unlisted"), or after its other objects were
+# ("emptied"); "local": just after the rename of a local step (issue 53, item 3).
+KILLED_SETTING_ASIDE = """
+import os, signal, sys
+import numpy as np
+import jax_cb_ckpt
+from jax_cb_ckpt._storage import _remote
+
+def killed():
+    print("killed", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+write, delete, delete_prefix, rename = (
+    _remote.write, _remote.delete, _remote.delete_prefix, os.rename
+)
+
+def written(url, data, **kwargs):
+    done = write(url, data, **kwargs)
+    if url.endswith("/400/.jax_cb_ckpt") and b"set_aside_as" in data:
+        killed()
+    return done
+
+def deleted(url):
+    delete(url)
+    if url.endswith("/400/commit_success.txt"):
+        killed()
+
+def emptied(url, **kwargs):
+    delete_prefix(url, **kwargs)
+    if url.endswith("/400"):
+        killed()
+
+def renamed(source, target):
+    rename(source, target)
+    if "-damaged-" in str(target):
+        killed()
+
+if sys.argv[2] == "named":
+    _remote.write = written
+elif sys.argv[2] == "unlisted":
+    _remote.delete = deleted
+elif sys.argv[2] == "emptied":
+    _remote.delete_prefix = emptied
+else:
+    os.rename = renamed
+with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
+    ckpt.restore_or_init(lambda: {"w": np.zeros(1000, np.float32)})
+print("not killed", flush=True)
+"""
+
+
+def _corrupt_bucket_step(url, step):
+    from jax_cb_ckpt._storage import _remote
+
+    keys = [k for k in _remote.list_keys(f"{url}/{step}") if "/d/" in k]
+    big = max(keys, key=lambda k: len(_remote.read(f"{url}/{step}/{k}")[0]))
+    data = bytearray(_remote.read(f"{url}/{step}/{big}")[0])
+    data[len(data) // 2] ^= 1
+    _remote.write(f"{url}/{step}/{big}", bytes(data))
+    return big, bytes(data)
+
+
+def _restart_killed_setting_aside(tmp_path, directory, where, env=None):
+    from helpers import kill_group, start_script
+
+    child = start_script(tmp_path, KILLED_SETTING_ASIDE, directory, where, env=env)
+    out, err = child.communicate(timeout=240)
+    kill_group(child)
+    assert child.returncode == -9 and out.strip() == "killed", err[-3000:]
+
+
+@pytest.mark.parametrize(
+    "remote, point",
+    [
+        ("gs", "unlisted"),
+        ("s3", "unlisted"),
+        ("gcp-storage-emulator", "unlisted"),
+        ("s3", "named"),
+        ("gs", "emptied"),
+    ],
+    indirect=["remote"],
+)
+def test_a_restart_killed_while_setting_a_bucket_step_aside_is_finished_by_the_next(
+    remote, point, tmp_path
+):
+    """Killed just after the set-aside deleted the step's commit marker: every later
+    run resumed from the step before, then failed `SaveError: ... '.../400' already exists
+    and is not a checkpoint`, with a ForeignStepWarning calling the half-moved step "a
+    step copied there" (a crash loop only a hand edit ended). Now our marker names the
+    whole copy before the step is unlisted: the next opening (or, killed before the
+    step was unlisted, the next restart, which reuses the copy) finishes the move, the
+    run writes step 400 again, and the damaged step is kept, set aside, with its note."""
+    from jax_cb_ckpt._storage import _places, _remote
+
+    url = remote.url
+    _saved(url, (300, 400))
+    big, data = _corrupt_bucket_step(url, 400)
+    _restart_killed_setting_aside(tmp_path, url, point, env=remote.env)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with jax_cb_ckpt.Checkpointer(url) as ckpt:
+            state, start = ckpt.restore_or_init(lambda: LIKE)
+            assert start == 300 and state["w"][0] == 300
+            ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
+    ours = [str(w.message) for w in seen if issubclass(w.category, jax_cb_ckpt.CheckpointWarning)]
+    if point == "named":  # still listed, and damaged: passed over again, its copy reused
+        [said] = ours
+        assert "step 400: " in said and "(set aside as '400.jax_cb_ckpt-damaged-" in said
+    else:
+        assert ours == [], ours
+    assert jax_cb_ckpt.all_steps(url) == [300, 400]
+    assert jax_cb_ckpt.restore(url, LIKE)["w"][0] == 401
+    [(step, name, why)] = _places.at(url).set_aside_steps()
+    assert step == 400 and "checksum" in why
+    assert _remote.read(f"{url}/{name}/{big}")[0] == data  # kept as it was
+
+
+def test_a_restart_killed_while_setting_a_local_step_aside_leaves_its_reason(tmp_path):
+    """Killed just after the rename: the note saying why was written after it, so the
+    folder set aside had none ("no reason recorded"); now it is written first."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    _flip_step(d, 400)
+    _restart_killed_setting_aside(tmp_path, d, "local")
+    from jax_cb_ckpt._storage import _places
+
+    [(step, name, why)] = _places.at(str(d)).set_aside_steps()
+    assert step == 400 and "checksum" in why, why
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        assert ckpt.restore_or_init(lambda: LIKE)[1] == 300
+        ckpt.save({"w": np.full(1000, 401.0, np.float32)}, 400)
+    assert jax_cb_ckpt.all_steps(d) == [300, 400]
+
+
 # -- item 2: a loop whose counter restarts -----------------------------------------------
 
 
@@ -644,3 +780,20 @@ def test_a_restart_s_errors_name_the_call_that_was_made(tmp_path):
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
         with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=r"^restore_or_init\(step=300"):
             ckpt.restore_or_init(lambda: {"w": np.zeros(9, np.float32)})
+
+
+def test_restore_of_a_step_set_aside_names_where_it_went(tmp_path):
+    """After a restart set step 400 aside, restore(step=400) answered "the steps there
+    are [300]" without naming the folder it went to; now it names it, and why."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300, 400))
+    _flip_step(d, 400)
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.warns(DamagedStepWarning):
+            ckpt.restore_or_init(lambda: LIKE)
+    [aside] = [n for n in os.listdir(d) if "-damaged-" in n]
+    with pytest.raises(jax_cb_ckpt.NoCheckpointError) as raised:
+        jax_cb_ckpt.restore(d, LIKE, step=400)
+    text = str(raised.value)
+    assert "the steps there are [300]" in text
+    assert f"set it aside as '{aside}'" in text and "checksum" in text, text

@@ -548,6 +548,66 @@ def test_a_dead_writers_lock_is_taken_over_with_a_warning(remote, tmp_path, capl
     assert jax_cb_ckpt.all_steps(remote.url) == [1]
 
 
+RELEASING_HOLDER = """
+import os, sys, time
+import jax_cb_ckpt
+from jax_cb_ckpt._storage import _lock
+_lock.ObjectLock.BEAT_S = 3600.0  # no beat while the next writer watches: only the release
+ckpt = jax_cb_ckpt.Checkpointer(sys.argv[1])
+print("holding", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+ckpt.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("remote", ["s3", "gcp-storage-emulator"], indirect=True)
+def test_a_lock_released_while_the_next_writer_waits_is_handed_over_not_taken_from_the_dead(
+    remote, tmp_path, caplog
+):
+    """A holder that closes normally while the next writer watches its heartbeat: before,
+    the next one logged "took over the lock ... no heartbeat for 30 s ... taken to be
+    dead" and recorded the holder as dead (its uncommitted steps removed at the
+    opening, whole or not). A released lock is a hand-over: taken at once, quietly."""
+    from jax_cb_ckpt._storage import _lock
+
+    go = tmp_path / "close"
+    child = start_script(
+        tmp_path, RELEASING_HOLDER, remote.url, go, ready="holding", env=remote.env
+    )
+    caplog.set_level(logging.INFO, logger="jax_cb_ckpt")
+    waiting = threading.Event()
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting up to" in record.getMessage():
+                waiting.set()
+
+    seen, opened = Waiting(), []
+    logging.getLogger("jax_cb_ckpt").addHandler(seen)
+    try:
+        thread = threading.Thread(
+            target=lambda: opened.append(_lock.ObjectLock(remote.url, ".jax_cb_ckpt.lock"))
+        )
+        thread.start()
+        waiting.wait(10)  # (the next writer watches the holder now; bounded, STALE_S is 30)
+        go.write_text("")
+        thread.join(60)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        logging.getLogger("jax_cb_ckpt").removeHandler(seen)
+        kill_group(child)
+    assert "closed" in out
+    [lock] = opened
+    try:
+        assert lock.taken_over_from == ""
+        assert "took over" not in caplog.text and "dead" not in caplog.text
+        assert waiting.is_set()  # it did wait for the holder, and says so (INFO)
+    finally:
+        lock.release()
+
+
 def _reopened_without_a_takeover(remote, monkeypatch, caplog):
     """A second writer of `remote` opens and saves step 2 at once, with no warning."""
     from jax_cb_ckpt._storage import _lock

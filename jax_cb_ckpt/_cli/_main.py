@@ -40,7 +40,8 @@ _UNUSABLE = 2
 _UNCHECKED = 3
 # One rule for every command (docs/cli.md has the same table; tests/test_cli.py checks).
 _EXIT_CODES = """exit codes (every command):
-  0  done; verify: every step's bytes match their checksums
+  0  done; verify: every step's bytes match their checksums (a step removed while
+     it was read, by a running writer's retention, is skipped)
   1  verify: a step is corrupted, unreadable or damaged
   2  the command could not run: no such directory, no checkpoints in it (a wrong
      path, or one step's folder), no such step, bad arguments
@@ -314,13 +315,14 @@ def _ranked(
             continue
         best = float(counted.max() if mode == "max" else counted.min())
         order = -best if mode == "max" else best
-        ranked.append((order, meta.saved_seconds or 0.0, r["step"], r))
+        # Ties: the step saved first (to the ms, then the order recorded within one).
+        ranked.append((order, meta.saved_seconds or 0.0, meta.saved_ns or 0, r["step"], r))
     if args.member is not None and not batched:
         raise ConfigError(
             f"--member {args.member}: the steps that recorded {name!r} are plain saves (no "
             "members). Fix: leave --member out."
         )
-    ranked.sort(key=lambda item: item[:3])
+    ranked.sort(key=lambda item: item[:4])
     if not ranked:
         raise NoCheckpointError(f"no complete step in {directory} recorded {name!r} (not NaN)")
     return [r for *_, r in ranked][: args.top]
@@ -508,7 +510,7 @@ def _sharding(described: dict[str, Any]) -> str:
 
 
 def _verify(storage: Storage, args: argparse.Namespace) -> int:
-    from .._read._steps import verify  # reading arrays needs TensorStore, not JAX
+    from .._read._steps import gone, verify  # reading arrays needs TensorStore, not JAX
 
     directory = storage.path
     found = storage.examine_all()
@@ -540,17 +542,31 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
             result["ok"] = False
             result["error"] = f"DAMAGED: {e}; not listed, not restored"
         except (CheckpointError, OSError) as e:
-            result["ok"] = False
-            result["error"] = f"FAILED: {e}"
+            if step in found and found[step].kind == "complete" and gone(storage, step):
+                # A run writing the directory removed it (retention): no damage.
+                if args.step is not None:  # the one step asked for is not there (exit 2)
+                    raise NoCheckpointError(
+                        f"step {step} of {directory} was removed while it was being read "
+                        "(by the retention of a run writing here): nothing was verified"
+                    ) from e
+                result.update(ok=True, removed=True)
+            else:
+                result["ok"] = False
+                result["error"] = f"FAILED: {e}"
         results.append(result)
     failed = [r for r in results if not r["ok"]]
-    unchecked = [r for r in results if r["ok"] and not r["checksums"]]
+    unchecked = [r for r in results if r["ok"] and not r["checksums"] and not r.get("removed")]
     if args.json:
         _print_json({"directory": directory, "ok": not failed, "steps": results})
     else:
         for r in results:
             if not r["ok"]:
                 _say(f"step {r['step']}: {r['error']}")
+            elif r.get("removed"):
+                _say(
+                    f"step {r['step']}: removed while it was being read (the retention of a "
+                    "run writing here), skipped"
+                )
             elif r["checksums"]:
                 _say(f"step {r['step']}: ok (every byte matches its checksum)")
             else:

@@ -43,6 +43,7 @@ import datetime
 import json
 import os
 import re
+import threading
 import time
 import uuid
 import zlib
@@ -249,6 +250,49 @@ def set_aside_name(step: int) -> str:
     return f"{step}.jax_cb_ckpt-damaged-{uuid.uuid4().hex}"
 
 
+def aside_marker(marker: bytes | None, name: str) -> bytes:
+    """Our marker object of a bucket step being set aside as `name` (`Bucket.
+    set_aside_damaged`): the marker as it was (its writer kept), naming where the step
+    went. Written once the copy and its note are whole and before the step is unlisted,
+    so a set-aside cut short at any later instant is finished by the next opening
+    (`moved_to`), never taken for someone's copy of a step."""
+    try:
+        record = json.loads(marker or b"{}")
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        record = {"format": FORMAT}
+    return json.dumps(dict(record, set_aside_as=name)).encode()
+
+
+def moved_to(marker: bytes | None, step: int) -> str | None:
+    """The set-aside name our marker object of bucket step `step` names (`aside_marker`):
+    None when there is none, or it is not a set-aside name of that step (an edited or
+    foreign object: never trusted to say where a step went)."""
+    try:
+        record = json.loads(marker or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        return None
+    name = record.get("set_aside_as")
+    match = SET_ASIDE_PATTERN.fullmatch(name) if isinstance(name, str) else None
+    return name if match is not None and int(match.group(1)) == step else None
+
+
+def note_step(data: bytes | None) -> int | None:
+    """The step a set-aside note (`set_aside_note`) says it was; None when there is no
+    note or it is not one of ours."""
+    try:
+        note = json.loads(data or b"")
+    except ValueError:
+        return None
+    if not isinstance(note, dict) or note.get("format") != FORMAT:
+        return None
+    step = note.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def set_aside_note(step: int, why: str) -> bytes:
     """The note written beside a step set aside: which step it was, why, and when."""
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
@@ -296,7 +340,10 @@ def meta_record(
     - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
       `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
     - `step`, `saved_at` (UTC, ISO 8601, ms; `saved_at`: when it was handed over, in
-      seconds since the epoch, else now);
+      seconds since the epoch, else now); `saved_ns`: the order the saves were made in,
+      as nanoseconds since the epoch when the writer described it, strictly increasing
+      within a process (`save_order_ns`): steps saved in one millisecond are told
+      apart by it (`ls --best`'s ties, retention's order of a directory's steps);
     - `leaves`: one `LeafSpec.to_json()` per leaf, in the state's order;
     - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
       "spec": [[mesh axes] per dimension]}};
@@ -319,6 +366,7 @@ def meta_record(
         saved_at=datetime.datetime.fromtimestamp(
             time.time() if saved_at is None else saved_at, datetime.UTC
         ).isoformat(timespec="milliseconds"),
+        saved_ns=save_order_ns(),
         leaves=leaves,
     )
     if shardings:
@@ -333,6 +381,18 @@ def meta_record(
     if retention:
         meta["retention"] = retention
     return meta
+
+
+_LAST_NS = [0]  # the last `save_order_ns` of this process
+_NS_LOCK = threading.Lock()
+
+
+def save_order_ns() -> int:
+    """Now, in nanoseconds since the epoch, and after every earlier call in this process
+    (each Checkpointer's writer describes its saves in the order they were made)."""
+    with _NS_LOCK:
+        _LAST_NS[0] = max(time.time_ns(), _LAST_NS[0] + 1)
+        return _LAST_NS[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +411,7 @@ class StepMeta:
     checksums: Sums | None = None  # None: written before checksums were kept
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
+    saved_ns: int | None = None  # the save's order (`meta_record`); None: not recorded
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     # {name: value} of `metrics=` (float64, int64 or bool arrays; 0-d for a plain save)
     metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -390,6 +451,11 @@ class StepMeta:
         stored = {".".join(spec.name): spec.stored_shape for spec in specs}
         for name, sums in (meta.get("checksums") or {}).items():
             _check_sums(name, sums, stored.get(name))
+        saved_ns = meta.get("saved_ns")
+        if saved_ns is not None and (
+            not isinstance(saved_ns, int) or isinstance(saved_ns, bool) or saved_ns < 0
+        ):
+            raise ValueError(f"'saved_ns' is {saved_ns!r}, not a number of nanoseconds")
         versions = {k: str(v) for k, v in meta.items() if k.endswith("_version")}
         metrics = parse_metrics(meta.get("metrics", {}))
         return cls(
@@ -401,6 +467,7 @@ class StepMeta:
             checksums=meta.get("checksums"),
             shardings=meta.get("shardings") or {},
             saved_at=meta["saved_at"] if isinstance(meta.get("saved_at"), str) else None,
+            saved_ns=saved_ns,
             versions=versions,
             metrics=metrics,
             retention=meta["retention"] if isinstance(meta.get("retention"), dict) else None,

@@ -163,6 +163,9 @@ class Entry:
     # that a restart keeps what the run kept even when the clock jumped meanwhile;
     # None: not recorded (an older version, or other rules).
     chained: bool | None = None
+    # The save's order (`StepMeta.saved_ns`): ties of `seconds` (one millisecond) are
+    # ordered by it; None: not recorded (an older version).
+    saved_ns: int | None = None
 
 
 def _flat(values: np.ndarray | None) -> list[Any]:
@@ -192,11 +195,16 @@ class Keeper:
             )
         self._rules = rules
         self._entries: dict[int, Entry] = {entry.step: entry for entry in entries}
-        # The order the steps were saved in: listed steps by their save times (then
-        # step), each one added later after them: {step: order}.
+        # The order the steps were saved in: listed steps by their save times (then the
+        # order recorded within one millisecond, then step), each one added later after
+        # them: {step: order}.
         listed = sorted(
             self._entries.values(),
-            key=lambda e: (-math.inf if e.seconds is None else e.seconds, e.step),
+            key=lambda e: (
+                -math.inf if e.seconds is None else e.seconds,
+                -1 if e.saved_ns is None else e.saved_ns,
+                e.step,
+            ),
         )
         self._order = {entry.step: index for index, entry in enumerate(listed)}
         self._next = len(listed)
@@ -466,7 +474,14 @@ def entry_of(step: int, meta: StepMeta | None, rules: Rules) -> Entry:
     recorded = meta.retention if isinstance(meta.retention, dict) else {}
     same = recorded.get("keep_every_seconds") == rules.keep_every_seconds
     chained = recorded_chain(recorded) if same else None
-    return Entry(step, meta.saved_seconds, meta.best_values(rules.best), members, chained)
+    return Entry(
+        step,
+        meta.saved_seconds,
+        meta.best_values(rules.best),
+        members,
+        chained,
+        meta.saved_ns,
+    )
 
 
 def recorded_chain(record: dict[str, Any]) -> bool | None:

@@ -137,8 +137,9 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     data as saved, a numpy array the caller gives up (it is returned as it is where
     `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
-        cast = array.astype(spec.dtype)
-        back = cast.astype(saved.dtype)
+        with np.errstate(all="ignore"):  # a value that does not fit is refused below
+            cast = array.astype(spec.dtype)
+            back = cast.astype(saved.dtype)
         if back != array and not (np.isnan(back) and np.isnan(array)):  # (NaN stays NaN)
             raise StructureMismatchError(
                 f"{where()}: leaf {spec.path}: the checkpoint has the Python number "

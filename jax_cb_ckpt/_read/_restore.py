@@ -28,6 +28,7 @@ from .._base._errors import (
     ConfigError,
     DamagedStepError,
     DamagedStepWarning,
+    NoCheckpointError,
     RestoreError,
     StructureMismatchError,
     calling,
@@ -108,13 +109,24 @@ def restore(
     if named is not None:
         step = _steps.pick_step(storage, named, "restore")
         return read_step(storage, like, step, verify=verify, member=member, named=True)
-    resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
-    if resumed.step is None:
+    for _ in range(_LOOKS):
+        resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
+        if resumed.step is not None:
+            break
         if resumed.error is not None:  # every step is damaged: the newest says why
             raise resumed.refusal()
         _steps.pick_step(storage, None, "restore")  # raises: says what the directory holds
+        # A step is there now, where the listing found none: a writer's retention removed
+        # the one listed while it was examined and committed a newer one. Look again.
+    else:
+        raise NoCheckpointError(
+            f"{where()}: the steps of {storage.path!r} were removed while they were being "
+            f"read, {_LOOKS} times over (a writer running on the directory deletes old "
+            "steps: max_to_keep). Fix: retry on this error, or raise max_to_keep."
+        )
     restart = _resume.report(storage, resumed, set_aside=False).value
-    assert restart is not None
+    if restart is None:  # (report keeps the value read)
+        raise NoCheckpointError(f"{where()}: no step of {storage.path!r} could be read")
     if resumed.source == "orbax":
         logger.info(
             "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
@@ -123,6 +135,11 @@ def restore(
             storage.path,
         )
     return restart.state
+
+
+# How many times `restore` lists the directory again when a step appeared where its
+# listing found none (a race with a writer's retention), before it says so.
+_LOOKS = 3
 
 
 def resume(

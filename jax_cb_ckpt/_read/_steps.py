@@ -174,7 +174,23 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
         return steps[-1]
     raise NoCheckpointError(
         f"{what}: no checkpoint for step {step} in {path!r}; the steps there are "
-        f"{short(steps)}.{other}"
+        f"{short(steps)}.{_set_aside(storage, step)}{other}"
+    )
+
+
+def _set_aside(storage: Storage, step: int) -> str:
+    """Where a restart set the damaged step `step` aside (for a message naming a step
+    that is not there), or ''."""
+    try:
+        found = [(name, why) for s, name, why in storage.set_aside_steps() if s == step]
+    except (OSError, ConfigError):
+        return ""
+    if not found:
+        return ""
+    names = ", ".join(repr(name) for name, _ in found)
+    return (
+        f" Step {step} was damaged, and a restart set it aside as {names} "
+        f"({found[-1][1]}): kept there whole, no longer a step (`jax-cb-ckpt ls` shows it)."
     )
 
 
@@ -618,8 +634,10 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     memory, one at a time, once its stored layout is the described one. A step written
     without checksums (an older version) is read whole too, so a cut or missing file
     fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
-    the steps checked. Raises what the CLI fails on, so a script's `verify(d)` passes
-    exactly what `jax-cb-ckpt verify d` passes: `DamagedStepError` naming the first
+    the steps checked: a step removed while it was read (by the retention of a run
+    writing the directory) is skipped, never taken for damage. Raises what the CLI
+    fails on, so a script's `verify(d)` passes exactly what `jax-cb-ckpt verify d`
+    passes: `DamagedStepError` naming the first
     corrupted leaf (its step, region and directory) or the first damaged step folder
     (a description cut or edited: not listed, and so never read), `RestoreError` for
     a step this process may not read, `NoCheckpointError` for a directory without a
@@ -646,10 +664,28 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
             )
     else:
         steps = [pick_step(storage, named, "verify")]
+    checked = []
     for one in steps:
         with calling(f"verify(step={one}) of {storage.path!r}"):
-            _verify_one(storage, one, None if named is None else "verify")
-    return steps
+            try:
+                _verify_one(storage, one, None if named is None else "verify")
+            except NoCheckpointError:
+                if named is not None or not gone(storage, one):
+                    raise
+                continue  # removed by a writer's retention while it was read: no damage
+        checked.append(one)
+    return checked
+
+
+def gone(storage: Storage, step: int) -> bool:
+    """The step, listed complete a moment ago, is no longer a step of ours: removed (or
+    being removed) by a writer's retention, not damaged (a damaged or unreadable folder
+    is still there, and says so)."""
+    try:
+        now = storage.examine_all().get(step)
+    except ConfigError:
+        return False
+    return now is None or now.kind == "foreign"
 
 
 def _verify_one(storage: Storage, step: int, what: str | None) -> None:

@@ -360,25 +360,44 @@ class Bucket(StepsBase):
 
     def set_aside_damaged(self, step: int, why: str) -> str | None:
         """`Local.set_aside_damaged`: there is no rename, so each object is copied under
-        the new name (one at a time: a damaged step may be large), the note written, and
-        only then is the step unlisted (its commit marker first) and removed. A failure
-        before that leaves the step as it was; a copy cut short stays under its name
-        (never a step) and is shown by `jax-cb-ckpt ls`."""
+        the new name (one at a time: a damaged step may be large) and the note written;
+        then our marker is rewritten to name where the step went (`_format.aside_marker`),
+        and only then is the step unlisted (its commit marker first) and removed (our
+        marker last). A failure before the marker is rewritten leaves the step as it was
+        (a copy cut short stays under its name, never a step, shown by `jax-cb-ckpt
+        ls`); one after it leaves a step that names a whole copy of itself, which the
+        next set-aside or opening finishes (`clean_leftovers`): the run can write that
+        step number again at any instant, without a hand edit."""
         url = self.step_path(step)
         keys = _remote.list_keys(url)
         if OURS_NAME not in keys and COMMIT_NAME not in keys:
             return None
-        name = _format.set_aside_name(step)
-        for key in keys:
-            data, _ = _remote.read(f"{url}/{key}")
-            if data is not None:
-                _remote.write(f"{self.path}/{name}/{key}", data)
-        _remote.write(
-            f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}", _format.set_aside_note(step, why)
-        )  # (before the step goes: a failure up to here leaves it as it was)
+        marker = _remote.read(f"{url}/{OURS_NAME}")[0] if OURS_NAME in keys else None
+        name = self._moved_to(step, marker)  # a set-aside cut short: its copy is whole
+        if name is None:
+            name = _format.set_aside_name(step)
+            for key in keys:
+                data, _ = _remote.read(f"{url}/{key}")
+                if data is not None:
+                    _remote.write(f"{self.path}/{name}/{key}", data)
+            _remote.write(
+                f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}",
+                _format.set_aside_note(step, why),
+            )
+            _remote.write(f"{url}/{OURS_NAME}", _format.aside_marker(marker, name))
         _remote.delete(f"{url}/{COMMIT_NAME}")
         _remove_step_objects(url)
         return name
+
+    def _moved_to(self, step: int, marker: bytes | None) -> str | None:
+        """The set-aside name our marker of `step` names (`_format.moved_to`), when a
+        whole copy of the step is there: its note, naming that step, is written after
+        every object is copied. None otherwise."""
+        name = _format.moved_to(marker, step)
+        if name is None:
+            return None
+        note, _ = _remote.read(f"{self.path}/{name}/{_format.SET_ASIDE_NOTE}")
+        return name if _format.note_step(note) == step else None
 
     def step_file(self, step: int, name: str, limit: int) -> bytes | None:
         data, _ = _remote.read(f"{self.step_path(step)}/{name}")
@@ -425,18 +444,22 @@ class Bucket(StepsBase):
         """Every uncommitted step prefix our marker says a writer of ours began
         (`_step_writer`) is deleted if it lacks a file of a whole step (a write cut short)
         or was begun by `dead_writer` (the token of the lock's holder this opening took
-        over: it died at its commit). Returns the uncommitted prefixes left in place that
-        hold a whole step (copied there without a commit marker, or begun by a writer
-        not known to be dead), for the caller to report: nothing without our marker is
-        deleted."""
+        over: it died at its commit); so is one our marker says was being set aside, once
+        the whole copy it names is there (`_moved_to`: a restart killed while setting
+        it aside). Returns the uncommitted prefixes left in place that hold a whole step
+        (copied there without a commit marker, or begun by a writer not known to be
+        dead), for the caller to report: nothing without our marker is deleted."""
         untouched = []
         for name, keys in sorted(self._objects_by_step().items(), key=lambda x: int(x[0])):
             if COMMIT_NAME in keys:
                 continue
             url = self.step_path(name)
-            writer = self._step_writer(name) if OURS_NAME in keys else None
+            marker = _remote.read(f"{url}/{OURS_NAME}")[0] if OURS_NAME in keys else None
+            writer = _format.marker_writer(marker)
             whole = _format.STEP_FILES <= keys
-            if writer is not None and (not whole or writer == dead_writer):
+            if self._moved_to(int(name), marker) is not None:
+                _remove_step_objects(url)
+            elif writer is not None and (not whole or writer == dead_writer):
                 _remove_step_objects(url)
             elif whole:
                 untouched.append(url)

@@ -10,6 +10,7 @@ retention is read once. Any thread; each verb blocks on its I/O.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -354,22 +355,32 @@ class Local(StepsBase):
     def set_aside_damaged(self, step: int, why: str) -> str | None:
         """Move the damaged step `step` out of the steps, whole, under a name that is not
         a step (`_format.set_aside_name`), with a note saying `why`: the name, or None
-        (nothing touched) when `step` is not a step folder of ours. Renamed (atomic,
-        then the directory fsynced), the note written inside. Only a real directory
+        (nothing touched) when `step` is not a step folder of ours. The note is written
+        inside first, then the folder renamed (atomic, then the directory fsynced): a
+        kill at any instant leaves the step where it was (set aside again by the next
+        restart, its note rewritten) or moved with its reason. Only a real directory
         that is ours (complete or damaged)."""
         path = self.step_path(step)
         if not _is_real_dir(path) or self._examine(step).kind == "foreign":
             return None
         name = _format.set_aside_name(step)
-        os.rename(path, os.path.join(self.path, name))
-        fsync_dir(self.path)
-        _TAGS.pop(os.path.join(path, META_ITEM, META_FILE), None)
-        note = os.path.join(self.path, name, _format.SET_ASIDE_NOTE)
-        try:  # (moved already: a note that cannot be written does not undo that)
-            with open(note, "wb") as f:
-                f.write(_format.set_aside_note(step, why))
+        note = os.path.join(path, _format.SET_ASIDE_NOTE)
+        try:  # (never through a link; one that cannot be written keeps nothing in the way)
+            self._write_file(
+                os.path.join(str(step), _format.SET_ASIDE_NOTE),
+                _format.set_aside_note(step, why),
+                os.O_TRUNC,
+            )
         except OSError:
             pass
+        try:
+            os.rename(path, os.path.join(self.path, name))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(note)  # the step stays as it was
+            raise
+        fsync_dir(self.path)
+        _TAGS.pop(os.path.join(path, META_ITEM, META_FILE), None)
         return name
 
     def step_file(self, step: int, name: str, limit: int) -> bytes | None:

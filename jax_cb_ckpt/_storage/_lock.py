@@ -187,9 +187,10 @@ class ObjectLock(DirectoryLock):
     A lock that is held when a Checkpointer opens the prefix is judged by this rule
     (docs/storage.md): its holder is dead when it names this host and a process id that
     no longer runs; otherwise it is watched for up to `STALE_S` seconds. A heartbeat in
-    that time means a live writer: `DirectoryLockedError`. None means the holder died
-    (a killed VM cannot clean up): the lock is taken over, with a WARNING naming the
-    previous holder, never silently.
+    that time means a live writer: `DirectoryLockedError`; a release, a hand-over (taken
+    at once; the holder is not dead, so nothing it left is removed as a dead writer's).
+    Neither means the holder died (a killed VM cannot clean up): the lock is taken
+    over, with a WARNING naming the previous holder, never silently.
     """
 
     BEAT_S = 5.0
@@ -215,8 +216,8 @@ class ObjectLock(DirectoryLock):
             holder = _holder(data)
             taken_from = None
             if holder is not None:
-                generation = self._wait_for(holder, data, generation)
-                taken_from = holder
+                generation, dead = self._wait_for(holder, data, generation)
+                taken_from = holder if dead else None
             written = self._write(generation)
             if written is not None:
                 self._generation = written
@@ -278,11 +279,21 @@ class ObjectLock(DirectoryLock):
             "environment (docs/storage.md)."
         )
 
-    def _wait_for(self, holder: dict[str, object], seen: bytes | None, generation: bytes) -> bytes:
-        """The generation to take the lock over from, once its holder is judged dead; a
-        `DirectoryLockedError` when it shows a heartbeat."""
+    def _wait_for(
+        self, holder: dict[str, object], seen: bytes | None, generation: bytes
+    ) -> tuple[bytes, bool]:
+        """The generation to take the lock from, and whether its holder is judged dead
+        (False: it released the lock meanwhile, a clean hand-over: nothing it left is
+        a dead writer's); a `DirectoryLockedError` when it shows a heartbeat."""
         if holder.get("pid_space") == _pid_space() and not _alive(holder.get("pid")):
-            return generation  # a process id of this very machine and pid namespace
+            return generation, True  # a process id of this very machine and pid namespace
+        logger.info(
+            "the lock of %s is held by %s: waiting up to %.0f s for a heartbeat (a live "
+            "writer) or its release",
+            self.directory,
+            _holder_text(holder),
+            self.STALE_S,
+        )
         deadline = time.monotonic() + self.STALE_S
         while time.monotonic() < deadline:
             time.sleep(min(0.5, self.BEAT_S / 4))
@@ -292,15 +303,15 @@ class ObjectLock(DirectoryLock):
             # generation (`_remote.UNKNOWN`).
             if now == generation and data == seen:
                 continue
-            if _holder(data) is None:  # released meanwhile
-                return now
+            if _holder(data) is None:  # released meanwhile: handed over, not dead
+                return now, False
             raise DirectoryLockedError(
                 f"Checkpointer({self.directory!r}): another live writer holds this "
                 f"location ({_holder_text(_holder(data) or holder)}); two writers would race "
                 "on steps and retention. Fix: stop the other run, or point this run at "
                 "another location."
             )
-        return generation
+        return generation, True
 
     def _beat(self) -> bool:
         """Rewrite the lock object with a new beat time; False once it is no longer
