@@ -1,6 +1,8 @@
 """One scan body with maybe_save, run under every transformation: the exact set of saved
 steps, the saved contents, and one host crossing per saving step (none otherwise)."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -351,3 +353,93 @@ def test_vmap_inside_pmap_saves_as_the_gather_path_does(make_ckpt, ckpt_dir, gat
     }
     assert last.size == 2 * N_DEV * toy_state()["x"].size
     assert len(values) == 2 * N_DEV  # every member's own state is in there
+
+
+# -- a pmap run restarted (issue 53) --------------------------------------------------------
+
+PMAP_DEV = 2  # as the Brax run of issue 53
+
+
+def pmap_init(seed):
+    """A Brax-like state with a leading device axis: the env keys and counters made on
+    the host (uncommitted arrays), the parameters by a pmap (committed, per device)."""
+    keys = jax.random.split(jax.random.key(seed), 2 * PMAP_DEV)
+    params = jax.pmap(lambda k: jax.random.normal(k, (3,)))(keys[PMAP_DEV:])
+    return {
+        "params": params,
+        "env_keys": jax.random.split(jax.random.PRNGKey(seed), PMAP_DEV * 8).reshape(
+            PMAP_DEV, 8, 2
+        ),
+        "key": keys[:PMAP_DEV],
+        "epoch": jnp.zeros(PMAP_DEV, jnp.int32),
+    }
+
+
+def pmap_epoch(ckpt):
+    """One pmapped training epoch that saves every device's state (`axis_name=`)."""
+
+    def epoch(state):
+        key, sub = jax.random.split(state["key"])
+        grad = jax.lax.pmean(jax.random.normal(sub, (3,)) * state["params"], "i")
+        env_keys = jax.vmap(lambda k: jax.random.split(k)[0])(state["env_keys"])
+        state = {
+            "params": state["params"] - 0.1 * grad,
+            "env_keys": env_keys,
+            "key": key,
+            "epoch": state["epoch"] + 1,
+        }
+        ckpt.maybe_save(state, state["epoch"], axis_name="i")
+        return state
+
+    return jax.pmap(epoch, axis_name="i")
+
+
+def pmap_run(directory, epochs, like=None):
+    """Epochs up to `epochs` from what `directory` holds (a restart), as a loop of one's
+    own: restore_or_init, then the pmapped epoch."""
+    with jax_cb_ckpt.Checkpointer(directory, every=2) as ckpt:
+        made = like(pmap_init(0)) if like is not None else None
+        state, start = ckpt.restore_or_init(pmap_init, 0, like=made)
+        if start and made is not None:  # placed as like: committed only where like is
+            where = lambda x: (x.sharding, getattr(x, "committed", True))  # noqa: E731
+            assert jax.tree.map(where, state) == jax.tree.map(where, made)
+        epoch = pmap_epoch(ckpt)
+        for _ in range(int(start), epochs):
+            state = epoch(state)
+    return state
+
+
+def abstract_per_device(state):
+    """What worked before issue 53: ShapeDtypeStructs split over the devices by hand."""
+    mesh = Mesh(np.array(jax.devices()[:PMAP_DEV]), ("i",))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("i"))),
+        state,
+    )
+
+
+@pytest.fixture(scope="module")
+def pmap_runs(tmp_path_factory):
+    """An uninterrupted run of 4 epochs, and a run stopped after 3 (step 2 on disk)."""
+    root = tmp_path_factory.mktemp("pmap")
+    pmap_run(root / "cut", 3)
+    return pmap_run(root / "whole", 4), root / "cut"
+
+
+@pytest.mark.parametrize(
+    "like",
+    [
+        pytest.param(lambda state: state, id="concrete"),
+        pytest.param(None, id="default"),
+        pytest.param(abstract_per_device, id="abstract_per_device"),
+    ],
+)
+def test_a_pmap_run_restarts_onto_its_devices(tmp_path, pmap_runs, like):
+    """A pmapped epoch saving with axis_name= resumes bit for bit from each kind of `like`:
+    the state it took fresh (host-made leaves come back uncommitted, the pmap's own per
+    device: before issue 53 they came back committed to device 0 and the epoch refused
+    them), the default (jax.eval_shape of init: uncommitted) and one split by hand."""
+    uninterrupted, cut = pmap_runs
+    shutil.copytree(cut, tmp_path / "cut")
+    resumed = pmap_run(tmp_path / "cut", 4, like)
+    assert jax_cb_ckpt.same_bits(resumed, uninterrupted)

@@ -76,7 +76,9 @@ def restore(
     (e.g. from `jax.eval_shape`). The result has `like`'s pytree types (TrainState,
     NamedTuple, dataclass, dict, ...), dtypes, typed PRNG keys (re-wrapped with the
     recorded implementation) and Python scalar types; jax.Array leaves are placed with
-    the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
+    the sharding of the `like` leaf when it has one, committed only where that leaf is
+    (an array made on the host, uncommitted, comes back uncommitted on its device, so a
+    `pmap` that took it takes the restored one). Blocks until the data is loaded.
     With `verify` (default), every array read is checked against the checksums
     recorded when it was written: a corrupted file is a `DamagedStepError`, never
     numbers. `directory` may be relative (to the working directory), as everywhere.
@@ -357,9 +359,11 @@ def _read_step(
     # device, is put there in one device_put of all of them (one call, not one per
     # leaf: 80 leaves 17 -> 9 ms here); a leaf sharded over several devices is put block
     # by block. On a CPU device_put adopts the aligned block the read allocated, without
-    # a copy.
+    # a copy. A leaf whose `like` is an uncommitted array goes there uncommitted, as it
+    # was (`_rebuild.loose`: a pmap refuses a committed copy of a leaf it took).
     values: list[Any] = []
     single: dict[int, Any] = {}  # leaf: its device's sharding, or None (the default)
+    uncommitted: dict[Any, list[int]] = {}  # a device's sharding: its leaves put there loose
     together = zip(like_leaves, like_specs, saved_of, placements, strict=True)
     for i, (leaf, spec, saved, placed) in enumerate(together):
         shape = saved.stored_shape
@@ -371,7 +375,10 @@ def _read_step(
                 single[i] = None
         elif len(placed[0].device_set) == 1:
             values.append(results[_only_block(placed)])
-            single[i] = placed[0]
+            if _rebuild.loose(leaf) is None:
+                single[i] = placed[0]
+            else:  # committed only where like is (a host-made array is not)
+                uncommitted.setdefault(placed[0], []).append(i)
         else:
             sharding, boxes = placed
             indices = sharding.addressable_devices_indices_map(shape)
@@ -383,6 +390,10 @@ def _read_step(
     placed_all = jax.device_put([values[i] for i in single], list(single.values()))
     for i, put in zip(single, placed_all, strict=True):
         values[i] = put
+    for sharding, indices in uncommitted.items():
+        put = _rebuild.put_loose([values[i] for i in indices], sharding)
+        for i, one in zip(indices, put, strict=True):
+            values[i] = one
     leaves = [
         _rebuild.rebuild(leaf, spec, saved, array)
         for leaf, spec, saved, array in zip(like_leaves, like_specs, saved_of, values, strict=True)
