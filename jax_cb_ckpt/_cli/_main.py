@@ -95,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         (
             "show",
             _show,
-            "what a step holds: leaves, shapes, dtypes, shardings, vmap batch, "
+            "what a step holds: leaves, shapes, dtypes, shardings, vmap batch or "
+            "per-device states, "
             "versions (default: the latest step)",
             True,
         ),
@@ -452,7 +453,11 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
     _say(f"  written by    {written}")
     _say(f"  size on disk  {_size(storage.entry_bytes(str(meta.step)))}")
     if meta.batch_shape:
-        _say(f"  vmap batch    {_batch(meta)}")
+        axes = _device_axes(meta)
+        if axes:
+            _say(f"  device axis   {_per_device(meta, axes)}")
+        else:
+            _say(f"  vmap batch    {_batch(meta)}")
     checked = "yes" if meta.checksums else "no (written before checksums were kept)"
     _say(f"  checksums     {checked}")
     if meta.metrics:
@@ -493,6 +498,48 @@ def _batch(meta: _format.StepMeta) -> str:
     else:
         which = f"{len(held)} of {saved.size} members saved: {held}"
     return f"shape {meta.batch_shape} (leading axes of every leaf); {which}"
+
+
+def _device_axes(meta: _format.StepMeta) -> list[str]:
+    """The pmap/shard_map axes whose devices the batch axis of a step stands for: a
+    save with `axis_name=` inside the map (`gather="stack"`) stores one state per device
+    on a new leading axis, every leaf saved per device split along it. [] for a batch
+    made by vmap (and for a step that is not per device)."""
+    import numpy as np
+
+    batch = meta.batch_shape
+    if len(batch) != 1 or not meta.leaves:
+        return []
+    found: list[str] | None = None
+    for leaf in meta.leaves:
+        described = meta.shardings.get(leaf.path)
+        if described is None or not described["spec"] or leaf.shape[:1] != batch:
+            return []
+        axes = [str(a) for a in described["spec"][0]]
+        sizes = [described["mesh"].get(a) for a in axes]
+        if not axes or None in sizes or int(np.prod(sizes)) != batch[0]:
+            return []
+        if found not in (None, axes):
+            return []
+        found = axes
+    return found or []
+
+
+def _per_device(meta: _format.StepMeta, axes: list[str]) -> str:
+    """What the device axis of a per-device save (`_device_axes`) holds."""
+    import numpy as np
+
+    saved = meta.members
+    over = ", ".join(repr(a) for a in axes)
+    held = [int(i) for i in np.flatnonzero(saved)]
+    if len(held) == saved.size:
+        which = f"all {saved.size} devices saved"
+    else:
+        which = f"{len(held)} of {saved.size} devices saved: {held}"
+    return (
+        f"shape {meta.batch_shape} over pmap/shard_map axis {over} (the leading axis of "
+        f"every leaf: one state per device, as pmap returns it); {which}"
+    )
 
 
 def _sharding(described: dict[str, Any]) -> str:
