@@ -1,8 +1,8 @@
-"""The documentation's scripts run: every ```python block of docs/frameworks.md is a
-complete program, executed in a fresh process in a temporary working directory, twice in
-a row there (a reader runs a script again: a second run must not trip over the first
-run's checkpoints). The plain-Orbax recipes of docs/usage.md read a checkpoint saved on
-4 devices with 1 and 2 devices."""
+"""The documentation's scripts run: every ```python block of docs/frameworks.md (and
+transforms.md's pmap restart recipe) is a complete program, executed in a fresh process
+in a temporary working directory, twice in a row there (a reader runs a script again: a
+second run must not trip over the first run's checkpoints). The plain-Orbax recipes of
+docs/usage.md read a checkpoint saved on 4 devices with 1 and 2 devices."""
 
 import os
 import re
@@ -46,6 +46,19 @@ def blocks(path):
 def test_frameworks_doc_block_runs_twice(tmp_path, code):
     result = run_twice(tmp_path, code)
     assert " ok" in result.stdout, result.stdout
+
+
+TRANSFORMS = os.path.join(ROOT, "docs", "transforms.md")
+
+
+@pytest.mark.slow
+def test_transforms_pmap_restart_recipe_runs_twice(tmp_path):
+    """transforms.md's pmap restart recipe (issue 53): a pmapped epoch saving with
+    axis_name=, stopped and restarted with a concrete like, ends bit for bit as the
+    uninterrupted run (before issue 53: the resumed state was refused by the pmap)."""
+    [code] = [code for title, code in sections(TRANSFORMS) if title == "Restarting a pmap run"]
+    result = run_twice(tmp_path, code)
+    assert "pmap restart ok" in result.stdout, result.stdout + result.stderr
 
 
 # The usage.md recipes, between the lines a reader would have: where the checkpoint is,

@@ -362,15 +362,17 @@ PMAP_DEV = 2  # as the Brax run of issue 53
 
 def pmap_init(seed):
     """A Brax-like state with a leading device axis: the env keys and counters made on
-    the host (uncommitted arrays), the parameters by a pmap (committed, per device)."""
-    keys = jax.random.split(jax.random.key(seed), 2 * PMAP_DEV)
-    params = jax.pmap(lambda k: jax.random.normal(k, (3,)))(keys[PMAP_DEV:])
+    the host (uncommitted arrays), the parameters by a pmap (committed, per device, the
+    same on every device)."""
+    params = jax.pmap(lambda _: jax.random.normal(jax.random.key(seed), (3,)))(
+        jnp.arange(PMAP_DEV)
+    )  # the same on every device, as a pmean update keeps them
     return {
         "params": params,
         "env_keys": jax.random.split(jax.random.PRNGKey(seed), PMAP_DEV * 8).reshape(
             PMAP_DEV, 8, 2
         ),
-        "key": keys[:PMAP_DEV],
+        "key": jax.random.split(jax.random.key(seed + 1), PMAP_DEV),
         "epoch": jnp.zeros(PMAP_DEV, jnp.int32),
     }
 
@@ -443,3 +445,15 @@ def test_a_pmap_run_restarts_onto_its_devices(tmp_path, pmap_runs, like):
     shutil.copytree(cut, tmp_path / "cut")
     resumed = pmap_run(tmp_path / "cut", 4, like)
     assert jax_cb_ckpt.same_bits(resumed, uninterrupted)
+
+
+def test_a_leaf_the_same_on_every_device_is_stored_per_device(pmap_runs):
+    """`params` after a pmean update holds the same numbers on every device; with
+    gather="stack" it is stored as the program has it, one copy per device: plain Orbax
+    reads the (devices, 3) array (transforms.md says why it is not stored once)."""
+    _, cut = pmap_runs
+    stored = ocp.PyTreeCheckpointer().restore(cut / "2" / "state")
+    params = np.asarray(stored["params"])
+    assert params.shape == (PMAP_DEV, 3)
+    assert all(row.tobytes() == params[0].tobytes() for row in params)
+    assert jax_cb_ckpt.metadata(cut, step=2)["batch_shape"] == [PMAP_DEV]
