@@ -251,7 +251,11 @@ def test_restore_commits_a_leaf_only_where_like_is_committed(make_ckpt, ckpt_dir
     mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
     with jax.default_device(devices[1]):
-        on_one = {"w": jnp.arange(4.0), "key": jax.random.split(jax.random.key(2), 2)}
+        on_one = {
+            "w": jnp.arange(4.0),
+            "key": jax.random.split(jax.random.key(2), 2),
+            "lr": jnp.asarray(0.25) * 1.0,  # weakly typed, there
+        }
     state = {
         "host": {"w": jnp.arange(6.0), "key": jax.random.split(jax.random.key(1), 2)},
         "host_raw": jax.random.split(jax.random.PRNGKey(1), 2),  # uint32[2, 2]
@@ -272,6 +276,7 @@ def test_restore_commits_a_leaf_only_where_like_is_committed(make_ckpt, ckpt_dir
     assert step == (5 if source == "ours" else 3)
     assert jax.tree.map(placement, restored) == jax.tree.map(placement, state)
     assert not restored["host"]["w"].committed and restored["put"].committed
+    assert restored["lr"].weak_type and restored["on_one"]["lr"].weak_type
     assert_same_state(restored, state)
 
 

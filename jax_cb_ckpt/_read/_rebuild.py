@@ -136,6 +136,16 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     """One restored leaf, of the same type as the `like` leaf, from `array`: the leaf's
     data as saved, a numpy array the caller gives up (it is returned as it is where
     `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
+    free = loose(like_leaf)
+    if free is None:
+        return _rebuild(like_leaf, spec, saved, array)
+    # An uncommitted `like` leaf: what is made from host data lands on its device,
+    # uncommitted (weak type and key type kept), as the default device's would.
+    with jax.default_device(next(iter(free.device_set))):
+        return _rebuild(like_leaf, spec, saved, array)
+
+
+def _rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
         cast = array.astype(spec.dtype)
         back = cast.astype(saved.dtype)
@@ -238,7 +248,8 @@ def _place(value: jax.Array, like_leaf: Any) -> jax.Array:
         if _is_key(value.dtype):  # (numpy holds no typed key: its data, wrapped again)
             data = _place(jax.random.key_data(value), like_leaf)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
-        return put_loose([np.asarray(value)], sharding)[0]
+        moved = put_loose([np.asarray(value)], sharding)[0]
+        return _weakly_typed(moved) if value.weak_type else moved
     return _put(value, sharding)
 
 
