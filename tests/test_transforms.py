@@ -457,3 +457,17 @@ def test_a_leaf_the_same_on_every_device_is_stored_per_device(pmap_runs):
     assert params.shape == (PMAP_DEV, 3)
     assert all(row.tobytes() == params[0].tobytes() for row in params)
     assert jax_cb_ckpt.metadata(cut, step=2)["batch_shape"] == [PMAP_DEV]
+
+
+def test_a_like_of_one_device_is_told_the_checkpoint_is_per_device(pmap_runs):
+    """A like without the device axis (an init_fn that returns the state before it is
+    replicated) is told the checkpoint holds one state per device, naming the axis, not
+    that it was "saved under vmap"."""
+    _, cut = pmap_runs
+    one = jax.tree.map(lambda x: x[0], pmap_init(0))
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError,
+        match=r"one state per device, saved inside pmap/shard_map with axis_name= \(axis "
+        r"'i', 2 devices.*Fix: pass a like with the device axis",
+    ):
+        jax_cb_ckpt.restore(cut, one)

@@ -453,7 +453,7 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
     _say(f"  written by    {written}")
     _say(f"  size on disk  {_size(storage.entry_bytes(str(meta.step)))}")
     if meta.batch_shape:
-        axes = _device_axes(meta)
+        axes = meta.device_axes
         if axes:
             _say(f"  device axis   {_per_device(meta, axes)}")
         else:
@@ -500,33 +500,8 @@ def _batch(meta: _format.StepMeta) -> str:
     return f"shape {meta.batch_shape} (leading axes of every leaf); {which}"
 
 
-def _device_axes(meta: _format.StepMeta) -> list[str]:
-    """The pmap/shard_map axes whose devices the batch axis of a step stands for: a
-    save with `axis_name=` inside the map (`gather="stack"`) stores one state per device
-    on a new leading axis, every leaf saved per device split along it. [] for a batch
-    made by vmap (and for a step that is not per device)."""
-    import numpy as np
-
-    batch = meta.batch_shape
-    if len(batch) != 1 or not meta.leaves:
-        return []
-    found: list[str] | None = None
-    for leaf in meta.leaves:
-        described = meta.shardings.get(leaf.path)
-        if described is None or not described["spec"] or leaf.shape[:1] != batch:
-            return []
-        axes = [str(a) for a in described["spec"][0]]
-        sizes = [described["mesh"].get(a) for a in axes]
-        if not axes or None in sizes or int(np.prod(sizes)) != batch[0]:
-            return []
-        if found not in (None, axes):
-            return []
-        found = axes
-    return found or []
-
-
-def _per_device(meta: _format.StepMeta, axes: list[str]) -> str:
-    """What the device axis of a per-device save (`_device_axes`) holds."""
+def _per_device(meta: _format.StepMeta, axes: tuple[str, ...]) -> str:
+    """What the device axis of a per-device save (`StepMeta.device_axes`) holds."""
     import numpy as np
 
     saved = meta.members

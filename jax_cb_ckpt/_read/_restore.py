@@ -329,7 +329,7 @@ def _read_step(
         index = _member_index(member, meta)
         return _restore_member(storage, opened, meta, described, index, verify)
     if batch:
-        _check_batched_like(like_specs, saved_specs, batch)
+        _check_batched_like(like_specs, saved_specs, batch, meta.device_axes)
     _rebuild.check_like(like_specs, saved_specs)
     by_name = {spec.name: spec for spec in saved_specs}
     saved_of = [by_name[spec.name] for spec in like_specs]
@@ -467,13 +467,27 @@ def _check_batched_like(
     like_specs: tuple[_spec.LeafSpec, ...],
     saved_specs: tuple[_spec.LeafSpec, ...],
     batch: tuple[int, ...],
+    device_axes: tuple[str, ...] = (),
 ) -> None:
-    """A `like` of one member for a batched checkpoint: say so, and how to pick one."""
+    """A `like` of one member for a batched checkpoint (of one device, for a pmap
+    save: `device_axes`): say so, and how to pick one."""
     by_name = {spec.name: spec for spec in saved_specs}
     for spec in like_specs:
         saved = by_name.get(spec.name)
         if saved is not None and saved.shape != spec.shape and saved.shape == batch + spec.shape:
             pick = "member=k" if len(batch) == 1 else f"member=(i, ..., k) ({len(batch)} ints)"
+            if device_axes:
+                over = ", ".join(repr(a) for a in device_axes)
+                raise StructureMismatchError(
+                    f"{where()}: the checkpoint holds one state per device, saved inside "
+                    f"pmap/shard_map with axis_name= (axis {over}, {batch[0]} devices: the "
+                    f"leading axis of every leaf: {spec.path} is stored as "
+                    f"{saved.describe()}), and like has one device's shapes "
+                    f"({spec.describe()}). Fix: pass a like with the device axis (the "
+                    "state as the pmapped function takes it: an init_fn that returns it "
+                    "replicated or split over the devices), or restore one device's "
+                    "state with restore(like, member=k)."
+                )
             raise StructureMismatchError(
                 f"{where()}: the checkpoint holds a batch saved under vmap, of shape {batch} "
                 f"(the leading axes of every leaf: {spec.path} is stored as "
