@@ -8,7 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_same_state, toy_reference, toy_state, toy_update
+from helpers import (
+    HERE,
+    assert_same_state,
+    kill_group,
+    start_script,
+    toy_reference,
+    toy_state,
+    toy_update,
+    wait_for_step,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -471,3 +480,28 @@ def test_a_like_of_one_device_is_told_the_checkpoint_is_per_device(pmap_runs):
         r"'i', 2 devices.*Fix: pass a like with the device axis",
     ):
         jax_cb_ckpt.restore(cut, one)
+
+
+@pytest.mark.slow
+def test_a_killed_pmap_run_resumes_onto_its_devices(tmp_path):
+    """The run of issue 53, SIGKILLed: a child runs the pmapped epoch with a concrete
+    like until it is killed after step 4; the restart (restore_or_init with the same
+    like) takes the pmap and ends bit for bit as an uninterrupted run."""
+    directory = tmp_path / "run"
+    child = start_script(
+        tmp_path,
+        f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        from test_transforms import pmap_run
+        pmap_run(sys.argv[1], 10**6, like=lambda state: state)
+        """,
+        directory,
+    )
+    try:
+        wait_for_step(directory, 4, child, timeout=240)
+    finally:
+        kill_group(child)
+    epochs = jax_cb_ckpt.latest_step(directory) + 3  # (some epochs after the last save)
+    resumed = pmap_run(directory, epochs, lambda state: state)
+    assert jax_cb_ckpt.same_bits(resumed, pmap_run(tmp_path / "whole", epochs))
