@@ -200,9 +200,9 @@ def cross(
     Python caller) until the host side has taken the data. With `axis_name` (inside
     `pmap`/`shard_map`) naming all of the map's axes, each device hands over its own
     block (stacked on a new axis, or along the first axis when `gather="concat"`) and
-    nothing is gathered; otherwise (some of the axes, or `gather="replicated"`) the state
-    is gathered along that axis (not at all when `"replicated"`) and handed over once, by
-    the first device.
+    nothing is gathered; otherwise (some of the axes, `vmap` inside the map, or
+    `gather="replicated"`) the state is gathered along that axis (not at all when
+    `"replicated"`) and handed over once, by the first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     always = wanted is None and axis_name is None
