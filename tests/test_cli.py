@@ -109,6 +109,22 @@ def test_show_names_leaves_shardings_batch_and_versions(saved):
     assert "shape (3,)" in batch and "2 of 3 members saved: [(0,), (2,)]" in batch, batch
 
 
+def test_show_names_a_pmap_save_by_its_devices(tmp_path):
+    """A pmap save with axis_name= holds one state per device on a leading axis: `show`
+    says so, naming the axis, not "vmap batch" (issue 53)."""
+    with jax_cb_ckpt.Checkpointer(tmp_path / "ckpt") as ckpt:
+
+        def epoch(x, keep):
+            ckpt.maybe_save({"x": x}, 4, axis_name="i", when=keep)
+            return x
+
+        jax.pmap(epoch, axis_name="i")(jnp.ones((2, 3)), jnp.array([True, False]))
+    out = cli("show", tmp_path / "ckpt").stdout
+    assert "vmap batch" not in out, out
+    assert "device axis   shape (2,) over pmap/shard_map axis 'i'" in out, out
+    assert "1 of 2 devices saved: [0]" in out, out
+
+
 def test_show_json_is_the_metadata(saved):
     result = cli("show", saved, "--step", 1, "--json")
     assert result.returncode == 0, result.stderr

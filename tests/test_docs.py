@@ -163,6 +163,19 @@ def test_frameworks_doc_block_runs_twice(tmp_path, program):
     assert " ok" in result.stdout, result.stdout
 
 
+TRANSFORMS = os.path.join(ROOT, "docs", "transforms.md")
+
+
+@pytest.mark.slow
+def test_transforms_pmap_restart_recipe_runs_twice(tmp_path):
+    """transforms.md's pmap restart recipe (issue 53): a pmapped epoch saving with
+    axis_name=, stopped and restarted with a concrete like, ends bit for bit as the
+    uninterrupted run (before issue 53: the resumed state was refused by the pmap)."""
+    [program] = [p for p in doc_programs(TRANSFORMS) if any("pmap restart ok" in b.code for b in p)]
+    result = run_doc_program(tmp_path, program, times=2)
+    assert "pmap restart ok" in result.stdout, result.stdout + result.stderr
+
+
 # The usage.md recipes, between the lines a reader would have: where the checkpoint is,
 # on how many devices to read it, and what each recipe must have given.
 RECIPE_PREAMBLE = """

@@ -127,6 +127,30 @@ def test_what_an_older_version_did_not_record_has_its_default():
     assert meta.checksums is None and meta.shardings == {} and meta.saved_at is None
 
 
+PER_DEVICE = {"state['w']": {"mesh": {"i": 2}, "spec": [["i"], []]}}
+
+
+@pytest.mark.parametrize(
+    "shardings, axes",
+    [
+        (PER_DEVICE, ("i",)),  # a pmap save with axis_name="i"
+        ({}, ()),  # a vmap batch
+        ({"state['w']": {"mesh": {"i": 4}, "spec": [["i"], []]}}, ()),  # 4 devices, batch 2
+        ({"state['w']": {"mesh": {"i": 2}, "spec": [[], ["i"]]}}, ()),  # split elsewhere
+        ({"state['w']": {"mesh": "i", "spec": [["i"]]}}, ()),  # garbage: not an error
+        ({"state['w']": {"mesh": {"i": 2}, "spec": "P('i')"}}, ()),
+        ({"state['w']": {"mesh": {"i": True}, "spec": [["i"]]}}, ()),
+        ({"state['w']": {"mesh": {"i": 2}, "spec": [[7]]}}, ()),
+        ({"state['w']": []}, ()),
+    ],
+)
+def test_a_pmap_save_is_told_from_a_vmap_batch_by_its_record(shardings, axes):
+    """`StepMeta.device_axes`: the batch axis of a per-device save inside pmap/shard_map
+    (every leaf split along it over axes whose sizes make the batch), from the record,
+    read as untrusted (issue 53: `show` called it a "vmap batch")."""
+    assert fmt.StepMeta.parse(_meta(shardings=shardings)).device_axes == axes
+
+
 @pytest.mark.parametrize(
     "changes, words",
     [

@@ -236,6 +236,50 @@ def test_restore_places_leaves_with_like_sharding(make_ckpt):
     np.testing.assert_array_equal(restored["w"], state["w"])
 
 
+def placement(leaf):
+    return (leaf.sharding, leaf.committed)
+
+
+@pytest.mark.parametrize("source", ["ours", "plain_orbax"])
+def test_restore_commits_a_leaf_only_where_like_is_committed(make_ckpt, ckpt_dir, source):
+    """A restored leaf sits where its `like` leaf sits, committed only where that one
+    is: a host-made array (`jnp.zeros`, a key from `jax.random.split`) comes back
+    uncommitted, on its own device, also one made under `jax.default_device`; one put on
+    a device or sharded by name comes back committed there. (A committed copy of an
+    uncommitted leaf is refused by a pmap that took the leaf itself, issue 53.)"""
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    with jax.default_device(devices[1]):
+        on_one = {
+            "w": jnp.arange(4.0),
+            "key": jax.random.split(jax.random.key(2), 2),
+            "lr": jnp.asarray(0.25) * 1.0,  # weakly typed, there
+        }
+    state = {
+        "host": {"w": jnp.arange(6.0), "key": jax.random.split(jax.random.key(1), 2)},
+        "host_raw": jax.random.split(jax.random.PRNGKey(1), 2),  # uint32[2, 2]
+        "lr": jnp.asarray(0.5) * 1.0,  # weakly typed
+        "half": jnp.linspace(0, 1, 4, dtype=jnp.bfloat16),
+        "on_one": on_one,
+        "put": jax.device_put(jnp.arange(3), devices[1]),
+        "put_key": jax.device_put(jax.random.key(3), devices[1]),
+        "split": jax.device_put(jnp.arange(8.0), split),
+    }
+    if source == "ours":
+        ckpt = saved(make_ckpt, state)
+    else:  # a CheckpointManager's step (read with Orbax) takes the same placement
+        with ocp.CheckpointManager(ckpt_dir) as manager:
+            manager.save(3, args=ocp.args.StandardSave(state))
+        ckpt = make_ckpt()
+    restored, step = ckpt.restore_or_init(lambda: state, like=state)
+    assert step == (5 if source == "ours" else 3)
+    assert jax.tree.map(placement, restored) == jax.tree.map(placement, state)
+    assert not restored["host"]["w"].committed and restored["put"].committed
+    assert restored["lr"].weak_type and restored["on_one"]["lr"].weak_type
+    assert_same_state(restored, state)
+
+
 def test_restore_keeps_weak_types_of_like(make_ckpt):
     """A bf16 loop whose carry holds a Python-float-derived (weakly typed) scalar: a
     resumed scan must see the same carry types as a fresh one."""

@@ -1,12 +1,23 @@
 """One scan body with maybe_save, run under every transformation: the exact set of saved
 steps, the saved contents, and one host crossing per saving step (none otherwise)."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_same_state, toy_reference, toy_state, toy_update
+from helpers import (
+    HERE,
+    assert_same_state,
+    kill_group,
+    start_script,
+    toy_reference,
+    toy_state,
+    toy_update,
+    wait_for_step,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -351,3 +362,146 @@ def test_vmap_inside_pmap_saves_as_the_gather_path_does(make_ckpt, ckpt_dir, gat
     }
     assert last.size == 2 * N_DEV * toy_state()["x"].size
     assert len(values) == 2 * N_DEV  # every member's own state is in there
+
+
+# -- a pmap run restarted (issue 53) --------------------------------------------------------
+
+PMAP_DEV = 2  # as the Brax run of issue 53
+
+
+def pmap_init(seed):
+    """A Brax-like state with a leading device axis: the env keys and counters made on
+    the host (uncommitted arrays), the parameters by a pmap (committed, per device, the
+    same on every device)."""
+    params = jax.pmap(lambda _: jax.random.normal(jax.random.key(seed), (3,)))(
+        jnp.arange(PMAP_DEV)
+    )  # the same on every device, as a pmean update keeps them
+    return {
+        "params": params,
+        "env_keys": jax.random.split(jax.random.PRNGKey(seed), PMAP_DEV * 8).reshape(
+            PMAP_DEV, 8, 2
+        ),
+        "key": jax.random.split(jax.random.key(seed + 1), PMAP_DEV),
+        "epoch": jnp.zeros(PMAP_DEV, jnp.int32),
+    }
+
+
+def pmap_epoch(ckpt):
+    """One pmapped training epoch that saves every device's state (`axis_name=`)."""
+
+    def epoch(state):
+        key, sub = jax.random.split(state["key"])
+        grad = jax.lax.pmean(jax.random.normal(sub, (3,)) * state["params"], "i")
+        env_keys = jax.vmap(lambda k: jax.random.split(k)[0])(state["env_keys"])
+        state = {
+            "params": state["params"] - 0.1 * grad,
+            "env_keys": env_keys,
+            "key": key,
+            "epoch": state["epoch"] + 1,
+        }
+        ckpt.maybe_save(state, state["epoch"], axis_name="i")
+        return state
+
+    return jax.pmap(epoch, axis_name="i")
+
+
+def pmap_run(directory, epochs, like=None):
+    """Epochs up to `epochs` from what `directory` holds (a restart), as a loop of one's
+    own: restore_or_init, then the pmapped epoch."""
+    with jax_cb_ckpt.Checkpointer(directory, every=2) as ckpt:
+        made = like(pmap_init(0)) if like is not None else None
+        state, start = ckpt.restore_or_init(pmap_init, 0, like=made)
+        if start and made is not None:  # placed as like: committed only where like is
+            where = lambda x: (x.sharding, getattr(x, "committed", True))  # noqa: E731
+            assert jax.tree.map(where, state) == jax.tree.map(where, made)
+        epoch = pmap_epoch(ckpt)
+        for _ in range(int(start), epochs):
+            state = epoch(state)
+    return state
+
+
+def abstract_per_device(state):
+    """What worked before issue 53: ShapeDtypeStructs split over the devices by hand."""
+    mesh = Mesh(np.array(jax.devices()[:PMAP_DEV]), ("i",))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("i"))),
+        state,
+    )
+
+
+@pytest.fixture(scope="module")
+def pmap_runs(tmp_path_factory):
+    """An uninterrupted run of 4 epochs, and a run stopped after 3 (step 2 on disk)."""
+    root = tmp_path_factory.mktemp("pmap")
+    pmap_run(root / "cut", 3)
+    return pmap_run(root / "whole", 4), root / "cut"
+
+
+@pytest.mark.parametrize(
+    "like",
+    [
+        pytest.param(lambda state: state, id="concrete"),
+        pytest.param(None, id="default"),
+        pytest.param(abstract_per_device, id="abstract_per_device"),
+    ],
+)
+def test_a_pmap_run_restarts_onto_its_devices(tmp_path, pmap_runs, like):
+    """A pmapped epoch saving with axis_name= resumes bit for bit from each kind of `like`:
+    the state it took fresh (host-made leaves come back uncommitted, the pmap's own per
+    device: before issue 53 they came back committed to device 0 and the epoch refused
+    them), the default (jax.eval_shape of init: uncommitted) and one split by hand."""
+    uninterrupted, cut = pmap_runs
+    shutil.copytree(cut, tmp_path / "cut")
+    resumed = pmap_run(tmp_path / "cut", 4, like)
+    assert jax_cb_ckpt.same_bits(resumed, uninterrupted)
+
+
+def test_a_leaf_the_same_on_every_device_is_stored_per_device(pmap_runs):
+    """`params` after a pmean update holds the same numbers on every device; with
+    gather="stack" it is stored as the program has it, one copy per device: plain Orbax
+    reads the (devices, 3) array (transforms.md says why it is not stored once)."""
+    _, cut = pmap_runs
+    stored = ocp.PyTreeCheckpointer().restore(cut / "2" / "state")
+    params = np.asarray(stored["params"])
+    assert params.shape == (PMAP_DEV, 3)
+    assert all(row.tobytes() == params[0].tobytes() for row in params)
+    assert jax_cb_ckpt.metadata(cut, step=2)["batch_shape"] == [PMAP_DEV]
+
+
+def test_a_like_of_one_device_is_told_the_checkpoint_is_per_device(pmap_runs):
+    """A like without the device axis (an init_fn that returns the state before it is
+    replicated) is told the checkpoint holds one state per device, naming the axis, not
+    that it was "saved under vmap"."""
+    _, cut = pmap_runs
+    one = jax.tree.map(lambda x: x[0], pmap_init(0))
+    with pytest.raises(
+        jax_cb_ckpt.StructureMismatchError,
+        match=r"one state per device, saved inside pmap/shard_map with axis_name= \(axis "
+        r"'i', 2 devices.*Fix: pass a like with the device axis",
+    ):
+        jax_cb_ckpt.restore(cut, one)
+
+
+@pytest.mark.slow
+def test_a_killed_pmap_run_resumes_onto_its_devices(tmp_path):
+    """The run of issue 53, SIGKILLed: a child runs the pmapped epoch with a concrete
+    like until it is killed after step 4; the restart (restore_or_init with the same
+    like) takes the pmap and ends bit for bit as an uninterrupted run."""
+    directory = tmp_path / "run"
+    child = start_script(
+        tmp_path,
+        f"""
+        import sys
+        sys.path.insert(0, {HERE!r})
+        from test_transforms import pmap_run
+        pmap_run(sys.argv[1], 10**6, like=lambda state: state)
+        """,
+        directory,
+    )
+    try:
+        wait_for_step(directory, 4, child, timeout=240)
+    finally:
+        kill_group(child)
+    epochs = jax_cb_ckpt.latest_step(directory) + 3  # (some epochs after the last save)
+    resumed = pmap_run(directory, epochs, lambda state: state)
+    assert jax_cb_ckpt.same_bits(resumed, pmap_run(tmp_path / "whole", epochs))

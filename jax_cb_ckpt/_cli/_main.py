@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
         (
             "show",
             _show,
-            "what a step holds: leaves, shapes, dtypes, shardings, vmap batch, "
+            "what a step holds: leaves, shapes, dtypes, shardings, vmap batch or "
+            "per-device states, "
             "versions (default: the latest step)",
             True,
         ),
@@ -454,7 +455,11 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
     _say(f"  written by    {written}")
     _say(f"  size on disk  {_size(storage.entry_bytes(str(meta.step)))}")
     if meta.batch_shape:
-        _say(f"  vmap batch    {_batch(meta)}")
+        axes = meta.device_axes
+        if axes:
+            _say(f"  device axis   {_per_device(meta, axes)}")
+        else:
+            _say(f"  vmap batch    {_batch(meta)}")
     checked = "yes" if meta.checksums else "no (written before checksums were kept)"
     _say(f"  checksums     {checked}")
     if meta.metrics:
@@ -495,6 +500,23 @@ def _batch(meta: _format.StepMeta) -> str:
     else:
         which = f"{len(held)} of {saved.size} members saved: {held}"
     return f"shape {meta.batch_shape} (leading axes of every leaf); {which}"
+
+
+def _per_device(meta: _format.StepMeta, axes: tuple[str, ...]) -> str:
+    """What the device axis of a per-device save (`StepMeta.device_axes`) holds."""
+    import numpy as np
+
+    saved = meta.members
+    over = ", ".join(repr(a) for a in axes)
+    held = [int(i) for i in np.flatnonzero(saved)]
+    if len(held) == saved.size:
+        which = f"all {saved.size} devices saved"
+    else:
+        which = f"{len(held)} of {saved.size} devices saved: {held}"
+    return (
+        f"shape {meta.batch_shape} over pmap/shard_map axis {over} (the leading axis of "
+        f"every leaf: one state per device, as pmap returns it); {which}"
+    )
 
 
 def _sharding(described: dict[str, Any]) -> str:

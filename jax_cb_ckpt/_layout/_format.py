@@ -480,6 +480,37 @@ class StepMeta:
         return None if value is None else np.asarray(value, dtype=np.float64)
 
     @property
+    def device_axes(self) -> tuple[str, ...]:
+        """The pmap/shard_map axes whose devices the batch axis stands for: a save with
+        `axis_name=` inside the map (`gather="stack"`) stores one state per device on a
+        new leading axis, every leaf saved per device and split along it over those
+        axes (their sizes make the batch). () for a batch made by vmap, or none. The
+        record is read as untrusted: anything else in it is (), not an error."""
+        batch = self.batch_shape
+        if len(batch) != 1 or not self.leaves:
+            return ()
+        found: set[tuple[str, ...]] = set()
+        for leaf in self.leaves:
+            described = self.shardings.get(leaf.path)
+            mesh = described.get("mesh") if isinstance(described, dict) else None
+            spec = described.get("spec") if isinstance(described, dict) else None
+            if not isinstance(mesh, dict) or not isinstance(spec, list) or not spec:
+                return ()
+            axes = spec[0]
+            if not isinstance(axes, list) or not axes or leaf.shape[:1] != batch:
+                return ()
+            sizes = [mesh.get(a) if isinstance(a, str) else None for a in axes]
+            whole = 1
+            for n in sizes:
+                if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                    return ()
+                whole *= n
+            if whole != batch[0]:
+                return ()
+            found.add(tuple(axes))
+        return found.pop() if len(found) == 1 else ()
+
+    @property
     def saved_seconds(self) -> float | None:
         """`saved_at` in seconds since the epoch (None: not recorded, or unreadable)."""
         return saved_seconds(self.saved_at)

@@ -136,6 +136,16 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     """One restored leaf, of the same type as the `like` leaf, from `array`: the leaf's
     data as saved, a numpy array the caller gives up (it is returned as it is where
     `like` wants numpy of its dtype: no copy), or a placed `jax.Array`."""
+    free = loose(like_leaf)
+    if free is None:
+        return _rebuild(like_leaf, spec, saved, array)
+    # An uncommitted `like` leaf: what is made from host data lands on its device,
+    # uncommitted (weak type and key type kept), as the default device's would.
+    with jax.default_device(next(iter(free.device_set))):
+        return _rebuild(like_leaf, spec, saved, array)
+
+
+def _rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
         with np.errstate(all="ignore"):  # a value that does not fit is refused below
             cast = array.astype(spec.dtype)
@@ -152,10 +162,10 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
         if isinstance(sharding, NamedSharding) and not sharding.is_fully_addressable:
             # Across processes: place the key data (one more axis) and wrap it there.
             data_spec = PartitionSpec(*sharding.spec, *[None] * (array.ndim - len(sharding.spec)))
-            data = _place(jnp.asarray(array), NamedSharding(sharding.mesh, data_spec))
+            data = _put(jnp.asarray(array), NamedSharding(sharding.mesh, data_spec))
             return jax.random.wrap_key_data(data, impl=saved.impl)
         key = jax.random.wrap_key_data(jnp.asarray(array), impl=saved.impl)
-        return _place(key, sharding)
+        return _place(key, like_leaf)
     if isinstance(like_leaf, PY_SCALARS):
         return type(like_leaf)(array.item())
     if isinstance(like_leaf, np.generic):
@@ -167,7 +177,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
         isinstance(array, jax.Array)
         and not weak
         and array.dtype == np.dtype(spec.dtype)
-        and getattr(like_leaf, "sharding", None) in (None, array.sharding)
+        and _placed_as(array, like_leaf)
     ):
         return array  # placed already, as like wants it (`_restore`)
     # A weakly typed leaf the loop carried in another dtype comes back as stored, as
@@ -183,7 +193,7 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
         value = jnp.asarray(array, dtype=dtype)
     if weak and not carried:
         value = _weakly_typed(value)
-    return _place(value, getattr(like_leaf, "sharding", None))
+    return _place(value, like_leaf)
 
 
 def _weakly_typed(value: jax.Array) -> jax.Array:
@@ -195,12 +205,57 @@ def _weakly_typed(value: jax.Array) -> jax.Array:
     return weak  # pyright: ignore[reportReturnType]
 
 
-def _place(value: jax.Array, sharding: jax.sharding.Sharding | None) -> jax.Array:
-    """Put a restored array where the `like` leaf lives (its sharding), when it says.
-    A sharding over several processes' devices gets this process's blocks only (every
-    process holds the whole value here; `device_put` refuses devices of others)."""
+def loose(like_leaf: Any) -> jax.sharding.Sharding | None:
+    """The sharding (one device) of a `like` leaf that is an uncommitted `jax.Array`
+    (made on the host: `jnp.zeros`, `jax.random.split`, not put on a device by name),
+    else None. Its restored leaf is uncommitted on that device too: JAX moves an
+    uncommitted array to wherever a computation runs (a `pmap` splits it over its
+    devices) and refuses a committed one placed elsewhere, so a committed copy would be
+    refused by a program that took the leaf it was restored from."""
+    if not isinstance(like_leaf, jax.Array) or like_leaf.committed:
+        return None
+    sharding = like_leaf.sharding
+    return sharding if len(sharding.device_set) == 1 else None
+
+
+def put_loose(values: list[Any], sharding: jax.sharding.Sharding) -> list[jax.Array]:
+    """`values` (host arrays) put uncommitted on the one device of `sharding` (`loose`),
+    as `jax.device_put` without a device puts them on the default device (one call for
+    all of them)."""
+    with jax.default_device(next(iter(sharding.device_set))):
+        return jax.device_put(values)
+
+
+def _placed_as(array: jax.Array, like_leaf: Any) -> bool:
+    """Whether `array` sits where the `like` leaf does: with its sharding (where it
+    says one), committed exactly where the `like` leaf is."""
+    sharding = getattr(like_leaf, "sharding", None)
+    if sharding is None:
+        return True
+    return array.sharding == sharding and array.committed == (loose(like_leaf) is None)
+
+
+def _place(value: jax.Array, like_leaf: Any) -> jax.Array:
+    """Put a restored array where the `like` leaf lives (its sharding), when it says;
+    committed only where the `like` leaf is (`loose`). A sharding over several
+    processes' devices gets this process's blocks only (every process holds the whole
+    value here; `device_put` refuses devices of others)."""
+    sharding = getattr(like_leaf, "sharding", None)
     if sharding is None:
         return value
+    if loose(like_leaf) is not None:
+        if not value.committed and value.sharding.device_set == sharding.device_set:
+            return value
+        if _is_key(value.dtype):  # (numpy holds no typed key: its data, wrapped again)
+            data = _place(jax.random.key_data(value), like_leaf)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+        moved = put_loose([np.asarray(value)], sharding)[0]
+        return _weakly_typed(moved) if value.weak_type else moved
+    return _put(value, sharding)
+
+
+def _put(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`value` placed with `sharding`, committed (see `_place`)."""
     if sharding.is_fully_addressable or not value.is_fully_addressable:  # (Orbax placed it)
         return jax.device_put(value, sharding)
     host = np.asarray(value)

@@ -77,7 +77,9 @@ def restore(
     (e.g. from `jax.eval_shape`). The result has `like`'s pytree types (TrainState,
     NamedTuple, dataclass, dict, ...), dtypes, typed PRNG keys (re-wrapped with the
     recorded implementation) and Python scalar types; jax.Array leaves are placed with
-    the sharding of the `like` leaf when it has one. Blocks until the data is loaded.
+    the sharding of the `like` leaf when it has one, committed only where that leaf is
+    (an array made on the host, uncommitted, comes back uncommitted on its device, so a
+    `pmap` that took it takes the restored one). Blocks until the data is loaded.
     With `verify` (default), every array read is checked against the checksums
     recorded when it was written: a corrupted file is a `DamagedStepError`, never
     numbers. `directory` may be relative (to the working directory), as everywhere.
@@ -344,7 +346,7 @@ def _read_step(
         index = _member_index(member, meta)
         return _restore_member(storage, opened, meta, described, index, verify)
     if batch:
-        _check_batched_like(like_specs, saved_specs, batch)
+        _check_batched_like(like_specs, saved_specs, batch, meta.device_axes)
     _rebuild.check_like(like_specs, saved_specs)
     by_name = {spec.name: spec for spec in saved_specs}
     saved_of = [by_name[spec.name] for spec in like_specs]
@@ -374,9 +376,11 @@ def _read_step(
     # device, is put there in one device_put of all of them (one call, not one per
     # leaf: 80 leaves 17 -> 9 ms here); a leaf sharded over several devices is put block
     # by block. On a CPU device_put adopts the aligned block the read allocated, without
-    # a copy.
+    # a copy. A leaf whose `like` is an uncommitted array goes there uncommitted, as it
+    # was (`_rebuild.loose`: a pmap refuses a committed copy of a leaf it took).
     values: list[Any] = []
     single: dict[int, Any] = {}  # leaf: its device's sharding, or None (the default)
+    uncommitted: dict[Any, list[int]] = {}  # a device's sharding: its leaves put there loose
     together = zip(like_leaves, like_specs, saved_of, placements, strict=True)
     for i, (leaf, spec, saved, placed) in enumerate(together):
         shape = saved.stored_shape
@@ -388,7 +392,10 @@ def _read_step(
                 single[i] = None
         elif len(placed[0].device_set) == 1:
             values.append(results[_only_block(placed)])
-            single[i] = placed[0]
+            if _rebuild.loose(leaf) is None:
+                single[i] = placed[0]
+            else:  # committed only where like is (a host-made array is not)
+                uncommitted.setdefault(placed[0], []).append(i)
         else:
             sharding, boxes = placed
             indices = sharding.addressable_devices_indices_map(shape)
@@ -400,6 +407,10 @@ def _read_step(
     placed_all = jax.device_put([values[i] for i in single], list(single.values()))
     for i, put in zip(single, placed_all, strict=True):
         values[i] = put
+    for sharding, indices in uncommitted.items():
+        put = _rebuild.put_loose([values[i] for i in indices], sharding)
+        for i, one in zip(indices, put, strict=True):
+            values[i] = one
     leaves = [
         _rebuild.rebuild(leaf, spec, saved, array)
         for leaf, spec, saved, array in zip(like_leaves, like_specs, saved_of, values, strict=True)
@@ -473,13 +484,27 @@ def _check_batched_like(
     like_specs: tuple[_spec.LeafSpec, ...],
     saved_specs: tuple[_spec.LeafSpec, ...],
     batch: tuple[int, ...],
+    device_axes: tuple[str, ...] = (),
 ) -> None:
-    """A `like` of one member for a batched checkpoint: say so, and how to pick one."""
+    """A `like` of one member for a batched checkpoint (of one device, for a pmap
+    save: `device_axes`): say so, and how to pick one."""
     by_name = {spec.name: spec for spec in saved_specs}
     for spec in like_specs:
         saved = by_name.get(spec.name)
         if saved is not None and saved.shape != spec.shape and saved.shape == batch + spec.shape:
             pick = "member=k" if len(batch) == 1 else f"member=(i, ..., k) ({len(batch)} ints)"
+            if device_axes:
+                over = ", ".join(repr(a) for a in device_axes)
+                raise StructureMismatchError(
+                    f"{where()}: the checkpoint holds one state per device, saved inside "
+                    f"pmap/shard_map with axis_name= (axis {over}, {batch[0]} devices: the "
+                    f"leading axis of every leaf: {spec.path} is stored as "
+                    f"{saved.describe()}), and like has one device's shapes "
+                    f"({spec.describe()}). Fix: pass a like with the device axis (the "
+                    "state as the pmapped function takes it: an init_fn that returns it "
+                    "replicated or split over the devices), or restore one device's "
+                    "state with restore(like, member=k)."
+                )
             raise StructureMismatchError(
                 f"{where()}: the checkpoint holds a batch saved under vmap, of shape {batch} "
                 f"(the leading axes of every leaf: {spec.path} is stored as "

@@ -30,9 +30,12 @@ and docs/handoff.md have the evidence):
   keys everything by step. A program's crossings may reach the host in any order (XLA
   runs them as their data is ready: on a GPU an unrolled loop's step 0 came after its
   step 4); the exchange judges the order of steps only across `wait()` (`settle`). Inside
-  `pmap`/`shard_map` every device would make its own call, so there (`axis_name=`
-  given) the state is gathered and the first device saves. With `shardings=` every
-  device hands over its own block instead (`cross_sharded`, see _shards.py).
+  `pmap`/`shard_map` every device makes its own call: with `axis_name=` naming all
+  the map's axes each device hands over its own block and the host assembles one step
+  (`_per_device_in_map`, _shards.py); under `vmap` inside the map, naming only some
+  axes, or with `gather="replicated"`, the state is gathered (or not, replicated) and
+  the first device saves (`_gather_and_save`). With `shardings=` every device hands
+  over its own block too (`cross_sharded`).
 """
 
 from __future__ import annotations
@@ -225,9 +228,11 @@ def cross(
     `vmap`, the rule makes it the per-member mask the host receives); with `wanted=None`
     the crossing is unconditional. Blocks the device program (not the
     Python caller) until the host side has taken the data. With `axis_name` (inside
-    `pmap`/`shard_map`) the state is gathered along that axis (stacked, or concatenated
-    when `gather="concat"`; not at all when `"replicated"`) and handed over once, by the
-    first device.
+    `pmap`/`shard_map`) naming all of the map's axes, each device hands over its own
+    block (stacked on a new axis, or along the first axis when `gather="concat"`) and
+    nothing is gathered; otherwise (some of the axes, `vmap` inside the map, or
+    `gather="replicated"`) the state is gathered along that axis (not at all when
+    `"replicated"`) and handed over once, by the first device.
     """
     payload = [jax.lax.stop_gradient(p) for p in payload]
     always = wanted is None and axis_name is None

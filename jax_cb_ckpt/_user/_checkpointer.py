@@ -326,15 +326,21 @@ class Checkpointer:
                 a step another run left in the directory is refused (`on_existing`).
             when: optional boolean scalar (traced or Python) overriding `every` and
                 `every_seconds`.
-            axis_name: inside `pmap`/`shard_map`, the mapped axis the state is split
-                over: every leaf is gathered along it and the state is saved once, by
-                the first device.
+            axis_name: inside `pmap`/`shard_map`, the mapped axis (or a tuple of
+                axes) the state is split over; one checkpoint per saving step. Naming
+                all of the map's axes, every device hands over its own block, nothing is
+                gathered (`gather="replicated"`: the first device hands over its copy);
+                under `vmap` inside the map, or naming only some of the map's axes, the
+                state is gathered along `axis_name` and the first device hands it over.
             gather: with `axis_name`, how the devices' values form the saved state:
                 `"stack"` (default) on a new leading axis (what `pmap` returns);
                 `"concat"` along the first axis (the global array of a `shard_map` leaf
                 sharded on its first axis, as `lax.all_gather(tiled=True)`);
                 `"replicated"`: the state is the same on every device, save the first
-                device's copy without gathering.
+                device's copy without gathering (not checked: the other devices' copies
+                are not read). With `"stack"` a leaf that is the same on every device
+                (parameters after a `pmean`) is stored once per device, as `pmap`
+                returns it ([transforms.md](transforms.md#restarting-a-pmap-run) says why).
             shardings: under `jit` with a sharded state, a pytree of
                 `jax.sharding.NamedSharding` (or a prefix of the state's pytree, or one
                 for every leaf) giving each leaf's sharding: every device then hands
