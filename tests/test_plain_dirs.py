@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -243,33 +244,57 @@ def _unknown_type(text):
     return json.dumps(content)
 
 
-@pytest.mark.parametrize(
-    "damage, why",
-    [
-        (lambda text: "garbage", "is not valid JSON"),
-        (lambda text: "{}", "has no 'tree_metadata' object"),
-        (_drop_a_leaf, "does not describe leaf 'b'"),
-        (_zarr3, "use_zarr3=True"),
-        (_unknown_type, "entry of leaf 'w' is not one plain Orbax reads"),
-    ],
-)
+DAMAGES = [
+    (lambda text: "garbage", "is not valid JSON"),
+    (lambda text: "{}", "has no 'tree_metadata' object"),
+    (_drop_a_leaf, "does not describe leaf 'b'"),
+    (_zarr3, "use_zarr3=True"),
+    (_unknown_type, "entry of leaf 'w' is not one plain Orbax reads"),
+]
+
+
+def _damaged(d, damage):
+    """Steps 1 and 2 of ours in `d`, step 2's `state/_METADATA` changed by `damage`."""
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": np.full(3, step, np.float32), "b": np.int32(step)}, step)
+    path = d / "2" / _format.STATE_ITEM / _format.STATE_METADATA
+    path.write_text(damage(path.read_text()))
+    return d
+
+
+_ORBAX_READS = """
+import sys, orbax.checkpoint as ocp
+for item in sys.argv[1:]:
+    try:
+        read = sorted(ocp.PyTreeCheckpointer().restore(item))
+    except Exception as e:
+        read = type(e).__name__
+    print("READ", read)
+"""
+
+
+def test_plain_orbax_cannot_read_a_step_with_such_a_state_description(tmp_path):
+    """What the check below refuses, plain Orbax fails to read, or reads without a leaf
+    (in a child process: Orbax's failed reads leave coroutines behind)."""
+    items = [
+        _damaged(tmp_path / str(i), damage) / "2" / "state" for i, (damage, _) in enumerate(DAMAGES)
+    ]
+    script = tmp_path / "read.py"
+    script.write_text(_ORBAX_READS)
+    run = run_child([sys.executable, script, *items], timeout=120)
+    read = [line for line in run.stdout.splitlines() if line.startswith("READ")]
+    assert len(read) == len(DAMAGES) and "READ ['b', 'w']" not in read, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("damage, why", DAMAGES)
 def test_a_state_description_plain_orbax_cannot_read_fails_verify_and_the_restart(
     tmp_path, damage, why
 ):
     """Garbage in `state/_METADATA` passed verify and restored, while plain Orbax could
     no longer read the step. Now verify fails (function and CLI: exit 1) and a restart
     passes over it; a named restore still reads the arrays (checked by checksum)."""
-    d = tmp_path / "ckpt"
-    with jax_cb_ckpt.Checkpointer(d) as ckpt:
-        for step in (1, 2):
-            ckpt.save({"w": np.full(3, step, np.float32), "b": np.int32(step)}, step)
-    path = d / "2" / _format.STATE_ITEM / _format.STATE_METADATA
-    path.write_text(damage(path.read_text()))
-    try:  # what plain Orbax makes of the step now
-        read = ocp.PyTreeCheckpointer().restore(str(d / "2" / "state"))
-    except Exception:
-        read = None
-    assert read is None or set(read) != {"w", "b"}  # (or it read something else)
+    d = _damaged(tmp_path / "ckpt", damage)
     with pytest.raises(DamagedStepError, match=r"verify\(step=2\).*_METADATA.*" + why):
         jax_cb_ckpt.verify(d)
     run = cli("verify", d)
@@ -282,7 +307,7 @@ def test_a_state_description_plain_orbax_cannot_read_fails_verify_and_the_restar
 
 def test_the_check_accepts_what_orbax_itself_writes(tmp_path):
     """Older versions wrote their steps through Orbax: its `_METADATA` passes."""
-    tree = {"a": np.ones(2, np.float32), "b": {"c": np.zeros(3)}, "n": 3}
+    tree = {"a": np.ones(2, np.float32), "b": {"c": np.zeros(3)}, "n": 3, "e": {}, "z": None}
     ocp.PyTreeCheckpointer().save(tmp_path / "item", tree)
     text = (tmp_path / "item" / "_METADATA").read_bytes()
     names = [("a",), ("b", "c"), ("n",)]
@@ -299,8 +324,6 @@ def test_show_and_ls_of_a_directory_of_one_plain_step_run_as_a_user_runs_them(pl
         "main()\n"
         "print('HEAVY', [m for m in ('jax', 'orbax.checkpoint') if m in sys.modules])\n"
     )
-    import sys
-
     for args in (["ls", str(plain)], ["show", str(plain)]):
         run = run_child([sys.executable, "-c", probe, *args], timeout=120)
         assert "HEAVY []" in run.stdout, run.stdout + run.stderr

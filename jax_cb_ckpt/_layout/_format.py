@@ -228,6 +228,8 @@ def check_meta_bytes(text: bytes, step: int, record: dict[str, Any] | None) -> d
 # The value types of a leaf whose handler reads an array from the state item's database
 # (ours write "np.ndarray"; older versions, through Orbax, may have written the others).
 _ORBAX_VALUE_TYPES = frozenset({"np.ndarray", "jax.Array", "scalar"})
+# An empty node (an empty dict, list, tuple, None) Orbax describes and reads without data.
+_ORBAX_EMPTY_NODES = frozenset({"None", "Dict", "List", "Tuple", "NamedTuple"})
 
 
 def check_state_metadata(
@@ -237,10 +239,11 @@ def check_state_metadata(
     `_store.state_metadata`) holds what plain Orbax needs to read the step's arrays
     (its `InternalTreeMetadata.from_json`, orbax-checkpoint 0.12): a JSON object whose
     `tree_metadata` names every stored leaf (`stored`: the leaves of the step's meta
-    that are not of size zero) and no leaf the step does not describe (`described`),
-    each under its key path (`str(tuple(name))`) with its keys and a value type that
-    Orbax reads from the database, not skipped; the arrays in OCDBT (`use_ocdbt`), as
-    zarr v2 (`use_zarr3` false). `DamagedStep` saying what is not so. Our own reads
+    that are not of size zero) and no leaf the step does not describe (`described`;
+    an empty node, which Orbax reads without data, may be there), each under its key
+    path (`str(tuple(name))`) with its keys and a value type that Orbax reads from the
+    database, not skipped; the arrays in OCDBT (`use_ocdbt`), as zarr v2 (`use_zarr3`
+    false). `DamagedStep` saying what is not so. Our own reads
     never use the file; `verify` and a restart check it, since plain Orbax reading
     every step is promised."""
     name = f"'{STATE_ITEM}/{STATE_METADATA}'"
@@ -257,8 +260,10 @@ def check_state_metadata(
             "in an OCDBT database (true, false)"
         )
     paths = {str(tuple(leaf)): leaf for leaf in described}
-    for key in tree:
-        if key not in paths:
+    for key, entry in tree.items():
+        value = entry.get("value_metadata") if isinstance(entry, dict) else None
+        empty = isinstance(value, dict) and value.get("value_type") in _ORBAX_EMPTY_NODES
+        if key not in paths and not empty:
             raise DamagedStep(
                 f"{name} describes {str(key)[:80]!r}, which is not a leaf of the step"
             )

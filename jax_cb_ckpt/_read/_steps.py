@@ -359,7 +359,9 @@ def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     `best_step(member=)` and `restore(member=)`), `member_index` its index in the batch
     shape, `asked` whether it asked for the save and `member_step` its own step (a
     vmapped while_loop's members may differ); so has a step whose metrics are 1-D for
-    a batch the state holds itself (`run(batched=True)`). `pandas.json_normalize(rows)`
+    a batch the state holds itself (`run(batched=True)`). A plain Orbax step has no
+    row (`metrics(directory, step=k)` gives what its manager recorded).
+    `pandas.json_normalize(rows)`
     makes it a DataFrame. Reads each step's meta (a bucket's 16 at a time, one round
     trip each);
     a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
@@ -415,7 +417,8 @@ def best_step(
     ignore_recorded: bool = False,
 ) -> int | None:
     """The complete step of `directory` with the best value of a metric, or None when no
-    step has a valid one (a step without it, or with NaN, never counts).
+    step has a valid one (a step without it, or with NaN, never counts; a plain Orbax
+    step is not ranked).
 
     By default the rule the steps were kept by, as the newest step records it (a
     Checkpointer with `keep_best=2, best="eval_loss", mode="min"`): nothing to repeat,
