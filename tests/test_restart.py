@@ -537,7 +537,8 @@ d, what = sys.argv[1], sys.argv[2]
 with jax_cb_ckpt.Checkpointer(d) as ckpt:
     for step in (1, 2, 3):
         ckpt.save({"w": np.full(4, float(step), np.float32)}, step)
-os.chmod({"meta": f"{d}/3/meta/metadata", "dir": f"{d}/3", "item": f"{d}/3/meta"}[what], 0)
+paths = {"meta": f"{d}/3/meta/metadata", "dir": f"{d}/3", "item": f"{d}/3/meta"}
+os.chmod((paths | {"orbax": f"{d}/3/state/_METADATA"})[what], 0)
 try:
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
         ckpt.restore_or_init(lambda: {"w": np.zeros(4, np.float32)})
@@ -553,6 +554,7 @@ print(sorted(os.listdir(d)))
         pytest.param("meta", marks=pytest.mark.slow),
         "dir",
         pytest.param("item", marks=pytest.mark.slow),
+        "orbax",  # Orbax's description, which a restart checks plain Orbax can read
     ],
 )
 def test_a_refused_permission_stops_a_restart_and_moves_nothing(tmp_path, what):

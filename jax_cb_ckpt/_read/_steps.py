@@ -593,6 +593,8 @@ def check_orbax_description(storage: Storage, opened: OpenedStep, meta: _format.
     stored = [leaf.name for leaf in meta.leaves if 0 not in leaf.stored_shape]
     try:
         data = storage.step_file(step, name, _format.META_MAX_BYTES)
+        if data is None and storage.exists(f"{step}/{name}"):  # (a refused permission)
+            raise OSError(f"'{name}' is there but cannot be read")
         if data is None:
             raise _format.DamagedStep(f"'{name}' is missing")
         _format.check_state_metadata(data, stored, [leaf.name for leaf in meta.leaves])
@@ -600,7 +602,11 @@ def check_orbax_description(storage: Storage, opened: OpenedStep, meta: _format.
         if not storage.still_there(step, seen):
             raise removed(storage, step) from None
         if not isinstance(e, _format.DamagedStep):
-            raise RestoreError(f"{where()}: cannot read '{name}': {e}") from e
+            raise RestoreError(
+                f"{where()}: step {step}: {e}. A refused permission (or storage out of "
+                "reach) is not damage, and a restart does not go back past it. Fix: give "
+                "this process read access to the step's files."
+            ) from e
         raise DamagedStepError(
             f"{where()}: {e}: plain Orbax cannot read the step as it is (its arrays may be "
             "intact: restore(step=) still reads them, checked against their checksums). "
