@@ -6,9 +6,11 @@ arrays, as a nested dict: `_METADATA` and an OCDBT database, `_store.py`) and `m
 (JSON describing every leaf and its checksums, tagged with `FORMAT`), plus Orbax's
 `_CHECKPOINT_METADATA` naming the items' handlers, so plain Orbax reads every step.
 
-Only such directories are steps. Anything else in the directory (a user's `2023/`, an
-empty `5/`, `007`, a symlink, a plain Orbax checkpoint) is ignored: never listed, never
-restored, never deleted. The library only ever deletes what it made itself:
+Only such directories are steps of ours. Anything else in the directory (a user's
+`2023/`, an empty `5/`, `007`, a symlink) is ignored: never listed, never restored,
+never deleted; a plain Orbax checkpoint (a `CheckpointManager`'s step) is listed and
+read as Orbax's by the readers (`_read/_plain.py`), never written or deleted. The
+library only ever deletes what it made itself:
 
 - `<step>.jax_cb_ckpt-tmp-<hex>`: a step being written (older versions let Orbax
   write through `<that>.orbax-checkpoint-tmp`); once complete and fsynced it is renamed
