@@ -323,7 +323,10 @@ def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
 @entry("metadata")
 @step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
+    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`.
+    For a plain Orbax step (listed by `all_steps`), what it says of itself, marked as
+    Orbax's: `{"format": "orbax", "checksums": None, ...}` (it is read unverified; see
+    [usage.md](usage.md#coming-from-orbaxs-checkpointmanager))."""
     return _metadata(directory, step)[0]
 
 
@@ -332,7 +335,8 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
 def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
     {name: value}, a Python number for a plain save and a numpy array of the batch's
-    shape for a save under vmap; {} for a step saved without `metrics=`."""
+    shape for a save under vmap; {} for a step saved without `metrics=`. For a plain
+    Orbax step, the numbers its manager recorded with it (its `metrics` item), or {}."""
     meta, call = _metadata(directory, step, "metrics")
     if _plain.is_described(meta):  # what Orbax's manager recorded with it
         return dict(meta["metrics"])
