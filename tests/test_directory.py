@@ -110,12 +110,13 @@ def test_plain_orbax_checkpoint_with_our_item_names_is_not_ours(make_ckpt, ckpt_
         )
     before = _files(ckpt_dir / "1")
     ckpt = make_ckpt(max_to_keep=1)
-    assert ckpt.all_steps() == []
+    assert ckpt.all_steps() == [1]  # listed as the plain Orbax step it is (not ours)
+    assert ckpt.metadata(step=1)["format"] == "orbax"
     ckpt.save(state_at(2), 2)
     ckpt.save(state_at(3), 3)
     ckpt.wait()
-    assert ckpt.all_steps() == [3]
-    assert _files(ckpt_dir / "1") == before  # neither listed nor deleted by retention
+    assert ckpt.all_steps() == [1, 3]
+    assert _files(ckpt_dir / "1") == before  # never deleted by retention
 
 
 def test_symlinks_inside_a_step_are_never_read_through(tmp_path, make_ckpt, ckpt_dir):

@@ -94,3 +94,18 @@ def from_storage(array: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     if array.dtype.name == _LEGACY.get(dtype.name):
         return array.astype(dtype)
     return None
+
+
+def exact_cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """`array` in `dtype` when every value survives the cast exactly (cast back, it is
+    the same number; NaN stays NaN, inf stays inf); None when one does not (an int out
+    of range, a float not representable in `dtype`, say 0.1 as float64 into float32).
+    Silent: numpy's overflow warning on a refused cast (1e300 into float32) is not the
+    user's to see."""
+    with np.errstate(all="ignore"):
+        cast = array.astype(dtype)
+        back = cast.astype(array.dtype)
+    same = back == array
+    if array.dtype.kind in "fc":
+        same = same | (np.isnan(back) & np.isnan(array))
+    return cast if bool(np.all(same)) else None

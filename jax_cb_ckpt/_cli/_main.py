@@ -5,7 +5,8 @@ a training run is writing (a step being written shows as incomplete in `ls`). Ex
 codes: 0 done (`verify`: every step's bytes match their checksums); 1 `verify` found a
 corrupted, unreadable or damaged step; 2 the command could not run (no such directory,
 no checkpoints in it, no such step, bad arguments); 3 `verify`: every step is readable
-but some were written without checksums, so they could not be verified. `--json`
+but some were written without checksums (an older version's, or plain Orbax steps), so
+they could not be verified. `--json`
 prints one JSON object for scripts instead of the table. What it prints from a
 checkpoint (leaf names, paths, messages) is escaped: no control character or
 terminal escape code reaches the terminal.
@@ -185,9 +186,11 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     for step, found in sorted(examined.items()):
         if found.kind != "complete" and found != _format.UNFINISHED:  # (listed above)
             row = {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
-            if step in plain:  # a restart resumes from it (or names it)
-                problem = plain[step].problem
-                row |= {"complete": False, "plain_orbax": problem or "resumable"}
+            if step in plain and plain[step].problem is None:  # listed, read unverified
+                saved_at = plain[step].saved_at or storage.entry_time(str(step))
+                row |= {"saved_at": saved_at, "complete": True, "plain_orbax": "resumable"}
+            elif step in plain:  # a restart names it
+                row |= {"complete": False, "plain_orbax": plain[step].problem}
             else:
                 row |= {"complete": False, found.kind: found.why}
             others.append(row)
@@ -213,11 +216,14 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         return 0
     names = sorted({name for meta in metas.values() for name in meta.metrics})
     columns = [  # (a row that is not a complete step, such as a step set aside: none)
-        (name, [_metric_text(metas, r["step"], name) if r["complete"] else "" for r in rows])
+        (name, [_metric_text(metas, r["step"], name) if _ours(r) else "" for r in rows])
         for name in names
     ]
     if rules is not None:
-        kept = [", ".join(r.get("kept_by", ())) or ("-" if r["complete"] else "") for r in rows]
+        kept = [
+            ", ".join(r.get("kept_by", ())) or ("-" if _ours(r) else "")  # (Orbax's: never)
+            for r in rows
+        ]
         columns.append(("kept by", kept))
         _say(f"retention: {rules.describe()} (the rules the newest step was saved with)")
     widths = [max(len(title), *(len(cell) for cell in cells)) for title, cells in columns]
@@ -229,7 +235,10 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         elif "damaged" in r:
             state = f"damaged: {r['damaged']} (not listed, not restored)"
         elif r.get("plain_orbax") == "resumable":
-            state = "a plain Orbax step: a restart resumes from it (unverified); never touched"
+            state = (
+                "a plain Orbax step: a restart resumes from it (unverified), as do "
+                "restore and verify; Orbax keeps no checksums; never touched or deleted"
+            )
         elif "plain_orbax" in r:
             state = f"a plain Orbax step a restart cannot resume from: {r['plain_orbax']}"
         elif "unreadable" in r:
@@ -253,6 +262,11 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         )
         _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {cells}{state}")
     return 0
+
+
+def _ours(row: dict[str, Any]) -> bool:
+    """The row is a complete step of ours (not a plain Orbax step, listed too)."""
+    return row["complete"] and "plain_orbax" not in row
 
 
 def _ranked(
@@ -395,6 +409,17 @@ def _meta(storage: Storage, step: int | None) -> tuple[dict[str, Any], _format.S
     return _step_meta(storage, step)
 
 
+def _plain_shown(storage: Storage, step: int | None) -> _plain.PlainStep | None:
+    """The plain Orbax step `show` shows (`--step`, or the latest step when it is
+    one: `latest_step()`'s), or None for a step of ours."""
+    examined = storage.examine_all()
+    plain = _plain.listed(storage, examined)
+    if step is None:
+        ours = [s for s, f in examined.items() if f.kind == "complete"]
+        step = max([*ours, *plain], default=None)
+    return None if step is None else plain.get(step)
+
+
 def _step_meta(storage: Storage, step: int) -> tuple[dict[str, Any], _format.StepMeta]:
     """`_meta` of a step known to be there (`ls` lists each step once)."""
     try:
@@ -435,6 +460,9 @@ def _listed(
 
 def _show(storage: Storage, args: argparse.Namespace) -> int:
     directory = storage.path
+    plain = _plain_shown(storage, args.step)
+    if plain is not None:
+        return _show_plain(storage, plain, args)
     if args.json:
         _print_json({"directory": directory, **_meta(storage, args.step)[0]})
         return 0
@@ -489,6 +517,28 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_plain(storage: Storage, found: _plain.PlainStep, args: argparse.Namespace) -> int:
+    """`show` of a plain Orbax step: what `metadata()` gives for it (`_plain.describe`)."""
+    described = _plain.describe(storage, found)
+    if args.json:
+        _print_json({"directory": storage.path, **described})
+        return 0
+    _say(f"step {found.step} of {storage.path}")
+    _say(f"  written by    Orbax's CheckpointManager (a plain Orbax step, item {found.item!r})")
+    _say(f"  saved at      {described['saved_at'] or 'not recorded'}")
+    _say(f"  size on disk  {_size(storage.entry_bytes(str(found.step)))}")
+    _say("  checksums     none (Orbax keeps none): read with Orbax, unverified")
+    _say("  a restart resumes from it; never written, set aside or deleted")
+    if described["metrics"]:
+        shown = ", ".join(f"{k}={v}" for k, v in described["metrics"].items())
+        _say(f"  metrics       {shown}")
+    names = described["leaf_names"]
+    _say(f"  {len(names)} leaves (shapes and dtypes: Orbax's metadata):")
+    for name in names:
+        _say("    " + "/".join(name))
+    return 0
+
+
 def _batch(meta: _format.StepMeta) -> str:
     """The batch shape of a save made under vmap, and which members it holds."""
     import numpy as np
@@ -536,9 +586,10 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
 
     directory = storage.path
     found = storage.examine_all()
+    plain = _plain.listed(storage, found)  # read whole with Orbax: readable, unverified
     damaged = {step: f.why for step, f in found.items() if f.kind in ("damaged", "unreadable")}
     if args.step is None:
-        steps = sorted(step for step, f in found.items() if f.kind != "foreign")
+        steps = sorted(step for step, f in found.items() if f.kind != "foreign" or step in plain)
     else:
         steps = [args.step]
     if not steps:
@@ -554,8 +605,11 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
         try:
             if step in damaged:
                 raise _format.DamagedStep(damaged[step])
-            read = _step_meta if step in found else _meta  # (_meta says it is not there)
-            result["checksums"] = bool(read(storage, step)[1].checksums)
+            if step in plain:
+                result["plain_orbax"] = True
+            else:
+                read = _step_meta if step in found else _meta  # (_meta says it is not there)
+                result["checksums"] = bool(read(storage, step)[1].checksums)
             with warnings.catch_warnings():  # a damaged step is its own line here
                 warnings.simplefilter("ignore", DamagedStepWarning)
                 verify(directory, step=step)
@@ -591,6 +645,11 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
                 )
             elif r["checksums"]:
                 _say(f"step {r['step']}: ok (every byte matches its checksum)")
+            elif r.get("plain_orbax"):
+                _say(
+                    f"step {r['step']}: a plain Orbax step, read whole with Orbax: readable, "
+                    "NOT verified (Orbax keeps no checksums)"
+                )
             else:
                 _say(
                     f"step {r['step']}: readable, NOT verified: written without checksums "

@@ -6,9 +6,11 @@ arrays, as a nested dict: `_METADATA` and an OCDBT database, `_store.py`) and `m
 (JSON describing every leaf and its checksums, tagged with `FORMAT`), plus Orbax's
 `_CHECKPOINT_METADATA` naming the items' handlers, so plain Orbax reads every step.
 
-Only such directories are steps. Anything else in the directory (a user's `2023/`, an
-empty `5/`, `007`, a symlink, a plain Orbax checkpoint) is ignored: never listed, never
-restored, never deleted. The library only ever deletes what it made itself:
+Only such directories are steps of ours. Anything else in the directory (a user's
+`2023/`, an empty `5/`, `007`, a symlink) is ignored: never listed, never restored,
+never deleted; a plain Orbax checkpoint (a `CheckpointManager`'s step) is listed and
+read as Orbax's by the readers (`_read/_plain.py`), never written or deleted. The
+library only ever deletes what it made itself:
 
 - `<step>.jax_cb_ckpt-tmp-<hex>`: a step being written (older versions let Orbax
   write through `<that>.orbax-checkpoint-tmp`); once complete and fsynced it is renamed
@@ -224,6 +226,72 @@ def check_meta_bytes(text: bytes, step: int, record: dict[str, Any] | None) -> d
             "copied under another name)"
         )
     return meta
+
+
+# The value types of a leaf whose handler reads an array from the state item's database
+# (ours write "np.ndarray"; older versions, through Orbax, may have written the others).
+_ORBAX_VALUE_TYPES = frozenset({"np.ndarray", "jax.Array", "scalar"})
+# An empty node (an empty dict, list, tuple, None) Orbax describes and reads without data.
+_ORBAX_EMPTY_NODES = frozenset({"None", "Dict", "List", "Tuple", "NamedTuple"})
+
+
+def check_state_metadata(
+    data: bytes, stored: list[tuple[str, ...]], described: list[tuple[str, ...]]
+) -> None:
+    """`state/_METADATA` (Orbax's description of the state item's tree, written by
+    `_store.state_metadata`) holds what plain Orbax needs to read the step's arrays
+    (its `InternalTreeMetadata.from_json`, orbax-checkpoint 0.12): a JSON object whose
+    `tree_metadata` names every stored leaf (`stored`: the leaves of the step's meta
+    that are not of size zero) and no leaf the step does not describe (`described`;
+    an empty node, which Orbax reads without data, may be there), each under its key
+    path (`str(tuple(name))`) with its keys and a value type that Orbax reads from the
+    database, not skipped; the arrays in OCDBT (`use_ocdbt`), as zarr v2 (`use_zarr3`
+    false). `DamagedStep` saying what is not so. Our own reads
+    never use the file; `verify` and a restart check it, since plain Orbax reading
+    every step is promised."""
+    name = f"'{STATE_ITEM}/{STATE_METADATA}'"
+    content = load_json(data, name)
+    if not isinstance(content, dict):
+        raise DamagedStep(f"{name} holds a JSON {type(content).__name__}, not an object")
+    tree = content.get("tree_metadata")
+    if not isinstance(tree, dict):
+        raise DamagedStep(f"{name} has no 'tree_metadata' object")
+    if content.get("use_ocdbt") is not True or content.get("use_zarr3", False) is not False:
+        raise DamagedStep(
+            f"{name} says use_ocdbt={content.get('use_ocdbt')!r}, "
+            f"use_zarr3={content.get('use_zarr3', False)!r}, where the arrays are zarr v2 "
+            "in an OCDBT database (true, false)"
+        )
+    paths = {str(tuple(leaf)): leaf for leaf in described}
+    for key, entry in tree.items():
+        value = entry.get("value_metadata") if isinstance(entry, dict) else None
+        empty = isinstance(value, dict) and value.get("value_type") in _ORBAX_EMPTY_NODES
+        if key not in paths and not empty:
+            raise DamagedStep(
+                f"{name} describes {str(key)[:80]!r}, which is not a leaf of the step"
+            )
+    for leaf in stored:
+        entry = tree.get(str(tuple(leaf)))
+        if entry is None:
+            raise DamagedStep(f"{name} does not describe leaf {'/'.join(leaf)!r}")
+        if not _orbax_entry(entry, leaf):
+            raise DamagedStep(
+                f"{name}'s entry of leaf {'/'.join(leaf)!r} is not one plain Orbax reads "
+                "(its keys, or a value type read from the database, not skipped)"
+            )
+
+
+def _orbax_entry(entry: object, leaf: tuple[str, ...]) -> bool:
+    """One leaf's entry in `state/_METADATA` is one Orbax reads as that leaf's array."""
+    if not isinstance(entry, dict):
+        return False
+    keys, value = entry.get("key_metadata"), entry.get("value_metadata")
+    if not isinstance(keys, list) or len(keys) != len(leaf) or not isinstance(value, dict):
+        return False
+    for key, part in zip(keys, leaf, strict=True):
+        if not isinstance(key, dict) or key.get("key") != part or key.get("key_type") not in (1, 2):
+            return False
+    return value.get("value_type") in _ORBAX_VALUE_TYPES and value.get("skip_deserialize") is False
 
 
 def marker_writer(data: bytes | None) -> str | None:

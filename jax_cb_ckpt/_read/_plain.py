@@ -8,6 +8,11 @@ for a manager without item names, or the only one) can be read is a step a resta
 resumes from (`_resume`): nothing else marks it, and training must not silently start
 again at 0 beside it.
 
+This is the one recognition every reader uses (`steps`, and `listed` / `step` for the
+ones without a problem): `all_steps`, `latest_step`, `restore` with and without
+`step=`, `metadata`, `verify`, a Checkpointer's conflicts and `jax-cb-ckpt ls | show |
+verify` list and read the same plain steps, each marked as Orbax's (`describe`).
+
 It is read with Orbax itself, which keeps no checksums: it is resumed from unverified,
 and said so. What it holds is checked against `like` here, leaf by leaf, before it is
 read: Orbax casts a dtype to the target's silently (float32 into int32 truncates) and
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
 from collections.abc import Iterator
@@ -59,6 +65,11 @@ class PlainStep:
     item: str
     path: str
     problem: str | None = None
+    saved_at: str | None = None  # Orbax's commit time (UTC, ISO 8601), when it says
+
+
+# The format tag `metadata()` gives a plain Orbax step (`describe`); ours is `FORMAT`.
+PLAIN_FORMAT = "orbax"
 
 
 def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
@@ -88,6 +99,81 @@ def steps(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
                 problem = "it holds symlinks (a read could leave the directory)"
             plain[step] = PlainStep(step, items[0], path, problem)
     return plain
+
+
+def listed(storage: Storage, found: dict[int, Examined]) -> dict[int, PlainStep]:
+    """The plain Orbax steps of `steps` that a restart resumes from (no problem): the
+    ones every listing shows and every read takes, beside the complete steps of ours."""
+    return {s: p for s, p in steps(storage, found).items() if p.problem is None}
+
+
+def find(storage: Storage, number: int) -> PlainStep | None:
+    """Step `number` when it is a plain Orbax step that `listed` shows, else None (one
+    of ours, a damaged or foreign folder, none): asked once a read of ours found no
+    step of ours there."""
+    found = storage.examine_all().get(number)
+    if found is None:
+        return None
+    return listed(storage, {number: found}).get(number)
+
+
+def describe(storage: Storage, found: PlainStep) -> dict[str, Any]:
+    """What `metadata()` and `jax-cb-ckpt show` give for a plain Orbax step, read with
+    the standard library (no Orbax): `format` "orbax" (ours say `FORMAT`), `step`,
+    `item` (the pytree item read), `checksums` None (Orbax keeps none: it is read
+    unverified), `saved_at` (Orbax's commit time, or None), `leaf_names` (the stored
+    leaves' names, from Orbax's `_METADATA`: their shapes and dtypes are Orbax's to
+    read, `ocp.PyTreeCheckpointer().metadata`), `metrics` (the manager's `metrics`
+    item, when it holds numbers: `metrics()` returns them) and `orbax`: Orbax's
+    `_CHECKPOINT_METADATA` as it is (None when it is missing or not JSON)."""
+    record = _json(storage, found.step, ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES)
+    tree = _json(storage, found.step, f"{found.item}/{STATE_METADATA}", _format.META_MAX_BYTES)
+    entries = tree.get("tree_metadata") if isinstance(tree, dict) else None
+    names = []
+    for entry in entries.values() if isinstance(entries, dict) else ():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if isinstance(keys, list):
+            names.append([str(k.get("key")) if isinstance(k, dict) else "?" for k in keys])
+    # A manager given `metrics=` writes them as its JSON item "metrics" (its best_fn's).
+    recorded = _json(storage, found.step, "metrics/metrics", SMALL_FILE_MAX_BYTES)
+    try:
+        metrics = _format.parse_metrics(recorded if isinstance(recorded, dict) else {})
+    except (TypeError, ValueError):
+        metrics = {}
+    return {
+        "format": PLAIN_FORMAT,
+        "step": found.step,
+        "item": found.item,
+        "checksums": None,
+        "saved_at": found.saved_at,
+        "leaf_names": names,
+        "metrics": {name: value.tolist() for name, value in metrics.items()},
+        "orbax": record if isinstance(record, dict) else None,
+    }
+
+
+def is_described(meta: dict[str, Any]) -> bool:
+    """`meta` (what `metadata()` gave) is a plain Orbax step's (`describe`)."""
+    return meta.get("format") == PLAIN_FORMAT
+
+
+def _json(storage: Storage, step: int, name: str, limit: int) -> Any:
+    """A small JSON file of a plain step, or None (missing, too large, not JSON)."""
+    try:
+        data = storage.step_file(step, name, limit)
+        return None if data is None else _format.load_json(data, name)
+    except (_format.DamagedStep, OSError):
+        return None
+
+
+def _commit_time(record: object) -> str | None:
+    """Orbax's commit time of a step (`commit_timestamp_nsecs` in its step file), in
+    the form `saved_at` has; None when it does not say."""
+    nsecs = record.get("commit_timestamp_nsecs") if isinstance(record, dict) else None
+    if not isinstance(nsecs, int) or isinstance(nsecs, bool) or not 0 < nsecs < 2**63:
+        return None
+    when = datetime.datetime.fromtimestamp(nsecs / 1e9, datetime.UTC)
+    return when.isoformat(timespec="milliseconds")
 
 
 def _described(storage: Storage, step: int, item: str) -> bool:
@@ -137,7 +223,7 @@ def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep | None:
         return PlainStep(step, item, path, f"its item {item!r} has no readable {STATE_METADATA}")
     if storage.symlinks_inside(step):
         return PlainStep(step, item, path, "it holds symlinks (a read could leave the directory)")
-    return PlainStep(step, item, path)
+    return PlainStep(step, item, path, saved_at=_commit_time(record))
 
 
 def restore(found: PlainStep, like: Any, *, member: object = None) -> Any:
@@ -162,6 +248,55 @@ def _checked_restore(found: PlainStep, like: Any, member: object) -> Any:
         return _restore(found, like)
 
 
+def read_whole(found: PlainStep) -> None:
+    """Every array of the plain Orbax step `found` read with Orbax, as numpy, and
+    dropped (`verify`): a cut or missing file fails (`DamagedStepError`), as it would
+    fail a restore. Orbax keeps no checksums, so this cannot tell a changed number:
+    the step is readable, never verified. Holds the whole step in memory at once."""
+    with calling(f"{where()}: plain Orbax step {found.step} ({found.path}/{found.item})"):
+        if found.problem is not None:
+            raise DamagedStepError(f"{where()}: cannot be read: {found.problem}.", found.problem)
+        with _quiet_orbax():
+            _read_tree(found)
+
+
+def _read_tree(found: PlainStep) -> Any:
+    """The step's pytree item as Orbax reads it without a target (`_read_arrays`)."""
+    return _read_arrays(found, _stored_tree(found))
+
+
+def _stored_tree(found: PlainStep) -> Any:
+    """Orbax's description of the step's pytree item: a nested tree of its metadata
+    (an array's shape and dtype, or a number's), read before any array is."""
+    import orbax.checkpoint as ocp  # (only when such a step is read: see the module doc)
+
+    try:
+        described = ocp.PyTreeCheckpointer().metadata(f"{found.path}/{found.item}").item_metadata
+    except Exception as e:
+        raise _failure("its description", e) from e
+    if described is None:
+        raise DamagedStepError(f"{where()}: Orbax finds no description of it", "no description")
+    return described.tree
+
+
+def _read_arrays(found: PlainStep, tree: Any) -> Any:
+    """The arrays of the item `tree` describes, read by Orbax as numpy (host memory,
+    whatever device wrote them), and Python numbers for the numbers it stored."""
+    import orbax.checkpoint as ocp
+
+    def args(leaf: object) -> Any:
+        is_scalar = isinstance(leaf, ocp.metadata.value.ScalarMetadata)
+        return ocp.RestoreArgs() if is_scalar else ocp.RestoreArgs(restore_type=np.ndarray)
+
+    try:
+        restore_args = _map(args, tree)
+        return ocp.PyTreeCheckpointer().restore(
+            f"{found.path}/{found.item}", args=ocp.args.PyTreeRestore(restore_args=restore_args)
+        )
+    except Exception as e:
+        raise _failure("its arrays", e) from e
+
+
 @contextlib.contextmanager
 def _quiet_orbax() -> Iterator[None]:
     """Orbax logs through absl on the root logger (a WARNING for every item it reads
@@ -177,21 +312,12 @@ def _quiet_orbax() -> Iterator[None]:
 
 
 def _restore(found: PlainStep, like: Any) -> Any:
-    import orbax.checkpoint as ocp  # (only when such a step is there: see the module doc)
-
     # JAX's (`_describe`): only where a step is read; recognising one (`steps`, for
     # `jax-cb-ckpt ls`) needs numpy alone.
     from .._layout import _describe
     from . import _rebuild
 
-    item = f"{found.path}/{found.item}"
-    try:
-        described = ocp.PyTreeCheckpointer().metadata(item).item_metadata
-    except Exception as e:
-        raise _failure("its description", e) from e
-    if described is None:
-        raise DamagedStepError(f"{where()}: Orbax finds no description of it", "no description")
-    tree = described.tree
+    tree = _stored_tree(found)
     stored = _leaves(tree)
     treedef, like_specs, like_leaves = _describe.describe_state(
         like, prefix="like", abstract_ok=True
@@ -203,22 +329,10 @@ def _restore(found: PlainStep, like: Any) -> Any:
             f"{where()}: it holds leaf {'/'.join(extra[0])!r}, which like does not have. Fix: "
             "pass a like with the structure of the state Orbax saved."
         )
-
-    def args(leaf: object) -> Any:  # numpy (host memory), whatever device wrote it
-        is_scalar = isinstance(leaf, ocp.metadata.value.ScalarMetadata)
-        return ocp.RestoreArgs() if is_scalar else ocp.RestoreArgs(restore_type=np.ndarray)
-
-    try:
-        restore_args = _map(args, tree)
-        values = ocp.PyTreeCheckpointer().restore(
-            item, args=ocp.args.PyTreeRestore(restore_args=restore_args)
-        )
-    except Exception as e:
-        raise _failure("its arrays", e) from e
-    read = _leaves(values)
+    read = _leaves(_read_arrays(found, tree))
     leaves = []
     for leaf, spec, saved in zip(like_leaves, like_specs, saved_specs, strict=True):
-        array = np.asarray(read[spec.name])
+        array = _as_saved(read[spec.name], saved)
         if array.shape != saved.stored_shape or array.dtype.name != saved.dtype:
             raise DamagedStepError(
                 f"{where()}: leaf {spec.path} is described as {saved.dtype}"
@@ -227,6 +341,22 @@ def _restore(found: PlainStep, like: Any) -> Any:
             )
         leaves.append(_rebuild.rebuild(leaf, spec, saved, array))
     return treedef.unflatten(leaves)
+
+
+def _as_saved(value: Any, saved: _spec.LeafSpec) -> np.ndarray:
+    """A leaf as Orbax read it, as an array of its described dtype. A number Orbax
+    stored (`ScalarMetadata`: a numpy scalar or a Python number, saved with
+    `PyTreeSave`) comes back from Orbax as a Python number (int64 or float64 once an
+    array: its `ScalarHandler` returns `.item()`), and is taken back to the dtype it
+    was stored in when that is exact (it always is for what Orbax wrote: np.int32(20)
+    is read as 20). `rebuild` then casts it to like's dtype, again only exactly (a
+    Python 2**40 into an int32 like, or 0.1 into a float32 one, is refused naming the
+    leaf). An array is taken as read: its dtype is checked by the caller."""
+    array = np.asarray(value)
+    if saved.kind != _spec.SCALAR or array.dtype.name == saved.dtype or array.shape != ():
+        return array
+    cast = _dtypes.exact_cast(array, np.dtype(_dtypes.named(saved.dtype)))
+    return array if cast is None else cast  # (None: the caller says it differs)
 
 
 def _leaves(tree: Any, name: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:

@@ -147,10 +147,8 @@ def rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
 
 def _rebuild(like_leaf: Any, spec: LeafSpec, saved: LeafSpec, array: Any) -> Any:
     if saved.kind == SCALAR and spec.kind == ARRAY and saved.dtype != spec.dtype:
-        with np.errstate(all="ignore"):  # a value that does not fit is refused below
-            cast = array.astype(spec.dtype)
-            back = cast.astype(saved.dtype)
-        if back != array and not (np.isnan(back) and np.isnan(array)):  # (NaN stays NaN)
+        cast = _dtypes.exact_cast(np.asarray(array), _dtypes.named(spec.dtype))
+        if cast is None:  # (exactly: the same number back, NaN as NaN; no numpy warning)
             raise StructureMismatchError(
                 f"{where()}: leaf {spec.path}: the checkpoint has the Python number "
                 f"{array.item()!r}, which like's {spec.describe()} cannot hold exactly. "

@@ -88,7 +88,8 @@ def restore(
     is damaged (a flipped bit, a cut or edited file) is passed over and named in a
     `DamagedStepWarning`, and left where it is (a Checkpointer's restart sets it aside);
     `on_damaged="raise"` raises `DamagedStepError` at it instead. A plain Orbax
-    checkpoint (a `CheckpointManager`'s step) is read too, with Orbax, unverified
+    checkpoint (a `CheckpointManager`'s step, listed by `all_steps`) is read too, with
+    or without `step=`, with Orbax, unverified
     ([usage.md](usage.md#coming-from-orbaxs-checkpointmanager)). A step named by
     `step=` never falls back.
 
@@ -110,7 +111,13 @@ def restore(
     check_on_damaged(on_damaged, "restore")
     if named is not None:
         step = _steps.pick_step(storage, named, "restore")
-        return read_step(storage, like, step, verify=verify, member=member, named=True)
+        try:
+            return read_step(storage, like, step, verify=verify, member=member, named=True)
+        except NoCheckpointError as e:  # (not a step of ours: a plain Orbax one?)
+            found = _steps.plain_instead(storage, step, e)
+        state = _plain.restore(found, like, member=member)
+        _said_unverified(storage, step)
+        return state
     for _ in range(_LOOKS):
         resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
         if resumed.step is not None:
@@ -130,18 +137,22 @@ def restore(
     if restart is None:  # (report keeps the value read)
         raise NoCheckpointError(f"{where()}: no step of {storage.path!r} could be read")
     if resumed.source == "orbax":
-        logger.info(
-            "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
-            "no checksums)",
-            resumed.step,
-            storage.path,
-        )
+        _said_unverified(storage, resumed.step)
     return restart.state
 
 
 # How many times `restore` lists the directory again when a step appeared where its
 # listing found none (a race with a writer's retention), before it says so.
 _LOOKS = 3
+
+
+def _said_unverified(storage: Storage, step: int | None) -> None:
+    logger.info(
+        "restore: read step %s of %s, a plain Orbax checkpoint, unverified (Orbax keeps "
+        "no checksums)",
+        step,
+        storage.path,
+    )
 
 
 def resume(
@@ -341,6 +352,8 @@ def _read_step(
     treedef, like_specs, like_leaves = described
     opened = _steps.open_step(storage, step, "restore" if named else None)
     seen, meta = opened.identity, _steps.parsed(opened.meta)
+    if not named:  # a restart trusts a step only when plain Orbax can read it too
+        _steps.check_orbax_description(storage, opened, meta)
     saved_specs, batch = meta.leaves, meta.batch_shape
     if member is not None:
         index = _member_index(member, meta)

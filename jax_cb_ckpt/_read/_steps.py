@@ -18,6 +18,7 @@ the read gave.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -46,7 +47,7 @@ from .._layout._format import META_ITEM, STATE_ITEM
 from .._layout._spec import LeafSpec
 from .._storage import _places, _remote
 from .._storage._protocol import OpenedStep, StepIdentity, Storage
-from . import _arrays
+from . import _arrays, _plain
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,26 +77,59 @@ def step_by_keyword(fn: F) -> F:
 def all_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps with a complete checkpoint in `directory`, ascending.
 
-    Only checkpoints written by jax_cb_ckpt count (see
+    The checkpoints written by jax_cb_ckpt count, and the plain Orbax steps a restart
+    resumes from (a `CheckpointManager`'s: `metadata(directory, step=k)["format"]` is
+    "orbax" for them; they are read with Orbax, unverified, and never deleted: see
     [The checkpoint directory](usage.md#the-checkpoint-directory)): other folders, even
     with integer names, are ignored; a damaged step of ours is not listed and is named
     in a `DamagedStepWarning`. A step listed here is complete and restores. Does not
     wait for pending saves.
     """
-    return _listed(_places.at(_places.resolve(directory)), "all_steps")
+    return _listed(_places.at(_places.resolve(directory)), "all_steps").steps
 
 
 @entry("latest_step")
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
-    """The newest complete step in `directory`, or None when there is none. A damaged
-    step is never the latest: it is reported (`DamagedStepWarning`)."""
-    steps = _listed(_places.at(_places.resolve(directory)), "latest_step")
+    """The newest complete step in `directory` (ours, or a plain Orbax step: the one a
+    restart resumes from when it passes its checks), or None when there is none. A
+    damaged step is never the latest: it is reported (`DamagedStepWarning`)."""
+    steps = _listed(_places.at(_places.resolve(directory)), "latest_step").steps
     return steps[-1] if steps else None
 
 
-def _listed(storage: Storage, what: str) -> list[int]:
-    """The complete steps of `storage`; a `DamagedStepWarning` naming the damaged ones,
-    so that a run never silently goes back to an older step."""
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """The steps of a directory that reads take: the complete steps of ours (`ours`)
+    and the plain Orbax steps a restart resumes from (`plain`: `_plain.listed`, the one
+    recognition every listing and read uses)."""
+
+    ours: list[int]
+    plain: dict[int, _plain.PlainStep]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({*self.ours, *self.plain})
+
+
+def listing(storage: Storage, found: dict[int, _format.Examined]) -> Listing:
+    """The `Listing` of what `storage.examine_all()` found."""
+    ours = sorted(step for step, f in found.items() if f.kind == "complete")
+    return Listing(ours, _plain.listed(storage, found))
+
+
+def plain_instead(storage: Storage, step: int, error: NoCheckpointError) -> _plain.PlainStep:
+    """Step `step`, which a read of ours could not open (`error`), as the plain Orbax
+    step it is; `error` raised when it is none. Asked only then, so that a read of a
+    step of ours costs nothing more."""
+    found = _plain.find(storage, step)
+    if found is None:
+        raise error
+    return found
+
+
+def _listed(storage: Storage, what: str) -> Listing:
+    """The steps of `storage` (`Listing`); a `DamagedStepWarning` naming the damaged
+    ones, so that a run never silently goes back to an older step."""
     path, found = storage.path, storage.examine_all()
     damaged = {
         step: f.why for step, f in sorted(found.items()) if f.kind in ("damaged", "unreadable")
@@ -108,7 +142,7 @@ def _listed(storage: Storage, what: str) -> list[int]:
             "restore the folder from a good copy, or move it out of the directory; "
             "`jax-cb-ckpt verify` checks every step.",
         )
-    return sorted(step for step, f in found.items() if f.kind == "complete")
+    return listing(storage, found)
 
 
 def _warn_left_out(damaged: dict[int, str], said: str, fix: str) -> None:
@@ -143,7 +177,8 @@ def pick_step(storage: Storage, step: int | None, what: str) -> int:
 
 def _listed_step(storage: Storage, step: int | None, what: str) -> int:
     path = storage.path
-    steps = _listed(storage, what) if step is None else storage.list_steps()
+    listed = _listed(storage, what) if step is None else listing(storage, storage.examine_all())
+    steps = listed.steps
     if step is not None and step in steps:
         return step
     if step is not None:
@@ -155,13 +190,13 @@ def _listed_step(storage: Storage, step: int | None, what: str) -> int:
                 "folder from a good copy.",
                 damaged[step],
             )
-    foreign = storage.foreign_steps()
+    foreign = [s for s in storage.foreign_steps() if s not in listed.plain]
     other = (
         f" The directory holds {len(foreign)} step-numbered folder(s) that are not "
-        f"complete jax_cb_ckpt checkpoints ({short(foreign)}): a plain Orbax "
-        "checkpoint, a copy in progress, or an interrupted write. A plain Orbax "
-        "checkpoint is read by restore() without step= and resumed from by a restart "
-        "(unverified: Orbax keeps no checksums); its meta is Orbax's own."
+        "complete jax_cb_ckpt checkpoints or plain Orbax steps a restore reads "
+        f"({short(foreign)}): someone's folder, a copy in progress, an interrupted "
+        "write, or an Orbax step whose state item is not known (`jax-cb-ckpt ls` says "
+        "which)."
         if foreign
         else ""
     )
@@ -304,7 +339,10 @@ def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
 @entry("metadata")
 @step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`."""
+    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`.
+    For a plain Orbax step (listed by `all_steps`), what it says of itself, marked as
+    Orbax's: `{"format": "orbax", "checksums": None, ...}` (it is read unverified; see
+    [usage.md](usage.md#coming-from-orbaxs-checkpointmanager))."""
     return _metadata(directory, step)[0]
 
 
@@ -313,8 +351,11 @@ def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> d
 def metrics(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The metrics saved with checkpoint `step` (default: the latest) in `directory`:
     {name: value}, a Python number for a plain save and a numpy array of the batch's
-    shape for a save under vmap; {} for a step saved without `metrics=`."""
+    shape for a save under vmap; {} for a step saved without `metrics=`. For a plain
+    Orbax step, the numbers its manager recorded with it (its `metrics` item), or {}."""
     meta, call = _metadata(directory, step, "metrics")
+    if _plain.is_described(meta):  # what Orbax's manager recorded with it
+        return dict(meta["metrics"])
     with calling(call):
         described = parsed(meta)
     return {
@@ -338,14 +379,16 @@ def metrics_table(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     `best_step(member=)` and `restore(member=)`), `member_index` its index in the batch
     shape, `asked` whether it asked for the save and `member_step` its own step (a
     vmapped while_loop's members may differ); so has a step whose metrics are 1-D for
-    a batch the state holds itself (`run(batched=True)`). `pandas.json_normalize(rows)`
+    a batch the state holds itself (`run(batched=True)`). A plain Orbax step has no
+    row (`metrics(directory, step=k)` gives what its manager recorded).
+    `pandas.json_normalize(rows)`
     makes it a DataFrame. Reads each step's meta (a bucket's 16 at a time, one round
     trip each);
     a damaged step is left out with a `DamagedStepWarning`. Does not wait for pending
     saves; blocks the caller while it reads."""
     call = "metrics_table"
     storage = _places.at(_places.resolve(directory))
-    metas = step_metas(storage, _listed(storage, call), warn=call)
+    metas = step_metas(storage, _listed(storage, call).ours, warn=call)
     kept = _policy.kept_by_each(metas)[1]
     rows: list[dict[str, Any]] = []
     for step, meta in metas.items():
@@ -394,7 +437,8 @@ def best_step(
     ignore_recorded: bool = False,
 ) -> int | None:
     """The complete step of `directory` with the best value of a metric, or None when no
-    step has a valid one (a step without it, or with NaN, never counts).
+    step has a valid one (a step without it, or with NaN, never counts; a plain Orbax
+    step is not ranked).
 
     By default the rule the steps were kept by, as the newest step records it (a
     Checkpointer with `keep_best=2, best="eval_loss", mode="min"`): nothing to repeat,
@@ -411,7 +455,7 @@ def best_step(
         raise ConfigError(f"{call}(best={best!r}): best must name a metric (a str).")
     if mode not in (None, "max", "min"):
         raise ConfigError(f"{call}(mode={mode!r}): mode must be 'max' or 'min'.")
-    metas = step_metas(storage, _listed(storage, call), warn=call)
+    metas = step_metas(storage, _listed(storage, call).ours, warn=call)
     recorded = _recorded_best(metas)
     best, mode = _best_rule(best, mode, recorded, ignore_recorded, storage.path)
     try:
@@ -511,12 +555,17 @@ def step_metas(
 def _metadata(
     directory: str | os.PathLike[str], step: int | None, what: str = "metadata"
 ) -> tuple[dict[str, Any], str]:
+    """A step's `meta` item, or what a plain Orbax step says of itself
+    (`_plain.describe`), and the call's name for messages."""
     storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, what)
     step = pick_step(storage, named, what)
     call = f"{what}(step={step}) from {storage.path!r}"
     with calling(call):
-        return open_step(storage, step, None if named is None else what).meta, call
+        try:
+            return open_step(storage, step, None if named is None else what).meta, call
+        except NoCheckpointError as e:
+            return _plain.describe(storage, plain_instead(storage, step, e)), call
 
 
 def parsed(meta: dict[str, Any]) -> _format.StepMeta:
@@ -551,6 +600,40 @@ def open_arrays(
     except Exception as e:
         raise read_failure(e, storage, step, seen, "the checkpoint's arrays") from e
     return arrays
+
+
+def check_orbax_description(storage: Storage, opened: OpenedStep, meta: _format.StepMeta) -> None:
+    """The step's `state/_METADATA` is what plain Orbax needs to read its arrays
+    (`_format.check_state_metadata`): a `DamagedStepError` when it is not (our reads
+    never use it, so nothing else would see it), a `NoCheckpointError` when the step
+    was removed meanwhile. `verify` and a restart check it; a named restore does not
+    need it (its arrays are checked against their checksums)."""
+    step, seen = opened.step, opened.identity
+    name = f"{STATE_ITEM}/{_format.STATE_METADATA}"
+    stored = [leaf.name for leaf in meta.leaves if 0 not in leaf.stored_shape]
+    try:
+        data = storage.step_file(step, name, _format.META_MAX_BYTES)
+        if data is None and storage.exists(f"{step}/{name}"):  # (a refused permission)
+            raise OSError(f"'{name}' is there but cannot be read")
+        if data is None:
+            raise _format.DamagedStep(f"'{name}' is missing")
+        _format.check_state_metadata(data, stored, [leaf.name for leaf in meta.leaves])
+    except (_format.DamagedStep, OSError) as e:
+        if not storage.still_there(step, seen):
+            raise removed(storage, step) from None
+        if not isinstance(e, _format.DamagedStep):
+            raise RestoreError(
+                f"{where()}: step {step}: {e}. A refused permission (or storage out of "
+                "reach) is not damage, and a restart does not go back past it. Fix: give "
+                "this process read access to the step's files."
+            ) from e
+        raise DamagedStepError(
+            f"{where()}: {e}: plain Orbax cannot read the step as it is (its arrays may be "
+            "intact: restore(step=) still reads them, checked against their checksums). "
+            f"The file was changed after the step was written. {_outcome()} Fix: restore "
+            "another step (all_steps()); `jax-cb-ckpt verify` checks every step.",
+            f"{e} (plain Orbax cannot read the step)",
+        ) from None
 
 
 def sums_to_check(
@@ -633,20 +716,26 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     recorded when it was written, without a `like`: each leaf is read whole into host
     memory, one at a time, once its stored layout is the described one. A step written
     without checksums (an older version) is read whole too, so a cut or missing file
-    fails, but cannot be verified (its `checksums` are None; the CLI exits 3). Returns
-    the steps checked: a step removed while it was read (by the retention of a run
-    writing the directory) is skipped, never taken for damage. Raises what the CLI
-    fails on, so a script's `verify(d)` passes exactly what `jax-cb-ckpt verify d`
-    passes: `DamagedStepError` naming the first
-    corrupted leaf (its step, region and directory) or the first damaged step folder
-    (a description cut or edited: not listed, and so never read), `RestoreError` for
-    a step this process may not read, `NoCheckpointError` for a directory without a
-    step of ours (a wrong path). Blocks while reading."""
+    fails, but cannot be verified (its `checksums` are None; the CLI exits 3); so is a
+    plain Orbax step (listed by `all_steps`), with Orbax, all at once (it imports
+    Orbax and JAX then): Orbax keeps no checksums, so it is readable, never verified.
+    Each step's `state/_METADATA` must be what plain Orbax needs to read the step (a
+    JSON object describing each stored leaf), since plain Orbax reading every step is
+    promised. Returns the steps checked: a step removed while it was read (by the
+    retention of a run writing the directory) is skipped, never taken for damage.
+    Raises what the CLI fails on, so a script's `verify(d)` passes exactly what
+    `jax-cb-ckpt verify d` passes: `DamagedStepError` naming the first corrupted leaf
+    (its step, region and directory) or the first damaged step folder (a description
+    cut or edited: not listed, and so never read), `RestoreError` for a step this
+    process may not read, `NoCheckpointError` for a directory without a step (a wrong
+    path). Blocks while reading."""
     storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, "verify")
+    plain: dict[int, _plain.PlainStep] = {}
     if named is None:
         found = storage.examine_all()
-        steps = sorted(s for s, f in found.items() if f.kind == "complete")
+        listed = listing(storage, found)
+        steps, plain = listed.steps, listed.plain
         for bad, f in sorted(found.items()):
             if f.kind == "unreadable":
                 raise RestoreError(f"verify: step {bad} of {storage.path!r} {f.why}.")
@@ -667,12 +756,19 @@ def verify(directory: str | os.PathLike[str], *, step: int | None = None) -> lis
     checked = []
     for one in steps:
         with calling(f"verify(step={one}) of {storage.path!r}"):
+            if one in plain:
+                _plain.read_whole(plain[one])
+                checked.append(one)
+                continue
             try:
                 _verify_one(storage, one, None if named is None else "verify")
-            except NoCheckpointError:
-                if named is not None or not gone(storage, one):
+            except NoCheckpointError as e:
+                if named is not None:  # not a step of ours: a plain Orbax one? (else raised)
+                    _plain.read_whole(plain_instead(storage, one, e))
+                elif gone(storage, one):
+                    continue  # removed by a writer's retention while it was read: no damage
+                else:
                     raise
-                continue  # removed by a writer's retention while it was read: no damage
         checked.append(one)
     return checked
 
@@ -692,6 +788,7 @@ def _verify_one(storage: Storage, step: int, what: str | None) -> None:
     """Every stored byte of `step` read and checked (`verify`), under its `calling`."""
     opened = open_step(storage, step, what)
     seen, meta = opened.identity, parsed(opened.meta)
+    check_orbax_description(storage, opened, meta)
     stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
     # Without checksums (an older version's step) every byte is still read: a cut
     # or missing file fails here, where it would fail a restore.

@@ -40,7 +40,7 @@ from .._base._types import (
     PyTree,
 )
 from .._layout import _format
-from .._read import _plain, _rebuild, _restore, _resume, _steps
+from .._read import _rebuild, _restore, _resume, _steps
 from .._save import _route, _traced, _values
 from .._save._exchange import Closed, Exchange
 from .._save._host import HostSide, probe_callback_arrays
@@ -915,11 +915,12 @@ class Checkpointer:
         return self._stats.snapshot()
 
     def all_steps(self) -> list[int]:
-        """Steps with a complete checkpoint on disk, ascending (pending saves excluded)."""
+        """Steps with a complete checkpoint on disk, ascending (pending saves excluded):
+        ours, and the plain Orbax steps a restart resumes from (`jax_cb_ckpt.all_steps`)."""
         return _steps.all_steps(self.directory)
 
     def latest_step(self) -> int | None:
-        """The newest complete step on disk, or None."""
+        """The newest complete step on disk (ours, or a plain Orbax step), or None."""
         return _steps.latest_step(self.directory)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -927,7 +928,9 @@ class Checkpointer:
 
         Keys: `step`, `leaves` (path, stored dtype and shape, key impl of each leaf),
         `library_version`, and for saves made under `vmap`: `batch_shape` and `members`
-        (which batch members' predicate held). Does not wait for pending saves.
+        (which batch members' predicate held). A plain Orbax step says `format`
+        "orbax" and `checksums` None (`jax_cb_ckpt.metadata`). Does not wait for
+        pending saves.
         """
         return _steps.metadata(self.directory, step=step)
 
@@ -1004,9 +1007,7 @@ class Checkpointer:
     def _steps_on_disk(self) -> list[int]:
         """The steps a save must not mix with: ours, and plain Orbax steps a restart
         would resume from (a save at or below one is a conflict, as with ours)."""
-        found = self._storage.examine_all()
-        plain = {s for s, p in _plain.steps(self._storage, found).items() if p.problem is None}
-        return sorted({s for s, f in found.items() if f.kind == "complete"} | plain)
+        return _steps.listing(self._storage, self._storage.examine_all()).steps
 
     def _resume(
         self,
