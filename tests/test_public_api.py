@@ -18,6 +18,7 @@ PUBLIC = [
     "DuplicateStepWarning",
     "ForeignStepWarning",
     "InvalidStateError",
+    "MemberStateWarning",
     "NoCheckpointError",
     "RestoreError",
     "SaveError",

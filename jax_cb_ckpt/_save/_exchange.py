@@ -180,6 +180,8 @@ class SaveItem:
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
     # Under vmap with a batched step: each member's own step, where some differ.
     member_steps: np.ndarray | None = None
+    # Under vmap in a ckpt.while_loop: the members that had left it, where some had.
+    left: np.ndarray | None = None
 
     @property
     def step(self) -> int:

@@ -35,8 +35,10 @@ and docs/handoff.md have the evidence):
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -53,6 +55,7 @@ from ._shards import Layout
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
+    from jax.typing import ArrayLike
 
     from .._layout._spec import Signature
 
@@ -133,6 +136,66 @@ def check_when(when: Any) -> jax.Array:
             "when=(step % 500 == 0) | done."
         )
     return jnp.asarray(when)
+
+
+class _Live(threading.local):
+    """The predicates of the `ckpt.while_loop`s whose body this thread is tracing,
+    outermost first (tracing is per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[jax.Array] = []
+
+
+_LIVE = _Live()
+
+
+@contextlib.contextmanager
+def members_live(live: ArrayLike) -> Iterator[None]:
+    """While a `ckpt.while_loop`'s body is traced: every save traced in it holds only
+    where `live` (the loop's predicate on the carry the body got) holds.
+
+    Why: under `vmap` a `while_loop` whose predicate differs across members runs the
+    body for every member while any goes on, and a `select` after the body (JAX's
+    lowering, which no save can see) throws away the results of the members whose
+    predicate was false. A save in the body would hand over, for such a finished
+    member, a state it never had, at a step its frozen counter asks again and again.
+    The predicate is exactly the mask of that select: a member is live in this
+    iteration if and only if it holds. Unbatched, it holds in every iteration the body
+    runs."""
+    _LIVE.stack.append(jnp.asarray(live))
+    try:
+        yield
+    finally:
+        _LIVE.stack.pop()
+
+
+def live_members() -> jax.Array | None:
+    """Where the saves being traced may hold (the predicates of the enclosing
+    `ckpt.while_loop`s, all of them), or None outside any."""
+    if not _LIVE.stack:
+        return None
+    return functools.reduce(jnp.logical_and, _LIVE.stack)
+
+
+def only_live(
+    wanted: bool, condition: jax.Array | None, step: ArrayLike, step_value: int | None
+) -> tuple[bool, jax.Array | None, ArrayLike, int | None]:
+    """A save's (wanted, condition, step, step_value) held to the members that are live
+    in the enclosing `ckpt.while_loop`s (`members_live`); as they are outside any.
+
+    Within one, the step that crosses says which members had left the loop: theirs is
+    `-1 - step` (negative, where a step never is; `left_members` on the host reads it
+    back), so that the step records them (`meta["left"]`): their data there is the
+    body's leftover, not a state they had. A member that left never asks (its
+    condition is false), so the step of the save is always a live member's."""
+    live = live_members()
+    if live is None or not wanted:
+        return wanted, condition, step, step_value
+    condition = live if condition is None else jnp.logical_and(condition, live)
+    step = jnp.asarray(step)
+    if not jnp.issubdtype(step.dtype, jnp.signedinteger):  # (-1 - step must not wrap)
+        step = step.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+    return True, condition, jnp.where(live, step, -1 - step), None
 
 
 class Host(Protocol):

@@ -48,7 +48,7 @@ from .._save._stats import Stats, StatsRecorder
 from .._storage import _places, _remote
 from .._write import _processes
 from .._write._writer import Writer
-from . import _options, _run, _scan
+from . import _loops, _options, _run, _scan
 from ._clock import SaveClock
 from ._preempt import StopFlag
 
@@ -374,6 +374,8 @@ class Checkpointer:
             wanted, condition = True, _traced.check_when(when)
         if last_step is not None:
             wanted, condition = _or_last(step, step_value, last_step, wanted, condition)
+        # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
+        wanted, condition, step, step_value = _traced.only_live(wanted, condition, step, step_value)
         self._cross(
             _route.Request(
                 state, step, step_value, condition, axis_name, gather, shardings, metrics
@@ -427,8 +429,12 @@ class Checkpointer:
         """
         self._check_usable()
         step_value = _traced.check_step(step)
+        # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
+        _, condition, step, step_value = _traced.only_live(True, None, step, step_value)
         self._cross(
-            _route.Request(state, step, step_value, None, axis_name, gather, shardings, metrics)
+            _route.Request(
+                state, step, step_value, condition, axis_name, gather, shardings, metrics
+            )
         )
 
     def _cross(self, request: _route.Request, *, wanted: bool = True) -> None:
@@ -767,6 +773,62 @@ class Checkpointer:
             metrics=metrics,
         )
 
+    def while_loop(
+        self,
+        cond_fun: Callable[[_loops.Carry], ArrayLike],
+        body_fun: Callable[[_loops.Carry], _loops.Carry],
+        init_val: _loops.Carry,
+    ) -> _loops.Carry:
+        """`jax.lax.while_loop(cond_fun, body_fun, init_val)` for a loop that saves in its
+        body: under `vmap`, a member saves only while `cond_fun` holds for it.
+
+        Under `vmap` of a `while_loop` whose members stop at different iterations, JAX
+        runs the body of a member that is done (and throws its result away after the
+        body): a `maybe_save` there would save a state that member never had. In this
+        loop every `maybe_save`/`save` (of any Checkpointer) traced in the body holds
+        only for the members for which `cond_fun(carry)` holds, the body's carry; the
+        body evaluates `cond_fun` once more for that. Unvmapped, or when every member
+        goes on, it saves what `lax.while_loop` would. Same results as
+        `lax.while_loop`, bit for bit
+        ([transforms.md](transforms.md#vmap-of-a-while_loop-whose-members-stop-at-different-steps)).
+
+        Example:
+            ```python
+            def run(x, start, n):
+                def body(c):
+                    i, x = c
+                    ckpt.maybe_save(x + 1.0, i + 1)
+                    return i + 1, x + 1.0
+
+                return ckpt.while_loop(lambda c: c[0] < n, body, (start, x))[1]
+
+            jax.jit(jax.vmap(run))(x, start, n)  # members stop at their own n
+            ```
+        """
+        return _loops.while_loop(cond_fun, body_fun, init_val)
+
+    def fori_loop(
+        self,
+        lower: ArrayLike,
+        upper: ArrayLike,
+        body_fun: Callable[[Any, _loops.Carry], _loops.Carry],
+        init_val: _loops.Carry,
+    ) -> _loops.Carry:
+        """`jax.lax.fori_loop(lower, upper, body_fun, init_val)` for a loop that saves in
+        its body: with a traced bound (under `vmap`, a batched `start` from
+        `restore_or_init`, or per-member `upper`) it is a `while_loop`, and a member
+        saves only while `i < upper` holds for it, as in `while_loop` above. With bounds
+        Python knows it is `lax.fori_loop` itself (a `scan`).
+
+        Example:
+            ```python
+            state, start = ckpt.restore_or_init(init, keys)  # start: one step per member
+            train = lambda s, i0: ckpt.fori_loop(i0, N, lambda i, s: update(s, i), s)
+            state = jax.jit(jax.vmap(train))(state, start)
+            ```
+        """
+        return _loops.fori_loop(lower, upper, body_fun, init_val)
+
     def should_stop(self, step: ArrayLike) -> jax.Array:
         """Traced: has a stop been requested (signal during `run`, or `request_stop()`)?
 
@@ -905,12 +967,16 @@ class Checkpointer:
         *,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
+        fresh: Callable[[], PyTree] | None = None,
     ) -> tuple[PyTree, int | np.ndarray] | None:
         """A restart: (the state, its step) of the newest step that passes its checks
         (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
         (`on_damaged`), said in one INFO line; None when there is nothing to resume from.
         `like()` is what the step is read into (made only when there is one to read).
-        Waits for pending saves first."""
+        Members of a vmap batch that asked for no step of their own start again from
+        `fresh()`'s state at step 0 (`restore_or_init`, said in the INFO line); without
+        `fresh` they keep what the step holds, said in a `MemberStateWarning`. Waits for
+        pending saves first."""
         self.wait()
         storage = self._storage
         resumed = _restore.resume(
@@ -939,11 +1005,25 @@ class Checkpointer:
         restart = resumed.value
         assert restart is not None
         start: int | np.ndarray = step
+        state = restart.state
+        if restart.unowned and fresh is None:
+            _restore.say_unowned(restart.unowned, step)
+        elif restart.unowned and fresh is not None:
+            # Asked for no step: they start again, as a fresh run does.
+            assert restart.member_steps is not None  # (set wherever members are unowned)
+            state = _restore.members_from(storage, step, state, fresh(), restart.unowned)
+            for index in restart.unowned:
+                restart.member_steps[index] = 0
         if restart.member_steps is not None:  # members of a batch resume from their own
             start = restart.member_steps
             why += f"; the batch's members from their own newest steps {start.tolist()}"
+        if restart.unowned and fresh is not None:
+            why += (
+                f"; member(s) {_restore.members_text(restart.unowned)} asked for no step "
+                "and start again from init_fn's state at step 0"
+            )
         logger.info("%s: %s %d of %s (%s)", where(), verb, step, self.directory, why)
-        return restart.state, start
+        return state, start
 
     @entry("restore_or_init")
     def restore_or_init(
@@ -996,12 +1076,16 @@ class Checkpointer:
         def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
             return jax.eval_shape(lambda: init_fn(*args)) if given is None else given
 
-        resumed = self._resume(made_like)
+        def fresh() -> PyTree:
+            init = init_fn(*args)
+            if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
+                init = _rebuild.as_carried(init, given)
+            return init
+
+        resumed = self._resume(made_like, fresh=fresh)
         if resumed is not None:
             return resumed
-        init = init_fn(*args)
-        if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
-            init = _rebuild.as_carried(init, given)
+        init = fresh()
         if self._options.when.initial_save:
             self.save(init, 0)
             self.wait()  # on disk before the run goes on (and lists its steps)
