@@ -8,13 +8,15 @@ loop; a restart takes each member from its own newest step, or from `init_fn` at
 when it asked for none; `restore(step=k)` of the whole batch names, in a
 `MemberStateWarning`, the members that did not ask for `k`."""
 
+import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import while_batch
+from helpers import run_twice, while_batch
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, MemberStateWarning
@@ -206,3 +208,13 @@ def test_the_loops_refuse_what_is_not_a_function(make_ckpt):
         ckpt.while_loop(lambda c: c < 3, 3, 0)
     with pytest.raises(ConfigError, match=r"fori_loop\(body_fun=None\)"):
         ckpt.fori_loop(0, 3, None, 0)
+
+
+@pytest.mark.slow
+def test_the_page_s_example_runs_twice_and_each_member_ends_as_its_own_run(tmp_path):
+    """docs/transforms.md's vmap-of-a-while_loop block, run twice: the second run
+    restarts member 0 (it asked for no step) from init_fn and member 1 from step 10."""
+    page = Path(__file__).parent.parent / "docs" / "transforms.md"
+    (code,) = re.findall(r"^```python\n(.*?)^```$", page.read_text(), re.M | re.S)
+    assert "ckpt.while_loop(" in code
+    assert run_twice(tmp_path, code).stdout.split("\n")[0] == "[0, 10] [4.0, 10.0]"

@@ -93,6 +93,12 @@ def restore(
     restore one member of the batch: an int for one batch axis, a tuple of ints for
     several. `like` is then one member's state (without the batch axes). Only the
     chunks holding that member are read from disk (and, with `verify`, checked).
+    Without `member`, a batch whose members did not all ask for the step: without
+    `step=` each member comes from the newest step it asked for; with `step=k` the
+    step is returned as stored, and members that did not ask for `k` and were not at
+    it (they had left their `ckpt.while_loop`, or were at a step of their own) are
+    named in a `MemberStateWarning`, as are, without `step=`, members that asked for
+    no step at all and were not at the one read.
 
     Raises:
         NoCheckpointError: no complete checkpoint for that step, or it was removed

@@ -1048,9 +1048,10 @@ class Checkpointer:
         A newer damaged step is passed over and set aside (see `on_damaged`); a plain
         Orbax checkpoint is resumed from too. Under vmap, a member that did not ask for
         the newest step (its predicate was false there: a finished member of a vmapped
-        `while_loop`) is restored from the newest step it asked for, and the step
-        returned is then an int array of each member's step (pass it batched: `jax.vmap(
-        train, in_axes=(0, 0))`;
+        `ckpt.while_loop`) is restored from the newest step it asked for (one that asked
+        for none, and was not at the newest step, from `init_fn(*args)` at step 0), and
+        the step returned is then an int array of each member's step (pass it batched:
+        `jax.vmap(train, in_axes=(0, 0))`, looping with `ckpt.fori_loop(start, ...)`;
         [transforms.md](transforms.md#vmap-of-a-while_loop-whose-members-stop-at-different-steps)).
         Waits for pending saves first;
         blocks while it restores or initialises.
