@@ -9,6 +9,7 @@ when it asked for none; `restore(step=k)` of the whole batch names, in a
 `MemberStateWarning`, the members that did not ask for `k`."""
 
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_twice, while_batch
+from helpers import run_child, run_twice, while_batch
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, MemberStateWarning
@@ -44,6 +45,8 @@ def test_a_member_that_left_the_loop_is_not_saved_where_another_goes_on(make_ckp
     assert float(jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), step=5, member=1)) == 5.0
     with pytest.raises(jax_cb_ckpt.RestoreError, match=r"member \(0,\) did not save at step 5"):
         jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), step=5, member=0)
+    shown = run_child([sys.executable, "-m", "jax_cb_ckpt", "show", ckpt.directory])
+    assert "1 of 2 members saved: [(1,)]; left their loop: [(0,)]" in shown.stdout, shown
     (state, start), final = _resumed(ckpt, [4, 5])
     assert start.tolist() == [0, 5] and state.tolist() == [0.0, 5.0]  # member 0 from init
     assert final.tolist() == [4.0, 5.0]
