@@ -205,6 +205,21 @@ def test_a_member_that_asked_for_no_step_but_was_at_it_keeps_its_state(make_ckpt
     assert np.asarray(state).tolist() == [4.0, 4.0] and np.asarray(start).tolist() == [4, 4]
 
 
+def test_a_plain_while_loop_s_frozen_member_is_told_the_loop_to_use(make_ckpt):
+    """`lax.while_loop` cannot be made exact (nothing the save receives tells a finished
+    member from a live one): the run's failure, and the repeats of its frozen step,
+    name `ckpt.while_loop`."""
+    ckpt = make_ckpt(every=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match=r"different steps \[5, 10\]"):
+            while_batch(ckpt, [4, 10], plain=True)
+        with pytest.raises(jax_cb_ckpt.InvalidStateError, match=r"ckpt\.while_loop / ckpt\."):
+            ckpt.close()
+    repeats = [str(w.message) for w in caught if w.category is jax_cb_ckpt.DuplicateStepWarning]
+    assert repeats and all("loop with ckpt.while_loop" in m for m in repeats), repeats
+
+
 def test_the_loops_refuse_what_is_not_a_function(make_ckpt):
     ckpt = make_ckpt(every=5)
     with pytest.raises(ConfigError, match=r"while_loop\(body_fun=3\): body_fun must be a"):

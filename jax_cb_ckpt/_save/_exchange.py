@@ -330,8 +330,10 @@ class Exchange:
     def _duplicate_message(self, step: int) -> str:
         return (
             f"jax_cb_ckpt: step {step} was handed over again by the same Checkpointer "
-            f"on {self.directory!r} (a repeated save, or a remat recomputation); the "
-            "first save of it is kept, this one was dropped."
+            f"on {self.directory!r} (a repeated save, or a remat recomputation; under "
+            "vmap of a lax.while_loop, a member that had left the loop, whose body runs "
+            "on, asking its frozen step again: loop with ckpt.while_loop); the first "
+            "save of it is kept, this one was dropped."
         )
 
     def _order_message(self, step: int, highest: int) -> str:
