@@ -162,6 +162,41 @@ def test_a_save_nested_in_the_body_holds_for_the_members_still_in_the_loop(make_
     assert members == [[True, True], [True, True], [False, True]]
 
 
+def test_a_function_traced_in_the_body_is_traced_again_outside_it(make_ckpt, tmp_path):
+    """A jitted step and a scan body defined outside the loop, which save (the scan's
+    with a second Checkpointer): traced in the loop's body they hold to its members;
+    called again outside, JAX's caches handed back the jaxpr that held the body's
+    predicate (UnexpectedTracerError)."""
+    ckpt, other = make_ckpt(tmp_path / "a", every=5), make_ckpt(tmp_path / "b", every=5)
+
+    @jax.jit
+    def step_fn(x, i):
+        ckpt.maybe_save(x + 1.0, i + 1)
+        return x + 1.0
+
+    def inner(carry, _):
+        i, x = carry
+        other.maybe_save(x * 2.0, i + 1)
+        return carry, None
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            jax.lax.scan(inner, (i, x), None, length=1)
+            return i + 1, step_fn(x, i)
+
+        return ckpt.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    assert jax.jit(jax.vmap(run))(jnp.zeros(2), jnp.asarray([4, 10])).tolist() == [4.0, 10.0]
+    assert float(step_fn(jnp.float32(20.0), 19)) == 21.0  # saves step 20, outside
+    jax.jit(lambda x: jax.lax.scan(inner, (jnp.int32(24), x), None, length=1))(jnp.float32(1))
+    for c, last in ((ckpt, 20), (other, 25)):
+        c.wait()
+        assert c.all_steps() == [5, 10, last]
+        assert [c.metadata(s).get("left") for s in (5, 10)] == [[True, False]] * 2
+        assert "batch_shape" not in c.metadata(last)
+
+
 def test_restore_of_a_step_names_the_members_that_did_not_ask_for_it(make_ckpt):
     """`restore(like, step=k)` of the whole batch returned, for a member that did not
     ask at `k`, what `k` holds, silently."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -148,6 +149,14 @@ class _Live(threading.local):
 
 _LIVE = _Live()
 
+# While a `ckpt.while_loop`'s body is traced, a value of its own (`_BODIES`) in JAX's
+# cache keys: a function traced there (a jitted step, a scan body defined elsewhere)
+# reads `_LIVE`, a tracer of that body, which JAX cannot see as an input; without it,
+# JAX's tracing caches would hand that jaxpr, holding the dead tracer, to a later
+# call outside the loop (UnexpectedTracerError).
+_BODY_KEY = jax.make_user_context(None)
+_BODIES = itertools.count()
+
 
 @contextlib.contextmanager
 def members_live(live: ArrayLike) -> Iterator[None]:
@@ -164,7 +173,8 @@ def members_live(live: ArrayLike) -> Iterator[None]:
     runs."""
     _LIVE.stack.append(jnp.asarray(live))
     try:
-        yield
+        with _BODY_KEY(next(_BODIES)):
+            yield
     finally:
         _LIVE.stack.pop()
 
@@ -184,7 +194,7 @@ def only_live(
     in the enclosing `ckpt.while_loop`s (`members_live`); as they are outside any.
 
     Within one, the step that crosses says which members had left the loop: theirs is
-    `-1 - step` (negative, where a step never is; `left_members` on the host reads it
+    `-1 - step` (negative, where a step never is; `_host._member_steps` reads it
     back), so that the step records them (`meta["left"]`): their data there is the
     body's leftover, not a state they had. A member that left never asks (its
     condition is false), so the step of the save is always a live member's."""
