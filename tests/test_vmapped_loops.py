@@ -162,6 +162,34 @@ def test_a_save_nested_in_the_body_holds_for_the_members_still_in_the_loop(make_
     assert members == [[True, True], [True, True], [False, True]]
 
 
+def test_vmap_inside_pmap_records_each_device_s_members(make_ckpt):
+    """vmap inside pmap (the gather path): device 0's member 0 leaves at 4 while every
+    other member goes on to 9. The gathered save took device 0's steps for every
+    device: its left member's step stood for device 1's member 0, which asked, and the
+    callback failed ('different steps'), leaving device 1 in the next all_gather (the
+    process aborted). Now each device's steps are gathered beside its mask."""
+    ckpt = make_ckpt(every=5)
+
+    def run(x, n):
+        def body(c):
+            i, x = c
+            ckpt.maybe_save(x + 1.0, i + 11, axis_name="i")
+            return i + 1, x + 1.0
+
+        return ckpt.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    ns = jnp.asarray([[4, 9], [9, 9]])
+    final = jax.pmap(jax.vmap(run), axis_name="i")(jnp.zeros((2, 2)), ns)
+    assert np.asarray(final).tolist() == [[4.0, 9.0], [9.0, 9.0]]
+    ckpt.wait()
+    assert ckpt.all_steps() == [15]
+    meta = ckpt.metadata(15)
+    assert meta["members"] == [[False, True], [True, True]]
+    assert meta["left"] == [[True, False], [False, False]]
+    restored = jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), step=15, member=(1, 0))
+    assert float(restored) == 5.0
+
+
 def test_a_function_traced_in_the_body_is_traced_again_outside_it(make_ckpt, tmp_path):
     """A jitted step and a scan body defined outside the loop, which save (the scan's
     with a second Checkpointer): traced in the loop's body they hold to its members;

@@ -308,6 +308,9 @@ def _gather_and_save(
         elif gather == "stack":
             payload = [jax.lax.all_gather(p, axis_name) for p in payload]
             wanted = jax.lax.all_gather(wanted, axis_name)  # per-device mask
+            # Each device's own step beside its mask (under vmap a member's may be its
+            # own, `-1 - step` where it had left its ckpt.while_loop: `only_live`).
+            step = jax.lax.all_gather(step, axis_name)
 
         def first_device_saves():
             save(step, wanted, payload)
