@@ -154,7 +154,10 @@ def _say_unasked(storage: Storage, step: int) -> None:
     left their `ckpt.while_loop` (`left`), or were at another step of their own
     (`member_steps`). (A member that did not ask but was at `k`, its predicate false in
     a loop every member runs, holds its true state at `k`: nothing to say.)"""
-    meta = _steps.parsed(_steps.open_step(storage, step).meta)
+    try:
+        meta = _steps.parsed(_steps.open_step(storage, step).meta)
+    except RestoreError:  # removed (retention) since it was read: the state read stands
+        return
     if not meta.batch_shape or meta.members.all():
         return
     elsewhere = _not_at(meta) & ~meta.members
