@@ -103,12 +103,17 @@ def test_fori_loop_with_a_batched_start_saves_only_members_still_in_it(make_ckpt
     assert ckpt.all_steps() == [5]
     meta = jax_cb_ckpt.metadata(ckpt.directory, step=5)
     assert meta["members"] == [True, False] and meta["member_steps"] == [5, 10]
-    with jax_cb_ckpt.Checkpointer(ckpt.directory.rstrip("/") + "-plain", every=5) as other:
-        plain = jax.jit(
-            jax.vmap(lambda x, s: jax.lax.fori_loop(s, 9, lambda i, x: x * 1.5 + 1.0, x))
-        )
-        assert jax_cb_ckpt.same_bits(final, plain(jnp.ones(2), jnp.asarray([0, 5], jnp.int32)))
-        del other
+    assert meta["left"] == [False, True]
+    plain = jax.jit(jax.vmap(lambda x, s: jax.lax.fori_loop(s, 9, lambda i, x: x * 1.5 + 1.0, x)))
+    assert jax_cb_ckpt.same_bits(final, plain(jnp.ones(2), jnp.asarray([0, 5], jnp.int32)))
+    # Unvmapped, a traced bound: JAX's while_loop, the same saves and bits.
+    unvmapped = jax.jit(lambda x, s: ckpt.fori_loop(s, 12, lambda i, x: x * 1.5 + 1.0, x))
+    assert jax_cb_ckpt.same_bits(
+        unvmapped(jnp.float32(1), jnp.int32(9)),
+        jax.jit(lambda x, s: jax.lax.fori_loop(s, 12, lambda i, x: x * 1.5 + 1.0, x))(
+            jnp.float32(1), jnp.int32(9)
+        ),
+    )
 
 
 def test_the_loops_save_and_compute_as_jax_s_where_every_member_goes_on(make_ckpt, tmp_path):
