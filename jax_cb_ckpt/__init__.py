@@ -19,6 +19,7 @@ from ._base._errors import DirectoryLockedError as DirectoryLockedError
 from ._base._errors import DuplicateStepWarning as DuplicateStepWarning
 from ._base._errors import ForeignStepWarning as ForeignStepWarning
 from ._base._errors import InvalidStateError as InvalidStateError
+from ._base._errors import MemberStateWarning as MemberStateWarning
 from ._base._errors import NoCheckpointError as NoCheckpointError
 from ._base._errors import RestoreError as RestoreError
 from ._base._errors import SaveError as SaveError

@@ -348,20 +348,26 @@ def same_as_tensorstore(root):
     return len(keys)
 
 
-def while_batch(ckpt, ns):
-    """Members counting to `ns` in one vmapped while_loop, each saving its counter
-    (plus one) when `ckpt` says (member k stops at ns[k]); then `ckpt.wait()`."""
+def while_batch(ckpt, ns, *, start=0, x=None, plain=False):
+    """Members counting from `start` to `ns` in one vmapped while_loop, each saving its
+    state `x` (the counter's value) plus one at its counter plus one when `ckpt` says
+    (member k stops at ns[k]); then `ckpt.wait()`. The loop is `ckpt.while_loop` (the
+    documented form), or `lax.while_loop` with `plain`. Returns the final states."""
+    loop = jax.lax.while_loop if plain else ckpt.while_loop
 
-    def run(x, n):
+    def run(x, start, n):
         def body(c):
             i, x = c
             ckpt.maybe_save(x + 1.0, i + 1)
             return i + 1, x + 1.0
 
-        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+        return loop(lambda c: c[0] < n, body, (start, x))[1]
 
-    jax.jit(jax.vmap(run))(jnp.zeros(len(ns)), jnp.asarray(ns))
+    x = jnp.zeros(len(ns)) if x is None else x
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (len(ns),))
+    final = jax.jit(jax.vmap(run))(x, start, jnp.asarray(ns))
     ckpt.wait()
+    return np.asarray(final)
 
 
 def fresh_copy(written, tmp_path):

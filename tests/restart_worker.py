@@ -224,8 +224,9 @@ WHILE_N = (5, 10, 15, 20)
 
 
 def while_(directory, option):
-    """Four members counting to 5, 10, 15 and 20 in one vmapped while_loop; a member
-    that is done stays done (the body still runs for it; JAX discards its results)."""
+    """Four members counting to 5, 10, 15 and 20 in one vmapped `ckpt.while_loop` (the
+    documented form); a member that is done stays done (the body still runs for it;
+    JAX discards its results, and it saves nothing)."""
     with jax_cb_ckpt.Checkpointer(directory, every=EVERY) as ckpt:
         x, start = ckpt.restore_or_init(lambda: jnp.zeros(4))
 
@@ -237,7 +238,7 @@ def while_(directory, option):
                 jax.debug.callback(_die_after, i + 1)
                 return i + 1, x
 
-            return jax.lax.while_loop(lambda c: c[0] < n, body, (start, x))[1]
+            return ckpt.while_loop(lambda c: c[0] < n, body, (start, x))[1]
 
         starts = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (4,))
         final = jax.jit(jax.vmap(run))(x, starts, jnp.asarray(WHILE_N))

@@ -3,11 +3,13 @@
 the promise it holds. Grouped by the page the promise is on."""
 
 import json
+import logging
 import os
 import signal
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -316,13 +318,22 @@ def test_axis_name_over_some_of_a_shard_map_s_axes_saves_per_group(make_ckpt):
     np.testing.assert_array_equal(restored["x"], np.full((4, 1), 4.0))  # a group's column
 
 
-def test_a_member_that_never_asked_keeps_the_newest_step_said_in_a_warning(make_ckpt):
+def test_a_member_that_never_asked_starts_again_from_init_fn(make_ckpt, caplog):
+    """It kept what the newest step holds (a state it never had), said in a warning."""
     ckpt = make_ckpt(every=5)
     while_batch(ckpt, [3, 10])  # member 0 stops at 3
     assert ckpt.all_steps() == [5, 10]
-    with pytest.warns(jax_cb_ckpt.CheckpointWarning, match=r"member\(s\) 0 .* asked for no"):
-        state, start = ckpt.restore_or_init(lambda: jnp.zeros(2))
-    assert np.asarray(start).tolist() == [10, 10]
+    caplog.set_level(logging.INFO, logger="jax_cb_ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, start = ckpt.restore_or_init(lambda: jnp.full(2, -1.0))
+    assert np.asarray(start).tolist() == [0, 10]
+    assert np.asarray(state).tolist() == [-1.0, 10.0]
+    said = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert "member(s) 0 asked for no step and start again from init_fn's state" in said[0]
+    with pytest.warns(jax_cb_ckpt.MemberStateWarning, match=r"member\(s\) 0 .* asked for no"):
+        state = ckpt.restore(jnp.zeros(2))  # no init_fn: as stored, said
+    assert np.asarray(state).tolist() == [4.0, 10.0]
 
 
 # -- storage.md ----------------------------------------------------------------------------

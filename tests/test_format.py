@@ -114,7 +114,8 @@ def test_the_step_meta_written_is_read_back_field_by_field():
     meta = fmt.StepMeta.parse(_meta())
     assert meta.step == 7 and meta.batch_shape == (2,) and meta.checksums == {"w": {"0:2,0:3": 1}}
     assert [leaf.name for leaf in meta.leaves] == [("w",)] and meta.leaves[0].shape == (2, 3)
-    assert meta.members.tolist() == [True, False]
+    assert meta.members.tolist() == [True, False] and meta.left is None
+    assert fmt.StepMeta.parse(_meta(left=[False, True])).left.tolist() == [False, True]
     assert meta.versions == {"library_version": "1.0", "jax_version": "0.10.2"}
     assert meta.saved_at is not None and meta.saved_at.endswith("+00:00")
 
@@ -159,6 +160,9 @@ def test_a_pmap_save_is_told_from_a_vmap_batch_by_its_record(shardings, axes):
         ({"leaves": {}}, "'leaves' is a dict, not a list"),
         ({"batch_shape": [2, "x"]}, "'batch_shape' [2, 'x'] is not a list"),
         ({"members": [True]}, "'members' has shape (1,), not the batch's (2,)"),
+        ({"left": [False, 1]}, "'left' is not the batch's (2,) booleans of members that"),
+        ({"left": [True, False]}, "'left' is not the batch's (2,) booleans of members that"),
+        ({"left": [False]}, "'left' is not the batch's (2,) booleans"),
         ({"checksums": []}, "'checksums' is a list, not an object"),
         ({"shardings": "P()"}, "'shardings' is a str, not an object"),
         ({"leaves": [{"name": ["w"]}]}, "'kind'"),

@@ -6,6 +6,7 @@ compiled program of an aligned loop has no conditional at all (a `maybe_save` in
 has one per iteration: the check can fail); every_seconds and a stop request are decided
 at chunk ends."""
 
+import functools
 import re
 
 import jax
@@ -53,7 +54,7 @@ def test_save_last_and_a_resume_run_one_program(make_ckpt):
     @jax.jit
     def train(state, start, end):
         traces.append(1)
-        return ckpt.fori_loop(start, end, body, state, save_last=True)
+        return ckpt.fori_loop(start, end, body, state, every=5, save_last=True)
 
     first = train(init(), 0, 12)  # a run stopped at 12, its last state saved
     ckpt.wait()
@@ -83,15 +84,15 @@ def test_no_conditional_in_an_aligned_loop(make_ckpt):
         return jax.lax.fori_loop(0, 100, step, c)
 
     assert conditionals(in_body) > 0  # what fori_loop does without
-    assert conditionals(lambda c: ckpt.fori_loop(0, 100, body, c)) == 0
+    assert conditionals(lambda c: ckpt.fori_loop(0, 100, body, c, every=10)) == 0
     # from a start that is no multiple: the iterations up to the first one decide each
-    assert conditionals(lambda c: ckpt.fori_loop(3, 100, body, c)) > 0
+    assert conditionals(lambda c: ckpt.fori_loop(3, 100, body, c, every=10)) > 0
 
 
 def test_under_vmap_every_member_is_saved(make_ckpt):
     ckpt = make_ckpt(every=4)
     batch = jax.tree.map(lambda x: jnp.stack([x, x + 1]), init())
-    out = jax.jit(jax.vmap(lambda c: ckpt.fori_loop(0, 9, body, c)))(batch)
+    out = jax.jit(jax.vmap(lambda c: ckpt.fori_loop(0, 9, body, c, every=4)))(batch)
     expected = jax.vmap(lambda c: plain(0, 9, c))(batch)
     assert jax_cb_ckpt.same_bits(out, expected)
     ckpt.wait()
@@ -106,7 +107,7 @@ def test_grad_through_concrete_bounds_is_the_same(make_ckpt):
     def loss(w, loop):
         return loop(0, 7, lambda i, c: c * w + 1.0, jnp.ones(3)).sum()
 
-    mine = jax.grad(loss)(1.5, ckpt.fori_loop)
+    mine = jax.grad(loss)(1.5, functools.partial(ckpt.fori_loop, every=3))
     theirs = jax.grad(loss)(1.5, jax.lax.fori_loop)
     assert jax_cb_ckpt.same_bits(mine, theirs)
     ckpt.wait()
@@ -115,8 +116,8 @@ def test_grad_through_concrete_bounds_is_the_same(make_ckpt):
 
 def test_every_seconds_is_asked_at_chunk_ends(make_ckpt):
     # every_seconds so short that it has always passed: a save at every ask
-    ckpt = make_ckpt(every_seconds=1e-6, check_every=5)
-    out = jax.jit(lambda c: ckpt.fori_loop(0, 17, body, c))(init())
+    ckpt = make_ckpt(every_seconds=1e-6)
+    out = jax.jit(lambda c: ckpt.fori_loop(0, 17, body, c, check_every=5))(init())
     assert jax_cb_ckpt.same_bits(out, plain(0, 17))
     ckpt.wait()
     assert ckpt.all_steps() == [5, 10, 15]
@@ -137,7 +138,7 @@ def test_a_stop_request_saves_and_ends_the_loop_at_the_next_ask(make_ckpt, lower
 
 def test_without_a_stop_request_a_stoppable_loop_runs_to_the_end(make_ckpt):
     ckpt = make_ckpt(every=4)
-    out = jax.jit(lambda c: ckpt.fori_loop(1, 14, body, c, stoppable=True))(init())
+    out = jax.jit(lambda c: ckpt.fori_loop(1, 14, body, c, every=4, stoppable=True))(init())
     assert jax_cb_ckpt.same_bits(out, plain(1, 14))
     ckpt.wait()
     assert ckpt.all_steps() == [4, 8, 12]
@@ -148,7 +149,8 @@ def test_without_a_stop_request_a_stoppable_loop_runs_to_the_end(make_ckpt):
     [
         ({"body_fun": 3}, "fori_loop: body_fun must be a function body_fun(i, val) -> val"),
         ({"every": 0}, "fori_loop: every must be a positive int"),
-        ({"every": None}, "fori_loop: no every. Fix: pass every=N"),
+        ({"every": None, "save_last": True}, "fori_loop(save_last=...): save_last is an option"),
+        ({"every": None, "check_every": 5}, "nothing to decide at the asks"),
         ({"stoppable": 1}, "fori_loop: stoppable must be True or False"),
         ({"check_every": 0}, "fori_loop: check_every must be a positive int"),
         ({"metrics": "loss"}, "metrics must be a function of the carry"),
@@ -160,3 +162,26 @@ def test_bad_arguments_are_refused_by_name(make_ckpt, kwargs, message):
     with pytest.raises(ConfigError) as e:
         ckpt.fori_loop(0, 8, arguments.pop("body_fun"), init(), **arguments)
     assert message in str(e.value)
+
+
+def test_under_vmap_with_per_member_ends_a_member_that_is_done_saves_nothing(make_ckpt):
+    """Per-member bounds (members that stop at different iterations): the loops with
+    traced bounds hold their saves to the members still in them (ckpt.while_loop's
+    rule), so member 0 (done at 9) is not saved at 12 with a state it never had."""
+    ckpt = make_ckpt()
+    batch = jax.tree.map(lambda x: jnp.stack([x, x + 1]), init())
+    ends = jnp.asarray([9, 13])
+    run = jax.jit(jax.vmap(lambda c, hi: ckpt.fori_loop(0, hi, body, c, every=4)))
+    out = run(batch, ends)
+    member = [jax.tree.map(lambda x, k=k: x[k], batch) for k in range(2)]
+    for k, hi in enumerate((9, 13)):
+        assert jax_cb_ckpt.same_bits(
+            jax.tree.map(lambda x, k=k: x[k], out), plain(0, hi, member[k])
+        )
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 8, 12]
+    assert ckpt.metadata(12)["members"] == [False, True]
+    for step in (4, 8, 12):
+        for k in range(2) if step < 12 else (1,):
+            saved = ckpt.restore(init(), step=step, member=k)
+            assert jax_cb_ckpt.same_bits(saved, plain(0, step, member[k])), (step, k)

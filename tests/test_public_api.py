@@ -19,6 +19,7 @@ PUBLIC = [
     "DuplicateStepWarning",
     "ForeignStepWarning",
     "InvalidStateError",
+    "MemberStateWarning",
     "NoCheckpointError",
     "RestoreError",
     "SaveError",

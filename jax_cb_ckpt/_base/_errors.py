@@ -170,6 +170,13 @@ class DamagedStepWarning(CheckpointWarning):
     `all_steps`, `latest_step` and `restore` without `step=`, naming the step."""
 
 
+class MemberStateWarning(CheckpointWarning):
+    """A restore of a batch saved under `vmap` returned, for members that did not ask for
+    the step it read (and for no older one), the data that step holds for them: not a
+    state of theirs (a finished member of a vmapped loop holds its body's leftover).
+    Names the members; `restore_or_init` starts them again from `init_fn` instead."""
+
+
 class ForeignStepWarning(CheckpointWarning):
     """In object storage, an uncommitted step prefix holding a whole step that this
     library did not provably begin (a step copied there without its commit marker) was

@@ -549,6 +549,8 @@ def _batch(meta: _format.StepMeta) -> str:
         which = f"all {saved.size} members saved"
     else:
         which = f"{len(held)} of {saved.size} members saved: {held}"
+    if meta.left is not None:  # they had left their ckpt.while_loop: leftovers here
+        which += f"; left their loop: {[tuple(int(i) for i in x) for x in np.argwhere(meta.left)]}"
     return f"shape {meta.batch_shape} (leading axes of every leaf); {which}"
 
 

@@ -397,6 +397,7 @@ def meta_record(
     batch_shape: tuple[int, ...],
     members: list[Any],
     member_steps: list[Any] | None = None,
+    left: list[Any] | None = None,
     saved_at: float | None = None,
     metrics: dict[str, Any] | None = None,
     retention: dict[str, Any] | None = None,
@@ -420,7 +421,10 @@ def meta_record(
       between members): each member's own step, in the batch's shape. A member that
       did not ask holds what its state was at its own step, which under vmap of a
       `while_loop` may be a state it never had (a finished member's body still runs);
-      a restart resumes each member from the newest step it asked at;
+      a restart resumes each member from the newest step it asked at; `left` (only
+      where some member had left its `ckpt.while_loop`): which members had, in the
+      batch's shape: what the step holds for them is their body's leftover, never a
+      state they had (they did not ask for the step);
     - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
       numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
     - `retention` (only with retention rules): the rules in force when it was saved
@@ -444,6 +448,8 @@ def meta_record(
         meta["members"] = members
         if member_steps is not None:
             meta["member_steps"] = member_steps
+        if left is not None:
+            meta["left"] = left
     if metrics:
         meta["metrics"] = metrics
     if retention:
@@ -476,6 +482,8 @@ class StepMeta:
     members: np.ndarray = dataclasses.field(default_factory=lambda: np.ones((), bool))
     # Each member's own step (int64, batch_shape), where they differ; None: all at `step`.
     member_steps: np.ndarray | None = None
+    # Which members had left their ckpt.while_loop (bool, batch_shape); None: none had.
+    left: np.ndarray | None = None
     checksums: Sums | None = None  # None: written before checksums were kept
     shardings: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved_at: str | None = None
@@ -512,6 +520,13 @@ class StepMeta:
                     f"'member_steps' is not the batch's {tuple(batch)} non-negative step numbers"
                 )
             member_steps = member_steps.astype(np.int64)
+        left = meta.get("left")
+        if left is not None:
+            left = np.asarray(left)
+            if left.shape != tuple(batch) or left.dtype != np.bool_ or (left & members).any():
+                raise ValueError(
+                    f"'left' is not the batch's {tuple(batch)} booleans of members that did not ask"
+                )
         for field in ("checksums", "shardings"):
             if meta.get(field) is not None and not isinstance(meta[field], dict):
                 raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
@@ -532,6 +547,7 @@ class StepMeta:
             batch_shape=tuple(batch),
             members=members,
             member_steps=member_steps,
+            left=left,
             checksums=meta.get("checksums"),
             shardings=meta.get("shardings") or {},
             saved_at=meta["saved_at"] if isinstance(meta.get("saved_at"), str) else None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -24,10 +24,10 @@ import numpy as np
 
 from .._base import _dtypes, _warn
 from .._base._errors import (
-    CheckpointWarning,
     ConfigError,
     DamagedStepError,
     DamagedStepWarning,
+    MemberStateWarning,
     NoCheckpointError,
     RestoreError,
     StructureMismatchError,
@@ -97,6 +97,12 @@ def restore(
     restore one member of the batch: an int for one batch axis, a tuple of ints for
     several. `like` is then one member's state (without the batch axes). Only the
     chunks holding that member are read from disk (and, with `verify`, checked).
+    Without `member`, a batch whose members did not all ask for the step: without
+    `step=` each member comes from the newest step it asked for; with `step=k` the
+    step is returned as stored, and members that did not ask for `k` and were not at
+    it (they had left their `ckpt.while_loop`, or were at a step of their own) are
+    named in a `MemberStateWarning`, as are, without `step=`, members that asked for
+    no step at all and were not at the one read.
 
     Raises:
         NoCheckpointError: no complete checkpoint for that step, or it was removed
@@ -112,11 +118,14 @@ def restore(
     if named is not None:
         step = _steps.pick_step(storage, named, "restore")
         try:
-            return read_step(storage, like, step, verify=verify, member=member, named=True)
+            state = read_step(storage, like, step, verify=verify, member=member, named=True)
         except NoCheckpointError as e:  # (not a step of ours: a plain Orbax one?)
             found = _steps.plain_instead(storage, step, e)
-        state = _plain.restore(found, like, member=member)
-        _said_unverified(storage, step)
+            state = _plain.restore(found, like, member=member)
+            _said_unverified(storage, step)
+            return state
+        if member is None:
+            _say_unasked(storage, step)
         return state
     for _ in range(_LOOKS):
         resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
@@ -136,6 +145,8 @@ def restore(
     restart = _resume.report(storage, resumed, set_aside=False).value
     if restart is None:  # (report keeps the value read)
         raise NoCheckpointError(f"{where()}: no step of {storage.path!r} could be read")
+    if restart.unowned:
+        say_unowned(restart.unowned, resumed.step)
     if resumed.source == "orbax":
         _said_unverified(storage, resumed.step)
     return restart.state
@@ -153,6 +164,55 @@ def _said_unverified(storage: Storage, step: int | None) -> None:
         step,
         storage.path,
     )
+
+
+def say_unowned(members: Iterable[tuple[int, ...]], step: int) -> None:
+    """The `MemberStateWarning` of a restore that returns, for `members`, what `step`
+    holds though they asked for no step at or before it."""
+    _warn.warn(
+        f"{where()}: {unowned_text(members, step)}; it is returned for them as stored. "
+        "Fix: restore_or_init(init_fn) starts them again from init_fn's state at step 0; "
+        "or save every member's first state (initial_save, or a save at the loop's start).",
+        MemberStateWarning,
+    )
+
+
+def _say_unasked(storage: Storage, step: int) -> None:
+    """`restore(step=k)` of a whole batch: the `MemberStateWarning` naming the members
+    that did not ask for `k` and whose data there is not their state at `k`: they had
+    left their `ckpt.while_loop` (`left`), or were at another step of their own
+    (`member_steps`). (A member that did not ask but was at `k`, its predicate false in
+    a loop every member runs, holds its true state at `k`: nothing to say.)"""
+    try:
+        meta = _steps.parsed(_steps.open_step(storage, step).meta)
+    except RestoreError:  # removed (retention) since it was read: the state read stands
+        return
+    if not meta.batch_shape or meta.members.all():
+        return
+    elsewhere = _not_at(meta) & ~meta.members
+    if not elsewhere.any():
+        return
+    shown = members_text(tuple(int(i) for i in index) for index in np.argwhere(elsewhere))
+    _warn.warn(
+        f"{where()}(step={step}): member(s) {shown} of the batch did not ask for step "
+        f"{step} and were not at it (they had left their loop, whose body ran on for "
+        "them, or were at a step of their own): what it holds for them is returned as "
+        "stored, a state they never had at that step. Fix: restore(like, "
+        f"step={step}, member=k) for a member that asked; restore(like) without step= "
+        "(or restore_or_init) takes each member from the newest step it asked for.",
+        MemberStateWarning,
+    )
+
+
+def _not_at(meta: _format.StepMeta) -> np.ndarray:
+    """The members whose data in this step is not their state at it: they had left
+    their `ckpt.while_loop` (`left`), or their own step was another (`member_steps`)."""
+    elsewhere = np.zeros(meta.batch_shape, bool)
+    if meta.left is not None:
+        elsewhere |= meta.left
+    if meta.member_steps is not None:
+        elsewhere |= meta.member_steps != meta.step
+    return elsewhere
 
 
 def resume(
@@ -195,10 +255,30 @@ def resume(
 @dataclasses.dataclass(frozen=True)
 class Restart:
     """A state a restart read, and each member's own step where the members of a vmap
-    batch resume from different steps (None: every member from the step read)."""
+    batch resume from different steps (None: every member from the step read).
+    `unowned`: the members that asked for no readable step at or before the one read
+    and were not at it: their data in `state` is what that step holds, no state of
+    theirs (the caller starts them again, or says so: `unowned_text`)."""
 
     state: Any
     member_steps: np.ndarray | None = None
+    unowned: tuple[tuple[int, ...], ...] = ()
+
+
+def members_text(members: Iterable[tuple[int, ...]]) -> str:
+    """Members as messages name them: `0, 3` (one batch axis) or `(0, 1), (1, 0)`."""
+    return ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(members))
+
+
+def unowned_text(members: Iterable[tuple[int, ...]], step: int) -> str:
+    """Why the data of `members` (which did not ask for `step`, nor for an older step)
+    is none of their states."""
+    return (
+        f"member(s) {members_text(members)} of the batch saved at step {step} asked for no "
+        f"readable step at or before it and were not at step {step} (they had left their "
+        "loop, whose body ran on for them, or were at a step of their own): what it holds "
+        "for them is not a state they had"
+    )
 
 
 def _each_newest(storage: Storage, like: Any, step: int, state: Any, verify: bool) -> Restart:
@@ -206,7 +286,8 @@ def _each_newest(storage: Storage, like: Any, step: int, state: Any, verify: boo
     for that step (its predicate was false: a finished member of a vmapped while_loop,
     whose body still ran, holds a state it never had there) taken from the newest older
     step it asked for that passes its checks, and each member's step. A member that
-    asked for no such step keeps what `step` holds, said in a warning."""
+    asked for no such step keeps what `step` holds, its state there if it was at
+    `step`; one that was not (`_not_at`) is named in `unowned`."""
     meta = _steps.parsed(_steps.open_step(storage, step).meta)
     batch = meta.batch_shape
     if not batch or meta.members.all():
@@ -242,18 +323,10 @@ def _each_newest(storage: Storage, like: Any, step: int, state: Any, verify: boo
             "was moved. Fix: `jax-cb-ckpt verify` the directory.",
             DamagedStepWarning,
         )
-    if missing:
-        shown = ", ".join(str(i[0] if len(i) == 1 else i) for i in sorted(missing))
-        _warn.warn(
-            f"{where()}: member(s) {shown} of the batch saved at step {step} asked for no "
-            "readable step at or before it, so the state restored for them is what step "
-            f"{step} holds, at their own step "
-            f"({'recorded' if meta.member_steps is not None else 'not recorded'}): under "
-            "vmap of a while_loop that a member had left, a state it never had. Fix: "
-            "save every member's first state (initial_save, or a save at the loop's start).",
-            CheckpointWarning,
-        )
-    return Restart(state, starts)
+    # One that asked for no step but was at this one (its predicate false in a loop
+    # every member runs) holds its true state here; the others hold none of theirs.
+    elsewhere = _not_at(meta)
+    return Restart(state, starts, tuple(sorted(i for i in missing if elsewhere[i])))
 
 
 def _newest_asked(
@@ -284,6 +357,17 @@ def _newest_asked(
             if index not in found and meta.members[index]:
                 found[index] = candidate
     return found
+
+
+def members_from(
+    storage: Storage, step: int, state: Any, source: Any, members: Iterable[tuple[int, ...]]
+) -> Any:
+    """`state`, read from the batch saved at `step`, with each of `members` taken from
+    `source`, a state of the same batch (`restore_or_init`'s fresh one)."""
+    meta = _steps.parsed(_steps.open_step(storage, step).meta)
+    for index in members:
+        state = _with_member(state, index, _one_member(source, meta, index), meta)
+    return state
 
 
 def _one_member(like: Any, meta: _format.StepMeta, index: tuple[int, ...]) -> Any:

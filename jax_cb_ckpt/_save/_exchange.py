@@ -192,6 +192,8 @@ class SaveItem:
     ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
     # Under vmap with a batched step: each member's own step, where some differ.
     member_steps: np.ndarray | None = None
+    # Under vmap in a ckpt.while_loop: the members that had left it, where some had.
+    left: np.ndarray | None = None
 
     @property
     def step(self) -> int:
@@ -361,6 +363,10 @@ class Exchange:
                 "counter, `i + 1`. Otherwise: the jitted function called again with the "
                 "same steps, or a remat recomputation"
             )
+        why += (
+            "; under vmap of a lax.while_loop, a member that had left the loop, whose body "
+            "runs on, asking its frozen step again: loop with ckpt.while_loop"
+        )
         return (
             f"jax_cb_ckpt: step {step} was handed over again by the same Checkpointer "
             f"on {self.directory!r} ({why}); the first save of it is kept, this one was "

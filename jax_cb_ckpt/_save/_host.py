@@ -398,6 +398,7 @@ class HostSide:
         except CheckpointError as e:
             self._exchange.record(e)  # re-raised by wait()/close() as our own type
             raise
+        own, left = _member_steps(steps, members, step)
         self._hand_over(
             signature,
             step,
@@ -406,7 +407,8 @@ class HostSide:
             copy_out,
             in_callback=True,
             owner=owner,
-            member_steps=_member_steps(steps, members, step),
+            member_steps=own,
+            left=left,
         )
 
     def eager(self, signature: Signature, step: int, hosts: list[np.ndarray | jax.Array]) -> None:
@@ -472,11 +474,18 @@ class HostSide:
         in_callback: bool,
         owner: object,
         member_steps: np.ndarray | None = None,
+        left: np.ndarray | None = None,
     ) -> None:
         """Hand one save to the exchange, which admits its step, has `copy_out` run (in
         this thread, while the device waits) and queues it (`Exchange.hand_over`)."""
         item = functools.partial(
-            self._item, signature, members, copy_out, start=start, member_steps=member_steps
+            self._item,
+            signature,
+            members,
+            copy_out,
+            start=start,
+            member_steps=member_steps,
+            left=left,
         )
         in_flight = self._exchange.hand_over(step, owner, item, in_callback=in_callback)
         if in_flight is not None:
@@ -492,11 +501,13 @@ class HostSide:
         start: float | None = None,
         blocking_s: float = 0.0,
         member_steps: np.ndarray | None = None,
+        left: np.ndarray | None = None,
     ) -> SaveItem:
         """The item of a claimed save, its leaves in host memory (`copy_out`) as the
         writer takes them (`Signature.assemble`). The device waited `blocking_s`, or
         from `start` until now. `member_steps`: each member's own step, where some
-        differ from the save's."""
+        differ from the save's; `left`: the members that had left their
+        `ckpt.while_loop`, where some had."""
         copying = time.perf_counter()
         crossed, release, ready = copy_out()
         hosts = signature.assemble(crossed, members.shape)
@@ -518,6 +529,7 @@ class HostSide:
             release,
             ready,
             member_steps,
+            left,
         )
 
 
@@ -577,18 +589,31 @@ def _one_step(steps: np.ndarray, members: np.ndarray) -> int:
         raise InvalidStateError(
             f"maybe_save under vmap: the members that save at once have different "
             f"steps {saving.tolist()[:8]}; one checkpoint holds one step. Fix: pass a "
-            "step that is the same for every member (e.g. the scan index)."
+            "step that is the same for every member (e.g. the scan index). In a vmapped "
+            "lax.while_loop (or a fori_loop with traced bounds) whose members stop at "
+            "different iterations, a member that is done still runs the body and asks "
+            "its frozen step again: loop with ckpt.while_loop / ckpt.fori_loop, whose "
+            "saves are only those of the members still in the loop."
         )
     return _non_negative(int(saving[0]))
 
 
-def _member_steps(steps: np.ndarray, members: np.ndarray, step: int) -> np.ndarray | None:
-    """Each member's own step under vmap (a batched step: a member whose predicate does
-    not hold may be elsewhere, e.g. a finished member of a vmapped while_loop, whose
-    body still runs), in the batch's shape; None when every member is at `step`."""
+def _member_steps(
+    steps: np.ndarray, members: np.ndarray, step: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(each member's own step, which members had left their loop) under vmap, in the
+    batch's shape. Own steps: a batched step, where a member whose predicate does not
+    hold may be elsewhere (a finished member of a vmapped while_loop, whose body still
+    runs); None when every member is at `step`. Left: in a `ckpt.while_loop`, a member
+    that had left it crosses its step as `-1 - step` (`_traced.only_live`); None when
+    none had."""
     if steps.ndim == 0 or steps.ndim < members.ndim or steps.shape != members.shape:
-        return None
-    return None if bool(np.all(steps == step)) else steps.astype(np.int64)
+        return None, None
+    steps = steps.astype(np.int64)
+    gone = steps < 0
+    left = gone if bool(gone.any()) else None
+    steps = np.where(gone, -1 - steps, steps)
+    return (None if bool(np.all(steps == step)) else steps), left
 
 
 def _non_negative(step: int) -> int:

@@ -40,8 +40,11 @@ and docs/handoff.md have the evidence):
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Sequence
+import itertools
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -60,6 +63,7 @@ from ._values import loop_body
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
+    from jax.typing import ArrayLike
 
     from .._layout._spec import Signature
 
@@ -168,6 +172,75 @@ def check_when(when: Any) -> jax.Array:
     return jnp.asarray(when)
 
 
+class _Live(threading.local):
+    """The predicates of the `ckpt.while_loop`s whose body this thread is tracing,
+    outermost first (tracing is per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[jax.Array] = []
+
+
+_LIVE = _Live()
+
+# While a `ckpt.while_loop`'s body is traced, a value of its own (`_BODIES`) in JAX's
+# cache keys: a function traced there (a jitted step, a scan body defined elsewhere)
+# reads `_LIVE`, a tracer of that body, which JAX cannot see as an input; without it,
+# JAX's tracing caches would hand that jaxpr, holding the dead tracer, to a later
+# call outside the loop (UnexpectedTracerError).
+_BODY_KEY = jax.make_user_context(None)
+_BODIES = itertools.count()
+
+
+@contextlib.contextmanager
+def members_live(live: ArrayLike) -> Iterator[None]:
+    """While a `ckpt.while_loop`'s body is traced: every save traced in it holds only
+    where `live` (the loop's predicate on the carry the body got) holds.
+
+    Why: under `vmap` a `while_loop` whose predicate differs across members runs the
+    body for every member while any goes on, and a `select` after the body (JAX's
+    lowering, which no save can see) throws away the results of the members whose
+    predicate was false. A save in the body would hand over, for such a finished
+    member, a state it never had, at a step its frozen counter asks again and again.
+    The predicate is exactly the mask of that select: a member is live in this
+    iteration if and only if it holds. Unbatched, it holds in every iteration the body
+    runs."""
+    _LIVE.stack.append(jnp.asarray(live))
+    try:
+        with _BODY_KEY(next(_BODIES)):
+            yield
+    finally:
+        _LIVE.stack.pop()
+
+
+def live_members() -> jax.Array | None:
+    """Where the saves being traced may hold (the predicates of the enclosing
+    `ckpt.while_loop`s, all of them), or None outside any."""
+    if not _LIVE.stack:
+        return None
+    return functools.reduce(jnp.logical_and, _LIVE.stack)
+
+
+def only_live(
+    wanted: bool, condition: jax.Array | None, step: ArrayLike, step_value: int | None
+) -> tuple[bool, jax.Array | None, ArrayLike, int | None]:
+    """A save's (wanted, condition, step, step_value) held to the members that are live
+    in the enclosing `ckpt.while_loop`s (`members_live`); as they are outside any.
+
+    Within one, the step that crosses says which members had left the loop: theirs is
+    `-1 - step` (negative, where a step never is; `_host._member_steps` reads it
+    back), so that the step records them (`meta["left"]`): their data there is the
+    body's leftover, not a state they had. A member that left never asks (its
+    condition is false), so the step of the save is always a live member's."""
+    live = live_members()
+    if live is None or not wanted:
+        return wanted, condition, step, step_value
+    condition = live if condition is None else jnp.logical_and(condition, live)
+    step = jnp.asarray(step)
+    if not jnp.issubdtype(step.dtype, jnp.signedinteger):  # (-1 - step must not wrap)
+        step = step.astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+    return True, condition, jnp.where(live, step, -1 - step), None
+
+
 class Host(Protocol):
     """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
     callbacks: each call takes the data it is given before it returns. What
@@ -270,6 +343,9 @@ def _gather_and_save(
         elif gather == "stack":
             payload = [jax.lax.all_gather(p, axis_name) for p in payload]
             wanted = jax.lax.all_gather(wanted, axis_name)  # per-device mask
+            # Each device's own step beside its mask (under vmap a member's may be its
+            # own, `-1 - step` where it had left its ckpt.while_loop: `only_live`).
+            step = jax.lax.all_gather(step, axis_name)
 
         def first_device_saves():
             save(step, wanted, payload)

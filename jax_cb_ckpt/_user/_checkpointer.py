@@ -383,6 +383,8 @@ class Checkpointer:
             _traced.warn_if_constant_in_loop(step_value, due=wanted)
         if last_step is not None:
             wanted, condition = _or_last(step, step_value, last_step, wanted, condition)
+        # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
+        wanted, condition, step, step_value = _traced.only_live(wanted, condition, step, step_value)
         self._cross(
             _route.Request(
                 state, step, step_value, condition, axis_name, gather, shardings, metrics
@@ -438,8 +440,12 @@ class Checkpointer:
         step_value = _traced.check_step(step)
         if step_value is not None:
             _traced.warn_if_constant_in_loop(step_value, due=True)
+        # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
+        _, condition, step, step_value = _traced.only_live(True, None, step, step_value)
         self._cross(
-            _route.Request(state, step, step_value, None, axis_name, gather, shardings, metrics)
+            _route.Request(
+                state, step, step_value, condition, axis_name, gather, shardings, metrics
+            )
         )
 
     def _cross(self, request: _route.Request, *, wanted: bool = True) -> None:
@@ -828,21 +834,28 @@ class Checkpointer:
         shardings: PyTree = None,
         metrics: Callable[[PyTree], PyTree] | None = None,
     ) -> PyTree:
-        """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`, saving the carry after
-        iteration `i` as checkpoint `i + 1` whenever `i + 1` is a multiple of `every`
-        (default: the Checkpointer's `every`), with no conditional per iteration.
+        """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`, bit for bit, in two
+        forms.
 
-        Same results as `lax.fori_loop`, in the same order on the same values, under
-        `jit`, `vmap` and (concrete bounds) `grad`. The loop is cut at the multiples of
-        `every`: whole chunks of `every` iterations, each a loop of a static trip count
-        (a scan) followed by one save; the iterations before the first multiple (a
-        resume from another step) and after the last whole chunk run one at a time,
-        deciding after each. `lower` and `upper` may be traced: pass the restored step
-        as `lower` and one program serves the fresh run and every resume. What blocks
-        and what runs in the background: as `maybe_save`.
+        Without `every=`: JAX's loop for a body that saves (`maybe_save(s, i + 1)`).
+        With a traced bound (under `vmap`, a batched `start` from `restore_or_init`, or
+        per-member `upper`) it is a `while_loop`, and a member saves only while
+        `i < upper` holds for it, as in `while_loop`; with bounds Python knows it is
+        `lax.fori_loop` itself (a `scan`).
+
+        With `every=N`: the loop saves its carry itself, after iteration `i` as
+        checkpoint `i + 1` whenever `i + 1` is a multiple of `N`, with no conditional per
+        iteration (on a GPU each one is a copy the host waits for). The loop is cut at
+        the multiples of `N`: whole chunks of `N` iterations, each a loop of a static
+        trip count (a scan) followed by one save; the iterations before the first
+        multiple (a resume from another step) and after the last whole chunk run one at
+        a time, deciding after each. Same results under `jit`, `vmap` and (bounds Python
+        knows) `grad`. `lower` and `upper` may be traced: pass the restored step as
+        `lower` and one program serves the fresh run and every resume. What blocks and
+        what runs in the background: as `maybe_save`.
 
         Args:
-            every: save when `i + 1` is a multiple of it (default: the Checkpointer's).
+            every: save the carry when `i + 1` is a multiple of it.
             check_every: with the Checkpointer's `every_seconds` or `stoppable`, ask the
                 host (the clock, the stop request) every this many iterations, at a
                 chunk end (default: `every`, or the Checkpointer's `check_every`
@@ -861,20 +874,54 @@ class Checkpointer:
                 return ckpt.fori_loop(start, 10_000, lambda i, s: update(s), state, every=100)
             ```
         """
-        return _loops.fori_loop(
+        return _loops.checkpointed_fori_loop(
             self,
             self._options.when,
             lower,
             upper,
             body_fun,
             init_val,
-            every=self._options.when.every if every is None else every,
+            every=every,
             check_every=check_every,
             stoppable=stoppable,
             save_last=save_last,
             shardings=shardings,
             metrics=metrics,
         )
+
+    def while_loop(
+        self,
+        cond_fun: Callable[[_loops.Carry], ArrayLike],
+        body_fun: Callable[[_loops.Carry], _loops.Carry],
+        init_val: _loops.Carry,
+    ) -> _loops.Carry:
+        """`jax.lax.while_loop(cond_fun, body_fun, init_val)` for a loop that saves in its
+        body: under `vmap`, a member saves only while `cond_fun` holds for it.
+
+        Under `vmap` of a `while_loop` whose members stop at different iterations, JAX
+        runs the body of a member that is done (and throws its result away after the
+        body): a `maybe_save` there would save a state that member never had. In this
+        loop every `maybe_save`/`save` (of any Checkpointer) traced in the body holds
+        only for the members for which `cond_fun(carry)` holds, the body's carry; the
+        body evaluates `cond_fun` once more for that. Unvmapped, or when every member
+        goes on, it saves what `lax.while_loop` would. Same results as
+        `lax.while_loop`, bit for bit
+        ([transforms.md](transforms.md#vmap-of-a-while_loop-whose-members-stop-at-different-steps)).
+
+        Example:
+            ```python
+            def run(x, start, n):
+                def body(c):
+                    i, x = c
+                    ckpt.maybe_save(x + 1.0, i + 1)
+                    return i + 1, x + 1.0
+
+                return ckpt.while_loop(lambda c: c[0] < n, body, (start, x))[1]
+
+            jax.jit(jax.vmap(run))(x, start, n)  # members stop at their own n
+            ```
+        """
+        return _loops.while_loop(cond_fun, body_fun, init_val)
 
     def should_stop(self, step: ArrayLike) -> jax.Array:
         """Traced: has a stop been requested (signal during `run`, or `request_stop()`)?
@@ -1015,12 +1062,16 @@ class Checkpointer:
         *,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
+        fresh: Callable[[], PyTree] | None = None,
     ) -> tuple[PyTree, int | np.ndarray] | None:
         """A restart: (the state, its step) of the newest step that passes its checks
         (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
         (`on_damaged`), said in one INFO line; None when there is nothing to resume from.
         `like()` is what the step is read into (made only when there is one to read).
-        Waits for pending saves first."""
+        Members of a vmap batch that asked for no step of their own start again from
+        `fresh()`'s state at step 0 (`restore_or_init`, said in the INFO line); without
+        `fresh` they keep what the step holds, said in a `MemberStateWarning`. Waits for
+        pending saves first."""
         self.wait()
         storage = self._storage
         resumed = _restore.resume(
@@ -1049,11 +1100,25 @@ class Checkpointer:
         restart = resumed.value
         assert restart is not None
         start: int | np.ndarray = step
+        state = restart.state
+        if restart.unowned and fresh is None:
+            _restore.say_unowned(restart.unowned, step)
+        elif restart.unowned and fresh is not None:
+            # Asked for no step: they start again, as a fresh run does.
+            assert restart.member_steps is not None  # (set wherever members are unowned)
+            state = _restore.members_from(storage, step, state, fresh(), restart.unowned)
+            for index in restart.unowned:
+                restart.member_steps[index] = 0
         if restart.member_steps is not None:  # members of a batch resume from their own
             start = restart.member_steps
             why += f"; the batch's members from their own newest steps {start.tolist()}"
+        if restart.unowned and fresh is not None:
+            why += (
+                f"; member(s) {_restore.members_text(restart.unowned)} asked for no step "
+                "and start again from init_fn's state at step 0"
+            )
         logger.info("%s: %s %d of %s (%s)", where(), verb, step, self.directory, why)
-        return restart.state, start
+        return state, start
 
     @entry("restore_or_init")
     def restore_or_init(
@@ -1078,9 +1143,10 @@ class Checkpointer:
         A newer damaged step is passed over and set aside (see `on_damaged`); a plain
         Orbax checkpoint is resumed from too. Under vmap, a member that did not ask for
         the newest step (its predicate was false there: a finished member of a vmapped
-        `while_loop`) is restored from the newest step it asked for, and the step
-        returned is then an int array of each member's step (pass it batched: `jax.vmap(
-        train, in_axes=(0, 0))`;
+        `ckpt.while_loop`) is restored from the newest step it asked for (one that asked
+        for none, and was not at the newest step, from `init_fn(*args)` at step 0), and
+        the step returned is then an int array of each member's step (pass it batched:
+        `jax.vmap(train, in_axes=(0, 0))`, looping with `ckpt.fori_loop(start, ...)`;
         [transforms.md](transforms.md#vmap-of-a-while_loop-whose-members-stop-at-different-steps)).
         Waits for pending saves first;
         blocks while it restores or initialises.
@@ -1106,12 +1172,16 @@ class Checkpointer:
         def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
             return jax.eval_shape(lambda: init_fn(*args)) if given is None else given
 
-        resumed = self._resume(made_like)
+        def fresh() -> PyTree:
+            init = init_fn(*args)
+            if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
+                init = _rebuild.as_carried(init, given)
+            return init
+
+        resumed = self._resume(made_like, fresh=fresh)
         if resumed is not None:
             return resumed
-        init = init_fn(*args)
-        if given is not None:  # a weakly typed leaf in like's (the loop's) dtype
-            init = _rebuild.as_carried(init, given)
+        init = fresh()
         if self._options.when.initial_save:
             self.save(init, 0)
             self.wait()  # on disk before the run goes on (and lists its steps)

@@ -1,44 +1,102 @@
-"""`Checkpointer.fori_loop`: `lax.fori_loop` that saves every `every` iterations with no
-conditional per iteration.
+"""`Checkpointer.while_loop` and `Checkpointer.fori_loop`: JAX's loops, with every save
+in the body held to the members that are still in the loop; and, with `every=`, a
+`fori_loop` that saves its carry every N iterations with no conditional per iteration.
 
-A `maybe_save` in a loop body is a `lax.cond` evaluated at every iteration; on a GPU,
-XLA's conditional copies its predicate to the host and blocks the host until it has it,
-so the host can no longer run ahead of the device (2.6x a tiny bare step on an H200,
-docs/benchmarks.md). Here the loop is cut at the multiples of a chunk instead: the
-iterations before the first multiple run one at a time (a resume from a step that is no
-multiple), then whole chunks, each a loop of a static trip count with no conditional in
-it (`lax.fori_loop` over `range(chunk)`: a scan), the decision between two chunks, then
-the iterations after the last whole chunk one at a time again. The body runs in the same
-order on the same values as in one `lax.fori_loop`.
+Under `vmap`, a `while_loop` whose predicate differs across members runs its body for
+every member while any of them goes on; JAX's lowering then keeps, per member, the body's
+result or the carry it had, by the predicate (a `select` after the body, which no save
+in the body can see). A finished member's body still runs, on its frozen carry: a
+`maybe_save` there would hand over a state the member never had, at a step its frozen
+counter asks in every later iteration. No save can tell such a member from a live one
+by what it hands over (the first step a frozen counter asks is one the member never
+reached). The loop's predicate can: evaluated on the carry the body gets, it is that
+`select`'s mask. So the body evaluates it once more and every save traced in the body
+holds only where it holds (`_traced.members_live`). Unbatched it holds in every
+iteration the body runs, and the saves are the ones `lax.while_loop` makes.
 
-Checkpoint `i + 1` holds the carry after iteration `i` (the convention of `maybe_save(
-state, i + 1)`). With every_seconds the chunks end every `check` iterations too, and
-ask the clock there; with `stoppable=True` they read the stop request there and, when
-one came, save and end the loop (`while_loop`s then, so that it can end early).
+A `maybe_save` in a loop body is also a `lax.cond` evaluated at every iteration; on a
+GPU, XLA's conditional copies its predicate to the host and blocks the host until it
+has it, so the host can no longer run ahead of the device (2.6x a tiny bare step on an
+H200, docs/benchmarks.md). `fori_loop(..., every=N)` (`saving_fori_loop`) cuts the loop
+at the multiples of a chunk instead: the iterations before the first multiple run one at
+a time (a resume from a step that is no multiple), then whole chunks, each a loop of a
+static trip count with no conditional in it (a scan), the decision between two chunks,
+then the iterations after the last whole chunk one at a time again. The body runs in the
+same order on the same values as in one `lax.fori_loop`; its loops with traced bounds
+are the member-holding loops above, so under `vmap` with per-member bounds a member
+saves only while it is in the loop. Checkpoint `i + 1` holds the carry after iteration
+`i` (the convention of `maybe_save(state, i + 1)`). With every_seconds the chunks end
+every `check` iterations too, and ask the clock there; with `stoppable=True` they read
+the stop request there and, when one came, save and end the loop.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
+from .._save import _traced
 from ._options import When
 from ._scan import metrics_at_save
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
 
+Carry = TypeVar("Carry")
 # The user's loop body, `body_fun(i, val) -> val`, as `lax.fori_loop` takes it.
-ForiBody = Callable[[jax.Array, PyTree], PyTree]
+ForiBody = Callable[[Any, Any], Any]
+
+
+def while_loop(
+    cond_fun: Callable[[Carry], ArrayLike], body_fun: Callable[[Carry], Carry], init_val: Carry
+) -> Carry:
+    """`jax.lax.while_loop(cond_fun, body_fun, init_val)`, whose body's saves are those
+    of the members for which `cond_fun` holds (see the module's docstring)."""
+    _check_callable("while_loop", cond_fun=cond_fun, body_fun=body_fun)
+
+    def body_of_live_members(carry: Carry) -> Carry:
+        with _traced.members_live(cond_fun(carry)):
+            return body_fun(carry)
+
+    return jax.lax.while_loop(cond_fun, body_of_live_members, init_val)
 
 
 def fori_loop(
+    lower: ArrayLike, upper: ArrayLike, body_fun: Callable[[Any, Carry], Carry], init_val: Carry
+) -> Carry:
+    """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`. With bounds Python knows it
+    is JAX's (a `scan`: every member runs every iteration, nothing is thrown away); with
+    a traced bound (a `while_loop`, per member under `vmap`: a batched start from
+    `restore_or_init`), the saves in the body hold where `i < upper`, the predicate of
+    the `while_loop` JAX makes of it."""
+    _check_callable("fori_loop", body_fun=body_fun)
+    if not isinstance(lower, Tracer) and not isinstance(upper, Tracer):
+        return jax.lax.fori_loop(lower, upper, body_fun, init_val)
+
+    def body_of_live_members(i: jax.Array, value: Carry) -> Carry:
+        with _traced.members_live(i < upper):
+            return body_fun(i, value)
+
+    return jax.lax.fori_loop(lower, upper, body_of_live_members, init_val)
+
+
+def _check_callable(name: str, **functions: object) -> None:
+    for argument, function in functions.items():
+        if not callable(function):
+            raise ConfigError(
+                f"{name}({argument}={function!r}): {argument} must be a function, as for "
+                f"jax.lax.{name}. Fix: pass the function itself, not its result."
+            )
+
+
+def checkpointed_fori_loop(
     ckpt: Saver,
     when: When,
     lower: ArrayLike,
@@ -53,6 +111,9 @@ def fori_loop(
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None,
 ) -> PyTree:
+    if every is None and check_every is None:  # the loop saves nothing itself
+        _check_nothing_to_save_by(stoppable, save_last, shardings, metrics)
+        return fori_loop(lower, upper, body_fun, init_val)
     by_clock = when.every_seconds is not None
     check = _checked(body_fun, every, check_every, stoppable, save_last, metrics, by_clock, when)
     reads = by_clock or stoppable  # decisions that need the host, every `check` iterations
@@ -109,10 +170,10 @@ def fori_loop(
     if not stoppable:
         val = init_val
         if head:
-            val = jax.lax.fori_loop(lower, first, lambda i, v: one(i, v)[0], val)
-        val = jax.lax.fori_loop(0, chunks, lambda c, v: whole(first + c * chunk, v)[0], val)
+            val = fori_loop(lower, first, lambda i, v: one(i, v)[0], val)
+        val = fori_loop(0, chunks, lambda c, v: whole(first + c * chunk, v)[0], val)
         if tail:
-            val = jax.lax.fori_loop(last, upper, lambda i, v: one(i, v)[0], val)
+            val = fori_loop(last, upper, lambda i, v: one(i, v)[0], val)
         return val
     val, stop = _until_stopped(lower, first, 1, one, (init_val, jnp.asarray(False)))
     val, stop = _until_stopped(first, last, chunk, whole, (val, stop))
@@ -139,7 +200,7 @@ def _until_stopped(
         return i + stride, val, stop
 
     i0 = jnp.asarray(lo, jnp.result_type(lo, hi))
-    _, val, stop = jax.lax.while_loop(go_on, step, (i0, *carry))
+    _, val, stop = while_loop(go_on, step, (i0, *carry))
     return val, stop
 
 
@@ -165,10 +226,12 @@ def _checked(
             f"fori_loop: every must be a positive int (iterations between saves), got "
             f"{every!r}. Fix: pass every=N, or create the Checkpointer with every=N."
         )
-    if every is None and not by_clock:
+    if every is None and not by_clock and stoppable is not True:
         raise ConfigError(
-            "fori_loop: no every. Fix: pass every=N, or create the Checkpointer with "
-            "every=N (or every_seconds=T)."
+            f"fori_loop(check_every={check_every!r}): nothing to decide at the asks: the "
+            "Checkpointer has no every_seconds and stoppable is False. Fix: pass every=N "
+            "(save every N iterations), or stoppable=True, or create the Checkpointer with "
+            "every_seconds=T."
         )
     for name, value in (("stoppable", stoppable), ("save_last", save_last)):
         if not isinstance(value, bool):
@@ -185,3 +248,26 @@ def _checked(
     if isinstance(check, bool) or not isinstance(check, int) or check <= 0:
         raise ConfigError(f"fori_loop: check_every must be a positive int, got {check_every!r}.")
     return check
+
+
+def _check_nothing_to_save_by(stoppable: object, save_last: object, *others: object) -> None:
+    """A `fori_loop` without `every=`/`check_every=` saves nothing itself (the body's
+    saves do): the options of a loop that saves its carry mean nothing there."""
+    given = [
+        name
+        for name, value, default in (
+            ("stoppable", stoppable, False),
+            ("save_last", save_last, False),
+            ("shardings", others[0], None),
+            ("metrics", others[1], None),
+        )
+        if value is not default
+    ]
+    if given:
+        raise ConfigError(
+            f"fori_loop({given[0]}=...): {', '.join(given)} "
+            f"{'is an option' if len(given) == 1 else 'are options'} of a loop that saves "
+            "its carry itself, and this one saves nothing itself (no every= or "
+            "check_every=: only the saves in its body). Fix: pass every=N to save the carry "
+            "every N iterations, or leave them out."
+        )

@@ -516,6 +516,7 @@ class _Described:
             batch_shape=item.members.shape,
             members=item.members.tolist(),
             member_steps=None if item.member_steps is None else item.member_steps.tolist(),
+            left=None if item.left is None else item.left.tolist(),
             saved_at=item.saved_at,
             metrics={
                 name: _metric_value(host)
