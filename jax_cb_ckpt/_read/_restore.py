@@ -124,8 +124,6 @@ def restore(
             state = _plain.restore(found, like, member=member)
             _said_unverified(storage, step)
             return state
-        if member is None:
-            _say_unasked(storage, step)
         return state
     for _ in range(_LOOKS):
         resumed = resume(storage, lambda: like, verify=verify, member=member, on_damaged=on_damaged)
@@ -177,16 +175,13 @@ def say_unowned(members: Iterable[tuple[int, ...]], step: int) -> None:
     )
 
 
-def _say_unasked(storage: Storage, step: int) -> None:
+def _say_unasked(meta: _format.StepMeta, step: int) -> None:
     """`restore(step=k)` of a whole batch: the `MemberStateWarning` naming the members
     that did not ask for `k` and whose data there is not their state at `k`: they had
     left their `ckpt.while_loop` (`left`), or were at another step of their own
     (`member_steps`). (A member that did not ask but was at `k`, its predicate false in
-    a loop every member runs, holds its true state at `k`: nothing to say.)"""
-    try:
-        meta = _steps.parsed(_steps.open_step(storage, step).meta)
-    except RestoreError:  # removed (retention) since it was read: the state read stands
-        return
+    a loop every member runs, holds its true state at `k`: nothing to say.) From the
+    description the read used: nothing more is listed or read."""
     if not meta.batch_shape or meta.members.all():
         return
     elsewhere = _not_at(meta) & ~meta.members
@@ -512,6 +507,8 @@ def _read_step(
         _rebuild.rebuild(leaf, spec, saved, array)
         for leaf, spec, saved, array in zip(like_leaves, like_specs, saved_of, values, strict=True)
     ]
+    if named:  # (a restart says what it does with such members itself: `unowned`)
+        _say_unasked(meta, step)
     return treedef.unflatten(leaves)
 
 
