@@ -189,7 +189,7 @@ def _say_unasked(meta: _format.StepMeta, step: int) -> None:
         return
     shown = members_text(tuple(int(i) for i in index) for index in np.argwhere(elsewhere))
     _warn.warn(
-        f"{where()}(step={step}): member(s) {shown} of the batch did not ask for step "
+        f"{where()}: member(s) {shown} of the batch did not ask for step "
         f"{step} and were not at it (they had left their loop, whose body ran on for "
         "them, or were at a step of their own): what it holds for them is returned as "
         "stored, a state they never had at that step. Fix: restore(like, "
