@@ -865,7 +865,8 @@ class Checkpointer:
                 there, returning the carry saved. Check `ckpt.stop_requested` after the
                 jitted call (`ckpt.run` does all of this for you).
             save_last: save after the last iteration too (checkpoint `upper`).
-            shardings, metrics: as `maybe_save` (metrics: a function of the carry).
+            shardings: as `maybe_save`.
+            metrics: as `maybe_save`, a function of the carry (computed at saves only).
 
         Example:
             ```python
