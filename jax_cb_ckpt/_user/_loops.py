@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -189,9 +189,11 @@ def _known_bounds(lower: ArrayLike, upper: ArrayLike) -> tuple[int, int] | None:
     integer arrays: what `lax.fori_loop` turns into a scan), else None."""
     if isinstance(lower, Tracer) or isinstance(upper, Tracer):
         return None
-    try:
+    if not isinstance(lower, SupportsIndex) or not isinstance(upper, SupportsIndex):
+        return None
+    try:  # (a jax.Array has __index__, which refuses a float one)
         return operator.index(lower), operator.index(upper)
-    except TypeError:  # (a float bound, which lax.fori_loop refuses in its own words)
+    except TypeError:  # (a float array bound, which lax.fori_loop refuses in its words)
         return None
 
 
