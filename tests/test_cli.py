@@ -418,3 +418,47 @@ def test_verify_of_a_step_removed_while_it_is_read(tmp_path, capsys, monkeypatch
     assert main(["verify", str(d)]) == 0
     out = capsys.readouterr().out
     assert out.count("removed while it was being read") == 1 and "step 2: removed" in out
+
+
+def test_a_listing_beside_a_max_to_keep_1_writer_is_never_empty(tmp_path, capsys, monkeypatch):
+    """Beside a writer with max_to_keep=1 the directory always holds a step, yet a
+    listing could find none: it named step 1 only, and by the time step 1 was examined
+    the writer had committed step 2 and removed step 1. verify() then raised "no
+    checkpoint in ... (is it the run's own directory?)", the command exited 2, and
+    latest_step() was None (a script checking it re-initialises): 1 verify in ~2,600
+    in a loop beside such a writer. The writer moves on at exactly that instant here,
+    once per call: every reader lists again and finds the new step."""
+    import threading
+
+    from jax_cb_ckpt._cli._main import main
+    from jax_cb_ckpt._storage import _local
+
+    d = tmp_path / "run"
+    reader = threading.current_thread()
+    examine = _local.Local._examine
+    with jax_cb_ckpt.Checkpointer(d, max_to_keep=1) as ckpt:
+        ckpt.save({"w": np.full(8, 1.0, np.float32)}, 1)
+        ckpt.wait()
+        step, moves = [1], [0]
+
+        def examined_as_the_writer_moves_on(self, examined):
+            if threading.current_thread() is reader and moves[0] and examined == step[0]:
+                moves[0] -= 1  # the listing named the old step only; the next comes, it goes
+                step[0] += 1
+                ckpt.save({"w": np.full(8, float(step[0]), np.float32)}, step[0])
+                ckpt.wait()
+            return examine(self, examined)
+
+        def once(read):
+            moves[0] = 1
+            result = read()
+            assert moves[0] == 0  # (the writer did move on while it was listed)
+            return result
+
+        monkeypatch.setattr(_local.Local, "_examine", examined_as_the_writer_moves_on)
+        assert once(lambda: jax_cb_ckpt.latest_step(d)) == 2
+        assert once(lambda: jax_cb_ckpt.all_steps(d)) == [3]
+        assert once(lambda: jax_cb_ckpt.verify(d)) == [4]
+        capsys.readouterr()
+        assert once(lambda: main(["verify", str(d)])) == 0, capsys.readouterr()
+        assert "step 5: ok" in capsys.readouterr().out

@@ -28,10 +28,15 @@ def train():
     for step in range(3):
         late.save({"w": jnp.full((4,), float(step))}, step)
 
+def train_run(runner):
+    time.sleep(0.5)  # the main thread has ended by now
+    runner.run(lambda state, step: state + 1.0, jnp.zeros(3), 10, quiet=True)
+
 ckpt = jax_cb_ckpt.Checkpointer(sys.argv[1], queue_size=16)
 for step in range(6):
     ckpt.save({"w": jnp.full((20000,), float(step))}, step)
 threading.Thread(target=train).start()
+threading.Thread(target=train_run, args=(jax_cb_ckpt.Checkpointer(sys.argv[3], every=5),)).start()
 print("main thread ends", flush=True)
 # no close(), no wait()
 """
@@ -40,14 +45,18 @@ print("main thread ends", flush=True)
 def test_unclosed_checkpointers_and_late_threads_are_written_at_exit(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    first, late = tmp_path / "first", tmp_path / "late"
-    done = run_child(["python", script, first, late], timeout=120)
+    first, late, ran = tmp_path / "first", tmp_path / "late", tmp_path / "ran"
+    done = run_child(["python", script, first, late, ran], timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "main thread ends"
     # The unclosed Checkpointer's saves are written on every Python, also where no new
     # thread may start any more (its fsyncs then run in the exit hook's thread).
     assert jax_cb_ckpt.all_steps(first) == list(range(6)), done.stderr
     assert float(jax_cb_ckpt.restore(first, {"w": jnp.zeros((20000,))})["w"][0]) == 5.0
+    # A Checkpointer opened before the main thread ended runs `run` in a thread still
+    # training after it (3.12.0/3.12.1: `run` starts no helper thread there, it raised
+    # "can't create new thread at interpreter shutdown").
+    assert jax_cb_ckpt.all_steps(ran) == [5, 10], done.stderr
     if sys.version_info[:3] in ((3, 12, 0), (3, 12, 1)):
         # These refuse every new thread once the main thread has ended: a Checkpointer
         # created then cannot start its writer, and says so (nothing is half-written).

@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_cb_ckpt
@@ -109,6 +110,25 @@ def test_grad_through_concrete_bounds_is_the_same(make_ckpt):
 
     mine = jax.grad(loss)(1.5, functools.partial(ckpt.fori_loop, every=3))
     theirs = jax.grad(loss)(1.5, jax.lax.fori_loop)
+    assert jax_cb_ckpt.same_bits(mine, theirs)
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 6]
+
+
+@pytest.mark.parametrize("kind", [np.int32, np.int64, jnp.int32], ids=["np32", "np64", "jnp32"])
+def test_grad_through_bounds_that_are_numpy_or_concrete_array_integers(make_ckpt, kind):
+    # lax.fori_loop makes a scan of any bounds Python knows, numpy integers and concrete
+    # arrays included, and so is reverse-differentiable under jit: so is ckpt.fori_loop.
+    ckpt = make_ckpt(every=3)
+    lower, upper = kind(0), kind(7)
+
+    def loss(w, loop):
+        return loop(lower, upper, lambda i, c: c * w + 1.0, jnp.ones(3)).sum()
+
+    mine = jax.jit(jax.grad(loss, argnums=0), static_argnums=1)(
+        1.5, functools.partial(ckpt.fori_loop, every=3)
+    )
+    theirs = jax.jit(jax.grad(loss, argnums=0), static_argnums=1)(1.5, jax.lax.fori_loop)
     assert jax_cb_ckpt.same_bits(mine, theirs)
     ckpt.wait()
     assert ckpt.all_steps() == [3, 6]

@@ -45,6 +45,13 @@ def test_a_member_that_left_the_loop_is_not_saved_where_another_goes_on(make_ckp
     assert float(jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), step=5, member=1)) == 5.0
     with pytest.raises(jax_cb_ckpt.RestoreError, match=r"member \(0,\) did not save at step 5"):
         jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), step=5, member=0)
+    # Without step= it is no better to suggest restoring without step= (as it did).
+    with pytest.raises(jax_cb_ckpt.RestoreError) as refused:
+        jax_cb_ckpt.restore(ckpt.directory, jnp.float32(0), member=0)
+    assert "member (0,) did not save at step 5, the newest of " in str(refused.value)
+    assert "nor at any readable step before it" in str(refused.value)
+    assert "restore_or_init" in str(refused.value)
+    assert "restore without step=" not in str(refused.value)
     shown = run_child([sys.executable, "-m", "jax_cb_ckpt", "show", ckpt.directory])
     assert "1 of 2 members saved: [(1,)]; left their loop: [(0,)]" in shown.stdout, shown
     (state, start), final = _resumed(ckpt, [4, 5])

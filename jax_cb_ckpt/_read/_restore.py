@@ -232,7 +232,14 @@ def resume(
             if not meta.members[index]:
                 older = _newest_asked(storage, step, meta.batch_shape, {index})
                 if index not in older:
-                    _member_index(member, meta)  # raises: it asked for no step
+                    raise RestoreError(
+                        f"{where()}: member {index} did not save at step {step}, the "
+                        f"newest of {storage.path!r}, nor at any readable step before it "
+                        "(its maybe_save predicate was false at each, e.g. a member of a "
+                        "vmapped loop that left it before its first save), so no step "
+                        "holds a state of its own for it. Fix: start it from its initial "
+                        "state (restore_or_init does), or restore another member.",
+                    )
                 source = older[index]
             state = read_step(storage, like(), source, verify=verify, member=member, named=False)
             return Restart(state)

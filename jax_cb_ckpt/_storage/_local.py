@@ -60,14 +60,20 @@ class Local(StepsBase):
     def examine_all(self) -> dict[int, Examined]:
         """{step: what its entry is} for every step-named entry (`_examine`); empty when
         the directory does not exist. Nothing in one entry stops the others from being
-        examined; an entry removed while it is examined is left out."""
-        try:
-            names = os.listdir(self.path)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        except OSError as e:
-            raise ConfigError(f"cannot list the checkpoint directory {self.path!r}: {e}") from e
-        found = {int(n): self._examine(int(n)) for n in names if _format.is_step_name(n)}
+        examined; an entry removed while it is examined is left out, and the directory
+        listed again: a writer's retention removes a step after it committed a newer one,
+        which the first listing may not have named (with max_to_keep=1 the listing would
+        hold no step at all, and a reader beside the run would say "no checkpoint")."""
+        for _ in range(_LISTINGS):
+            try:
+                names = os.listdir(self.path)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+            except OSError as e:
+                raise ConfigError(f"cannot list the checkpoint directory {self.path!r}: {e}") from e
+            found = {int(n): self._examine(int(n)) for n in names if _format.is_step_name(n)}
+            if all(f is not GONE for f in found.values()):
+                break
         return {s: f for s, f in found.items() if f is not GONE}
 
     def _examine(self, step: int) -> Examined:
@@ -480,6 +486,10 @@ def _read_file(path: str, limit: int) -> bytes:
     with open(path, "rb") as f:
         return _format.within(path, f.read(limit + 1), limit)
 
+
+# How many times `examine_all` lists the directory when an entry listed was removed
+# before it was examined (a writer's retention), before it keeps what it found.
+_LISTINGS = 3
 
 # {meta file: (its, the step file's and Orbax's state/_METADATA's lstat identities when
 # read, what was found)}: a step whose files are unchanged since is what it was (the

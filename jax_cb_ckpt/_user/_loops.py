@@ -33,8 +33,9 @@ the stop request there and, when one came, save and end the loop.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +159,9 @@ def checkpointed_fori_loop(
     first: int | jax.Array  # (the first multiple of `chunk` from `lower` on, in bounds)
     chunks: int | jax.Array
     head = tail = True  # (a loop known to be empty is left out, not traced)
-    if isinstance(lower, int) and isinstance(upper, int):
+    known = _known_bounds(lower, upper)
+    if known is not None:
+        lower, upper = known
         first = max(lower, min(-(-lower // chunk) * chunk, upper))
         chunks = max((upper - first) // chunk, 0)
         head, tail = first > lower, upper > first + chunks * chunk
@@ -179,6 +182,19 @@ def checkpointed_fori_loop(
     val, stop = _until_stopped(first, last, chunk, whole, (val, stop))
     val, _ = _until_stopped(last, upper, 1, one, (val, stop))
     return val
+
+
+def _known_bounds(lower: ArrayLike, upper: ArrayLike) -> tuple[int, int] | None:
+    """The bounds as Python ints where Python knows them (ints, numpy integers, concrete
+    integer arrays: what `lax.fori_loop` turns into a scan), else None."""
+    if isinstance(lower, Tracer) or isinstance(upper, Tracer):
+        return None
+    if not isinstance(lower, SupportsIndex) or not isinstance(upper, SupportsIndex):
+        return None
+    try:  # (a jax.Array has __index__, which refuses a float one)
+        return operator.index(lower), operator.index(upper)
+    except TypeError:  # (a float array bound, which lax.fori_loop refuses in its words)
+        return None
 
 
 def _until_stopped(

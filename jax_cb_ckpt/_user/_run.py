@@ -563,7 +563,14 @@ def _in_thread(fn: Callable[[], _T], stop: StopFlag, tick: Callable[[], None] | 
             error.append(e)
 
     thread = threading.Thread(target=target, name="jax_cb_ckpt-run", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:
+        # Python 3.12.0/3.12.1 start no thread once the main thread has ended ("can't
+        # create new thread at interpreter shutdown"): a run called then, by a thread
+        # still training, runs here. Such a thread receives no signal, so nothing is
+        # lost by not waiting in steps (only a progress bar's ticks).
+        return fn()
     noted = False
     while thread.is_alive():
         thread.join(0.05)
