@@ -53,17 +53,22 @@ def test_sigterm_is_a_request_only_inside_the_block():
 
 def test_ctrl_c_without_sigint_is_an_interrupt_and_with_sigint_a_request():
     flag = StopFlag()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with flag.signals(sigint=False):
-        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
-    assert flag.interrupted and flag.requested
-    flag.clear()
-    with flag.signals(sigint=True):
-        signal.raise_signal(signal.SIGINT)
-    assert not flag.interrupted and flag.take() == (True, signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        signal.raise_signal(signal.SIGINT)
+    # Python's own handler, as an interactive run has it (a test runner started in the
+    # background inherits SIGINT ignored): what the flag must restore.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with flag.signals(sigint=False):
+            signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
+        assert flag.interrupted and flag.requested
+        flag.clear()
+        with flag.signals(sigint=True):
+            signal.raise_signal(signal.SIGINT)
+        assert not flag.interrupted and flag.take() == (True, signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_users_sigint_handler_runs_and_what_it_raises_is_deferred():
