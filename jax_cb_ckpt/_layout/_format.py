@@ -294,14 +294,21 @@ def _orbax_entry(entry: object, leaf: tuple[str, ...]) -> bool:
     return value.get("value_type") in _ORBAX_VALUE_TYPES and value.get("skip_deserialize") is False
 
 
+def _our_marker(data: bytes | None) -> dict | None:
+    """Our marker object `data` as a dict, or None when it is not ours (not JSON, not an
+    object, not our format tag): hostile input, read before it is trusted."""
+    try:
+        record = json.loads(data or b"{}")
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
+
+
 def marker_writer(data: bytes | None) -> str | None:
     """The writer (lock token) our marker object `data` names; None when there is none,
     or it is not our marker (our format tag and a token as a lock makes them)."""
-    try:
-        marker = json.loads(data or b"{}")
-    except ValueError:
-        return None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+    marker = _our_marker(data)
+    if marker is None:
         return None
     writer = marker.get("writer")
     return writer if isinstance(writer, str) and _TOKEN.fullmatch(writer) else None
@@ -324,12 +331,7 @@ def aside_marker(marker: bytes | None, name: str) -> bytes:
     went. Written once the copy and its note are whole and before the step is unlisted,
     so a set-aside cut short at any later instant is finished by the next opening
     (`moved_to`), never taken for someone's copy of a step."""
-    try:
-        record = json.loads(marker or b"{}")
-    except ValueError:
-        record = None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        record = {"format": FORMAT}
+    record = _our_marker(marker) or {"format": FORMAT}
     return json.dumps(dict(record, set_aside_as=name)).encode()
 
 
@@ -337,11 +339,8 @@ def moved_to(marker: bytes | None, step: int) -> str | None:
     """The set-aside name our marker object of bucket step `step` names (`aside_marker`):
     None when there is none, or it is not a set-aside name of that step (an edited or
     foreign object: never trusted to say where a step went)."""
-    try:
-        record = json.loads(marker or b"{}")
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
+    record = _our_marker(marker)
+    if record is None:
         return None
     name = record.get("set_aside_as")
     match = SET_ASIDE_PATTERN.fullmatch(name) if isinstance(name, str) else None
