@@ -678,6 +678,18 @@ print(outcome, peak_kib() - before)
 )
 
 
+def _refused_within_64_mib(root, refusal):
+    """The package's reader, in a child whose own peak memory is measured (`_PEAK`),
+    refuses the database at `root` with `refusal` (a `_ocdbt` error's name), having
+    grown by less than 64 MiB."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
+    result = run_child(["python", "-c", _PEAK, root, package], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcome, grown_kib = result.stdout.split()
+    assert outcome == refusal, result.stdout
+    assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
+
+
 def _shared_leaf(first, suffixes, shared):
     """A leaf node whose keys after `first` share its first `shared` bytes, each with
     one of `suffixes`, every value one inline byte."""
@@ -710,12 +722,7 @@ def test_a_crafted_index_is_refused_within_64_mib_before_it_is_built(tmp_path, c
         node = _shared_leaf(first, suffixes, 0)
         keys = 1_600_000
     root = _database(tmp_path / "db", node, keys=keys)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
-    result = run_child(["python", "-c", _PEAK, root, package], timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcome, grown_kib = result.stdout.split()
-    assert outcome == "Unsupported", result.stdout
-    assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
+    _refused_within_64_mib(root, "Unsupported")
 
 
 def _inflated_table(real, count=4_500, shared=64_999):
@@ -840,12 +847,7 @@ def test_an_inflated_data_file_table_is_refused_before_it_is_built(tmp_path, cas
         parent = _varint(1) + _varint(len(path)) + _varint(len(base)) + path
         node = _interior(1, [(b"", 0, 0, len(leaf))], table=parent)
         root = _database(tmp_path / "db", node, height=1, tree=len(leaf) + len(node))
-    package = os.path.dirname(os.path.dirname(os.path.abspath(_ocdbt.__file__)))
-    result = run_child(["python", "-c", _PEAK, root, package], timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcome, grown_kib = result.stdout.split()
-    assert outcome == "Inflated", result.stdout
-    assert int(grown_kib) < 64 << 10, f"+{int(grown_kib) >> 10} MiB"
+    _refused_within_64_mib(root, "Inflated")
 
 
 @pytest.mark.parametrize(

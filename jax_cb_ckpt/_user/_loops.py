@@ -45,7 +45,7 @@ from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
 from .._save import _traced
 from ._options import When
-from ._scan import metrics_at_save
+from ._scan import check_metrics, metrics_at_save
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
@@ -252,12 +252,7 @@ def _checked(
     for name, value in (("stoppable", stoppable), ("save_last", save_last)):
         if not isinstance(value, bool):
             raise ConfigError(f"fori_loop: {name} must be True or False, got {value!r}.")
-    if metrics is not None and not callable(metrics):
-        raise ConfigError(
-            f"fori_loop(metrics={metrics!r}): metrics must be a function of the carry that "
-            "returns the metrics to record with each save, e.g. "
-            "metrics=lambda val: {'loss': val.loss}."
-        )
+    check_metrics("fori_loop", metrics, "carry", "metrics=lambda val: {'loss': val.loss}")
     check = check_every
     if check is None:
         check = every if every is not None and not by_clock else when.check

@@ -27,7 +27,7 @@ from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
 from ._options import When
 from ._preempt import Preempted, StopFlag
-from ._scan import metrics_at_save
+from ._scan import check_metrics, metrics_at_save
 
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
@@ -136,12 +136,13 @@ def _checked_arguments(
         )
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ConfigError(f"run: num_steps must be a non-negative int, got {num_steps!r}.")
-    if metrics is not None and not callable(metrics):
-        raise ConfigError(
-            f"run(metrics={metrics!r}): metrics must be a function of the state that "
-            "returns the metrics to record with each save (a dict of scalars; for one "
-            "member with batched=True), e.g. metrics=lambda s: {'loss': s.loss}."
-        )
+    check_metrics(
+        "run",
+        metrics,
+        "state",
+        "metrics=lambda s: {'loss': s.loss}",
+        more=" (a dict of scalars; for one member with batched=True)",
+    )
     if check_every is not None:
         check = check_every
     else:

@@ -50,12 +50,7 @@ def scan(
             f"scan: every must be a positive int (iterations between saves), got {every!r}. "
             "Fix: pass every=N, or create the Checkpointer with every=N."
         )
-    if metrics is not None and not callable(metrics):
-        raise ConfigError(
-            f"scan(metrics={metrics!r}): metrics must be a function of the carry that "
-            "returns the metrics to record with each save, e.g. "
-            "metrics=lambda carry: {'loss': carry.loss}."
-        )
+    check_metrics("scan", metrics, "carry", "metrics=lambda carry: {'loss': carry.loss}")
     by_clock = when.every_seconds is not None
     # Without the clock, a chunk is `every` iterations and each boundary saves; with
     # it, the boundaries come every `check_every` iterations too, and ask it.
@@ -102,6 +97,16 @@ def scan(
     carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
     parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+
+
+def check_metrics(call: str, metrics: object, of: str, example: str, more: str = "") -> None:
+    """The `metrics=` of a loop the library runs (`run`, `scan`, `fori_loop`), refused
+    by name unless it is None or a function of `of` (the state or the carry)."""
+    if metrics is not None and not callable(metrics):
+        raise ConfigError(
+            f"{call}(metrics={metrics!r}): metrics must be a function of the {of} that "
+            f"returns the metrics to record with each save{more}, e.g. {example}."
+        )
 
 
 def metrics_at_save(
