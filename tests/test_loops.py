@@ -167,7 +167,7 @@ def test_without_a_stop_request_a_stoppable_loop_runs_to_the_end(make_ckpt):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"body_fun": 3}, "fori_loop: body_fun must be a function body_fun(i, val) -> val"),
+        ({"body_fun": 3}, "fori_loop(body_fun=3): body_fun must be a function, as for jax.lax"),
         ({"every": 0}, "fori_loop: every must be a positive int"),
         ({"every": None, "save_last": True}, "fori_loop(save_last=...): save_last is an option"),
         ({"every": None, "check_every": 5}, "nothing to decide at the asks"),

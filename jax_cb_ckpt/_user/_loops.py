@@ -115,8 +115,9 @@ def checkpointed_fori_loop(
     if every is None and check_every is None:  # the loop saves nothing itself
         _check_nothing_to_save_by(stoppable, save_last, shardings, metrics)
         return fori_loop(lower, upper, body_fun, init_val)
+    _check_callable("fori_loop", body_fun=body_fun)
     by_clock = when.every_seconds is not None
-    check = _checked(body_fun, every, check_every, stoppable, save_last, metrics, by_clock, when)
+    check = _checked(every, check_every, stoppable, save_last, metrics, by_clock, when)
     reads = by_clock or stoppable  # decisions that need the host, every `check` iterations
     chunk = check if every is None else (math.gcd(every, check) if reads else every)
 
@@ -221,7 +222,6 @@ def _until_stopped(
 
 
 def _checked(
-    body_fun: object,
     every: object,
     check_every: object,
     stoppable: object,
@@ -232,15 +232,10 @@ def _checked(
 ) -> int:
     """The arguments checked before anything is traced; the iterations between two
     reads of the host (the clock, the stop request)."""
-    if not callable(body_fun):
-        raise ConfigError(
-            f"fori_loop: body_fun must be a function body_fun(i, val) -> val, as "
-            f"lax.fori_loop takes it, got {body_fun!r}."
-        )
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
         raise ConfigError(
             f"fori_loop: every must be a positive int (iterations between saves), got "
-            f"{every!r}. Fix: pass every=N, or create the Checkpointer with every=N."
+            f"{every!r}. Fix: pass every=N, a positive int."
         )
     if every is None and not by_clock and stoppable is not True:
         raise ConfigError(
