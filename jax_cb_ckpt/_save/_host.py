@@ -240,11 +240,8 @@ class HostSide:
         members = np.asarray(wanted).astype(bool)  # a per-device mask under pmap "stack"
         if not members.any():
             return
-        try:
-            step = _one_step(np.asarray(step), np.asarray(True))
-        except CheckpointError as e:  # the same on every device: nothing was added
-            self._exchange.record(e)
-            raise
+        # (a refusal is the same on every device, nothing added; kept by `_reported`)
+        step = _one_step(np.asarray(step), np.asarray(True))
         if self.on_step is not None:
             self.on_step(step)
         position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
@@ -393,11 +390,7 @@ class HostSide:
         self._refuse_if_failed()
         members = np.asarray(wanted).astype(bool)
         steps = np.asarray(step)
-        try:
-            step = _one_step(steps, members)
-        except CheckpointError as e:
-            self._exchange.record(e)  # re-raised by wait()/close() as our own type
-            raise
+        step = _one_step(steps, members)  # (a refusal is kept for wait() by `_reported`)
         own, left = _member_steps(steps, members, step)
         self._hand_over(
             signature,
