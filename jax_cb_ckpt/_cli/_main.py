@@ -171,36 +171,9 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     for r in rows:
         if r is not None and str(r["step"]) in stuck:
             r["undeletable"] = stuck[str(r["step"])]
-    rows += [
-        {
-            "step": step,
-            "saved_at": None,
-            "bytes": storage.entry_bytes(os.path.basename(path)),
-            "complete": False,
-        }
-        for step, path in storage.unfinished_steps()
-    ]
-    others = []
-    examined = storage.examine_all()
-    plain = _plain.steps(storage, examined)
-    for step, found in sorted(examined.items()):
-        if found.kind != "complete" and found != _format.UNFINISHED:  # (listed above)
-            row = {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
-            if step in plain and plain[step].problem is None:  # listed, read unverified
-                saved_at = plain[step].saved_at or storage.entry_time(str(step))
-                row |= {"saved_at": saved_at, "complete": True, "plain_orbax": "resumable"}
-            elif step in plain:  # a restart names it
-                row |= {"complete": False, "plain_orbax": plain[step].problem}
-            else:
-                row |= {"complete": False, found.kind: found.why}
-            others.append(row)
-    for step, name, why in storage.set_aside_steps():
-        others.append(
-            {"step": step, "saved_at": None, "bytes": storage.entry_bytes(name)}
-            | {"complete": False, "set_aside": name, "why": why}
-        )
     rows = sorted(
-        (r for r in rows + others if r is not None), key=lambda r: (r["step"], r["complete"])
+        (r for r in rows + _not_listed(storage) if r is not None),
+        key=lambda r: (r["step"], r["complete"]),
     )
     if not rows:  # a wrong path, by the exit codes' one rule (2)
         raise NoCheckpointError(f"no checkpoints in {directory}{_step_folder_hint(storage)}")
@@ -214,6 +187,47 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
         retention = None if rules is None else rules.to_json()
         _print_json({"directory": directory, "retention": retention, "steps": rows})
         return 0
+    _ls_table(rows, metas, rules)
+    return 0
+
+
+def _not_listed(storage: Storage) -> list[dict[str, Any]]:
+    """`ls`'s rows for what is not a listed step: unfinished steps, plain Orbax steps,
+    damaged, unreadable or foreign folders, steps set aside."""
+    rows: list[dict[str, Any]] = [
+        {
+            "step": step,
+            "saved_at": None,
+            "bytes": storage.entry_bytes(os.path.basename(path)),
+            "complete": False,
+        }
+        for step, path in storage.unfinished_steps()
+    ]
+    examined = storage.examine_all()
+    plain = _plain.steps(storage, examined)
+    for step, found in sorted(examined.items()):
+        if found.kind != "complete" and found != _format.UNFINISHED:  # (listed above)
+            row = {"step": step, "saved_at": None, "bytes": storage.entry_bytes(str(step))}
+            if step in plain and plain[step].problem is None:  # listed, read unverified
+                saved_at = plain[step].saved_at or storage.entry_time(str(step))
+                row |= {"saved_at": saved_at, "complete": True, "plain_orbax": "resumable"}
+            elif step in plain:  # a restart names it
+                row |= {"complete": False, "plain_orbax": plain[step].problem}
+            else:
+                row |= {"complete": False, found.kind: found.why}
+            rows.append(row)
+    for step, name, why in storage.set_aside_steps():
+        rows.append(
+            {"step": step, "saved_at": None, "bytes": storage.entry_bytes(name)}
+            | {"complete": False, "set_aside": name, "why": why}
+        )
+    return rows
+
+
+def _ls_table(
+    rows: list[dict[str, Any]], metas: dict[int, _format.StepMeta], rules: Rules | None
+) -> None:
+    """`ls`'s table: a row per step, a column per recorded metric, what keeps it."""
     names = sorted({name for meta in metas.values() for name in meta.metrics})
     columns = [  # (a row that is not a complete step, such as a step set aside: none)
         (name, [_metric_text(metas, r["step"], name) if _ours(r) else "" for r in rows])
@@ -230,38 +244,37 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     head = "".join(f"{title:>{w}}  " for (title, _), w in zip(columns, widths, strict=True))
     _say(f"{'step':>10}  {'saved at (UTC)':<23}  {'size':>9}  {head}state")
     for index, r in enumerate(rows):
-        if "damaged" in r and r.get("listed"):
-            state = f"damaged: {r['damaged']} (restore and verify refuse it; never deleted)"
-        elif "damaged" in r:
-            state = f"damaged: {r['damaged']} (not listed, not restored)"
-        elif r.get("plain_orbax") == "resumable":
-            state = (
-                "a plain Orbax step: a restart resumes from it (unverified), as do "
-                "restore and verify; Orbax keeps no checksums; never touched or deleted"
-            )
-        elif "plain_orbax" in r:
-            state = f"a plain Orbax step a restart cannot resume from: {r['plain_orbax']}"
-        elif "unreadable" in r:
-            state = f"unreadable: {r['unreadable']} (not listed; a restart stops here)"
-        elif "set_aside" in r:
-            state = (
-                f"set aside by a restart as {r['set_aside']}: {r['why']} (not a step; "
-                "never deleted)"
-            )
-        elif "foreign" in r:
-            state = f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
-        elif r["complete"] and "undeletable" in r:
-            state = f"complete; retention cannot delete it: {r['undeletable']}"
-        elif r["complete"]:
-            state = "complete"
-        else:
-            state = "incomplete (being written, or left by a crash)"
         saved = (r["saved_at"] or "-").replace("T", " ").split("+")[0]
         cells = "".join(
             f"{cells[index]:>{w}}  " for (_, cells), w in zip(columns, widths, strict=True)
         )
-        _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {cells}{state}")
-    return 0
+        _say(f"{r['step']:>10}  {saved:<23}  {_size(r['bytes']):>9}  {cells}{_ls_state(r)}")
+
+
+def _ls_state(r: dict[str, Any]) -> str:
+    """`ls`'s last column: what a row is, and what a restart does with it."""
+    if "damaged" in r and r.get("listed"):
+        return f"damaged: {r['damaged']} (restore and verify refuse it; never deleted)"
+    if "damaged" in r:
+        return f"damaged: {r['damaged']} (not listed, not restored)"
+    if r.get("plain_orbax") == "resumable":
+        return (
+            "a plain Orbax step: a restart resumes from it (unverified), as do "
+            "restore and verify; Orbax keeps no checksums; never touched or deleted"
+        )
+    if "plain_orbax" in r:
+        return f"a plain Orbax step a restart cannot resume from: {r['plain_orbax']}"
+    if "unreadable" in r:
+        return f"unreadable: {r['unreadable']} (not listed; a restart stops here)"
+    if "set_aside" in r:
+        return f"set aside by a restart as {r['set_aside']}: {r['why']} (not a step; never deleted)"
+    if "foreign" in r:
+        return f"not a jax_cb_ckpt checkpoint ({r['foreign']}): ignored"
+    if r["complete"] and "undeletable" in r:
+        return f"complete; retention cannot delete it: {r['undeletable']}"
+    if r["complete"]:
+        return "complete"
+    return "incomplete (being written, or left by a crash)"
 
 
 def _ours(row: dict[str, Any]) -> bool:
@@ -284,26 +297,7 @@ def _ranked(
     `--mode` against it is refused unless `--ignore-recorded`."""
     import numpy as np  # (already imported by _format: no start-up cost)
 
-    name, mode = args.best, args.mode
-    kept_by_it = rules is not None and rules.best == name
-    if mode is None:
-        if rules is None or not kept_by_it:
-            said = (
-                "no keep_best rule"
-                if rules is None or rules.best is None
-                else (f"keep_best by {rules.best!r}")
-            )
-            raise ConfigError(
-                f"--best {name!r}: the steps record {said}, not whether a higher or a lower "
-                f"{name!r} is better. Fix: add --mode max (higher is better) or --mode min."
-            )
-        mode = rules.mode
-    elif kept_by_it and rules is not None and mode != rules.mode and not args.ignore_recorded:
-        raise ConfigError(
-            f"--best {name!r} --mode {mode}: the steps were kept by {name!r} with mode "
-            f"{rules.mode}; --mode {mode} ranks them the other way (the worst would come "
-            "first). Fix: leave --mode out, or add --ignore-recorded to rank by it anyway."
-        )
+    name, mode = args.best, _ranking_mode(args, rules)
     if args.top is not None and args.top <= 0:
         raise ConfigError(f"--top {args.top}: pass a positive number of steps.")
     ranked, batched = [], False
@@ -341,6 +335,32 @@ def _ranked(
     if not ranked:
         raise NoCheckpointError(f"no complete step in {directory} recorded {name!r} (not NaN)")
     return [r for *_, r in ranked][: args.top]
+
+
+def _ranking_mode(args: argparse.Namespace, rules: Rules | None) -> str:
+    """`ls --best NAME`'s mode: `--mode`, else the one the steps were kept by for NAME;
+    a `--mode` against it is refused unless `--ignore-recorded`."""
+    name, mode = args.best, args.mode
+    kept_by_it = rules is not None and rules.best == name
+    if mode is None:
+        if rules is None or not kept_by_it:
+            said = (
+                "no keep_best rule"
+                if rules is None or rules.best is None
+                else (f"keep_best by {rules.best!r}")
+            )
+            raise ConfigError(
+                f"--best {name!r}: the steps record {said}, not whether a higher or a lower "
+                f"{name!r} is better. Fix: add --mode max (higher is better) or --mode min."
+            )
+        mode = rules.mode
+    elif kept_by_it and rules is not None and mode != rules.mode and not args.ignore_recorded:
+        raise ConfigError(
+            f"--best {name!r} --mode {mode}: the steps were kept by {name!r} with mode "
+            f"{rules.mode}; --mode {mode} ranks them the other way (the worst would come "
+            "first). Fix: leave --mode out, or add --ignore-recorded to rank by it anyway."
+        )
+    return mode
 
 
 def _undeletable(storage: Storage) -> dict[str, str]:
@@ -584,8 +604,6 @@ def _sharding(described: dict[str, Any]) -> str:
 
 
 def _verify(storage: Storage, args: argparse.Namespace) -> int:
-    from .._read._steps import gone, verify  # reading arrays needs TensorStore, not JAX
-
     directory = storage.path
     found = storage.examine_all()
     plain = _plain.listed(storage, found)  # read whole with Orbax: readable, unverified
@@ -601,63 +619,73 @@ def _verify(storage: Storage, args: argparse.Namespace) -> int:
         )
     if args.step is not None and args.step not in found:
         raise NoCheckpointError(f"no step {args.step} in {directory}")
-    results = []
-    for step in steps:
-        result: dict[str, Any] = {"step": step, "checksums": False}
-        try:
-            if step in damaged:
-                raise _format.DamagedStep(damaged[step])
-            if step in plain:
-                result["plain_orbax"] = True
-            else:
-                read = _step_meta if step in found else _meta  # (_meta says it is not there)
-                result["checksums"] = bool(read(storage, step)[1].checksums)
-            with warnings.catch_warnings():  # a damaged step is its own line here
-                warnings.simplefilter("ignore", DamagedStepWarning)
-                verify(directory, step=step)
-            result["ok"] = True
-        except _format.DamagedStep as e:
-            result["ok"] = False
-            result["error"] = f"DAMAGED: {e}; not listed, not restored"
-        except (CheckpointError, OSError) as e:
-            if step in found and found[step].kind == "complete" and gone(storage, step):
-                # A run writing the directory removed it (retention): no damage.
-                if args.step is not None:  # the one step asked for is not there (exit 2)
-                    raise NoCheckpointError(
-                        f"step {step} of {directory} was removed while it was being read "
-                        "(by the retention of a run writing here): nothing was verified"
-                    ) from e
-                result.update(ok=True, removed=True)
-            else:
-                result["ok"] = False
-                result["error"] = f"FAILED: {e}"
-        results.append(result)
+    results = [_verified(storage, args, step, found, plain, damaged) for step in steps]
     failed = [r for r in results if not r["ok"]]
     unchecked = [r for r in results if r["ok"] and not r["checksums"] and not r.get("removed")]
     if args.json:
         _print_json({"directory": directory, "ok": not failed, "steps": results})
     else:
         for r in results:
-            if not r["ok"]:
-                _say(f"step {r['step']}: {r['error']}")
-            elif r.get("removed"):
-                _say(
-                    f"step {r['step']}: removed while it was being read (the retention of a "
-                    "run writing here), skipped"
-                )
-            elif r["checksums"]:
-                _say(f"step {r['step']}: ok (every byte matches its checksum)")
-            elif r.get("plain_orbax"):
-                _say(
-                    f"step {r['step']}: a plain Orbax step, read whole with Orbax: readable, "
-                    "NOT verified (Orbax keeps no checksums)"
-                )
-            else:
-                _say(
-                    f"step {r['step']}: readable, NOT verified: written without checksums "
-                    "(by an older version)"
-                )
+            _say(f"step {r['step']}: {_verify_line(r)}")
     return _FAILED if failed else _UNCHECKED if unchecked else 0
+
+
+def _verified(
+    storage: Storage,
+    args: argparse.Namespace,
+    step: int,
+    found: dict[int, _format.Examined],
+    plain: dict[int, _plain.PlainStep],
+    damaged: dict[int, str],
+) -> dict[str, Any]:
+    """`verify`'s result for one step: read whole, every byte against its checksum."""
+    from .._read._steps import gone, verify  # reading arrays needs TensorStore, not JAX
+
+    result: dict[str, Any] = {"step": step, "checksums": False}
+    try:
+        if step in damaged:
+            raise _format.DamagedStep(damaged[step])
+        if step in plain:
+            result["plain_orbax"] = True
+        else:
+            read = _step_meta if step in found else _meta  # (_meta says it is not there)
+            result["checksums"] = bool(read(storage, step)[1].checksums)
+        with warnings.catch_warnings():  # a damaged step is its own line here
+            warnings.simplefilter("ignore", DamagedStepWarning)
+            verify(storage.path, step=step)
+        result["ok"] = True
+    except _format.DamagedStep as e:
+        result["ok"] = False
+        result["error"] = f"DAMAGED: {e}; not listed, not restored"
+    except (CheckpointError, OSError) as e:
+        if step in found and found[step].kind == "complete" and gone(storage, step):
+            # A run writing the directory removed it (retention): no damage.
+            if args.step is not None:  # the one step asked for is not there (exit 2)
+                raise NoCheckpointError(
+                    f"step {step} of {storage.path} was removed while it was being read "
+                    "(by the retention of a run writing here): nothing was verified"
+                ) from e
+            result.update(ok=True, removed=True)
+        else:
+            result["ok"] = False
+            result["error"] = f"FAILED: {e}"
+    return result
+
+
+def _verify_line(r: dict[str, Any]) -> str:
+    """`verify`'s line for one step's result (after "step N: ")."""
+    if not r["ok"]:
+        return r["error"]
+    if r.get("removed"):
+        return "removed while it was being read (the retention of a run writing here), skipped"
+    if r["checksums"]:
+        return "ok (every byte matches its checksum)"
+    if r.get("plain_orbax"):
+        return (
+            "a plain Orbax step, read whole with Orbax: readable, NOT verified (Orbax keeps "
+            "no checksums)"
+        )
+    return "readable, NOT verified: written without checksums (by an older version)"
 
 
 # -- output ------------------------------------------------------------------------------

@@ -172,17 +172,7 @@ class Database:
         """Read the B+tree node at (`path`, `offset`, `length`) of `height`, whose keys
         all begin with `prefix` and lie in [`lower`, `upper`), and every node below it."""
         where = f"the B-tree node at bytes {offset}..{offset + length} of '{self._path(path)}'"
-        seen = self._seen.get((path, offset, length))
-        if seen is not None:  # shared by two parents (legal), or its own descendant
-            if seen != height:
-                raise Damaged(f"{where} is reached again below itself")
-            raise Unsupported(f"{where}, reached twice")
-        self._seen[(path, offset, length)] = height
-        self._tree_left -= length
-        if self._tree_left < 0:  # the walk's bound: past it, TensorStore decides
-            raise Unsupported(f"{where} makes the B-tree larger than its manifest says")
-        if length > _MAX_NODE_BYTES:
-            raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
+        self._visit((path, offset, length), height, where)
         encoded = self._read_exact(path, offset, length)
         reader = _Reader(_unwrap(encoded, _BTREE_MAGIC, where), where)
         if reader.byte() != height:
@@ -198,23 +188,7 @@ class Database:
         prefix_lengths = [0] + [reader.varint() for _ in range(count - 1)]
         suffix_lengths = [reader.varint() for _ in range(count)]
         common = [reader.varint() for _ in range(count)] if height > 0 else []
-        keys: list[bytes] = []
-        for i in range(count):
-            # Each key's length, and the walk's running total, checked before it is built
-            # (a key shares up to all of the one before it: 4,500 keys of a 65,000-byte
-            # prefix in a 216 KiB node would expand to ~280 MiB).
-            if i and prefix_lengths[i] > len(keys[-1]):
-                raise Damaged(f"{where} has a key prefix longer than the key before it")
-            size = prefix_lengths[i] + suffix_lengths[i]
-            if len(prefix) + size > _MAX_KEY_BYTES:
-                raise Damaged(f"{where} has a key longer than {_MAX_KEY_BYTES} bytes")
-            self._key_bytes_left -= len(prefix) + size
-            if self._key_bytes_left < 0:
-                raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
-            key = (keys[-1][: prefix_lengths[i]] if i else b"") + reader.take(suffix_lengths[i])
-            if keys and key <= keys[-1]:
-                raise Damaged(f"{where} has keys out of order")
-            keys.append(key)
+        keys = self._keys(reader, prefix_lengths, suffix_lengths, prefix, where)
         if prefix + keys[0] < lower:
             raise Damaged(f"{where} begins below the key its parent gives")
         if upper is not None and prefix + keys[-1] >= upper:
@@ -222,26 +196,85 @@ class Database:
         if height == 0:
             self._leaf(reader, keys, files, prefix, where)
         else:
-            ids = [reader.varint() for _ in range(count)]
-            offsets = [reader.varint() for _ in range(count)]
-            lengths = [reader.varint() for _ in range(count)]
-            for _ in range(3 * count):  # num_keys, num_tree_bytes, num_indirect_value_bytes
-                reader.varint()
-            reader.end()
-            for i, key in enumerate(keys):
-                if common[i] > len(key) or ids[i] >= len(files):
-                    raise Damaged(f"{where} has an entry that points nowhere")
-                child, child_base = files[ids[i]]
-                self._node(
-                    child,
-                    child_base,
-                    offsets[i],
-                    lengths[i],
-                    height - 1,
-                    prefix + key[: common[i]],
-                    prefix + key,
-                    prefix + keys[i + 1] if i + 1 < count else upper,
-                )
+            self._children(reader, keys, common, files, height, prefix, upper, where)
+
+    def _visit(self, at: tuple[str, int, int], height: int, where: str) -> None:
+        """Count the node at `at` (path, offset, length) against the walk's bounds: a node
+        reached twice, a tree larger than its manifest says or a node too large is left
+        to TensorStore (`Unsupported`); one below itself is `Damaged`."""
+        seen = self._seen.get(at)
+        if seen is not None:  # shared by two parents (legal), or its own descendant
+            if seen != height:
+                raise Damaged(f"{where} is reached again below itself")
+            raise Unsupported(f"{where}, reached twice")
+        self._seen[at] = height
+        self._tree_left -= at[2]
+        if self._tree_left < 0:  # the walk's bound: past it, TensorStore decides
+            raise Unsupported(f"{where} makes the B-tree larger than its manifest says")
+        if at[2] > _MAX_NODE_BYTES:
+            raise Unsupported(f"{where}, larger than {_MAX_NODE_BYTES >> 20} MiB")
+
+    def _keys(
+        self,
+        reader: _Reader,
+        prefix_lengths: list[int],
+        suffix_lengths: list[int],
+        prefix: bytes,
+        where: str,
+    ) -> list[bytes]:
+        """A node's keys (after `prefix`), in order."""
+        keys: list[bytes] = []
+        for i, (shared, suffix) in enumerate(zip(prefix_lengths, suffix_lengths, strict=True)):
+            # Each key's length, and the walk's running total, checked before it is built
+            # (a key shares up to all of the one before it: 4,500 keys of a 65,000-byte
+            # prefix in a 216 KiB node would expand to ~280 MiB).
+            if i and shared > len(keys[-1]):
+                raise Damaged(f"{where} has a key prefix longer than the key before it")
+            size = shared + suffix
+            if len(prefix) + size > _MAX_KEY_BYTES:
+                raise Damaged(f"{where} has a key longer than {_MAX_KEY_BYTES} bytes")
+            self._key_bytes_left -= len(prefix) + size
+            if self._key_bytes_left < 0:
+                raise Unsupported(f"keys of more than {_MAX_KEY_TOTAL >> 20} MiB in all")
+            key = (keys[-1][:shared] if i else b"") + reader.take(suffix)
+            if keys and key <= keys[-1]:
+                raise Damaged(f"{where} has keys out of order")
+            keys.append(key)
+        return keys
+
+    def _children(
+        self,
+        reader: _Reader,
+        keys: list[bytes],
+        common: list[int],
+        files: list[tuple[str, str]],
+        height: int,
+        prefix: bytes,
+        upper: bytes | None,
+        where: str,
+    ) -> None:
+        """The rest of an interior node (its children's places), and each child."""
+        count = len(keys)
+        ids = [reader.varint() for _ in range(count)]
+        offsets = [reader.varint() for _ in range(count)]
+        lengths = [reader.varint() for _ in range(count)]
+        for _ in range(3 * count):  # num_keys, num_tree_bytes, num_indirect_value_bytes
+            reader.varint()
+        reader.end()
+        for i, key in enumerate(keys):
+            if common[i] > len(key) or ids[i] >= len(files):
+                raise Damaged(f"{where} has an entry that points nowhere")
+            child, child_base = files[ids[i]]
+            self._node(
+                child,
+                child_base,
+                offsets[i],
+                lengths[i],
+                height - 1,
+                prefix + key[: common[i]],
+                prefix + key,
+                prefix + keys[i + 1] if i + 1 < count else upper,
+            )
 
     def _leaf(
         self,
@@ -326,6 +359,32 @@ def _latest(manifest: bytes, named: str, table_bytes: int = _MAX_TABLE_BYTES) ->
     """The latest version of an encoded manifest, whose data file table may build at
     most `table_bytes` (`Inflated`)."""
     reader = _Reader(_unwrap(manifest, _MANIFEST_MAGIC, named), named)
+    arity_log2 = _manifest_config(reader, named, table_bytes)
+    files, built = _file_table(reader, "", table_bytes)
+    inline = _Inline.read(reader)
+    if not inline.generations:
+        raise Damaged(f"{named} lists no version")
+    inline.check(arity_log2, len(files), named)
+    last = inline.generations[-1]
+    _version_tree_nodes(reader, arity_log2, len(files), last, named)
+    reader.end()
+    root = None if inline.offsets[-1] == inline.lengths[-1] == _MISSING else files[inline.ids[-1]]
+    return _Version(
+        root,
+        inline.heights[-1],
+        inline.offsets[-1],
+        inline.lengths[-1],
+        inline.keys[-1],
+        inline.tree_bytes[-1],
+        inline.value_bytes[-1],
+        built,
+    )
+
+
+def _manifest_config(reader: _Reader, named: str, table_bytes: int) -> int:
+    """A manifest's configuration, read up to its data file table: the version tree's
+    arity (log2). `Unsupported` for what this reader does not read (numbered manifests,
+    zstd nodes), after the data file table of a zstd one is bounded all the same."""
     reader.take(16)  # the database's uuid
     if reader.byte() != 0:
         raise Unsupported("a numbered manifest (manifest_kind 'numbered')")
@@ -346,62 +405,75 @@ def _latest(manifest: bytes, named: str, table_bytes: int = _MAX_TABLE_BYTES) ->
         raise Unsupported("compressed B-tree nodes (zstd)")
     if not 1 <= arity_log2 <= 16:
         raise Damaged(f"{named} gives a version tree arity of 2**{arity_log2}")
-    files, built = _file_table(reader, "", table_bytes)
-    count = reader.count(16, "versions")
-    generations = [reader.varint() for _ in range(count)]
-    heights = [reader.byte() for _ in range(count)]
-    ids = [reader.varint() for _ in range(count)]
-    offsets = [reader.varint() for _ in range(count)]
-    lengths = [reader.varint() for _ in range(count)]
-    keys = [reader.varint() for _ in range(count)]
-    tree_bytes = [reader.varint() for _ in range(count)]
-    value_bytes = [reader.varint() for _ in range(count)]
-    times = [int.from_bytes(reader.take(8), "little") for _ in range(count)]
-    if count == 0:
-        raise Damaged(f"{named} lists no version")
-    # What TensorStore checks of the versions (its ValidateVersionTreeLeafNodeEntries,
-    # and the references to version tree nodes that follow, ValidateManifestVersion-
-    # TreeNodes). A manifest whose CRC-32C holds but that breaks one of them is not
-    # one this reader understands: TensorStore, the authority, decides (`Unsupported`),
-    # so verify and restore accept and refuse the same steps.
-    arity = 1 << arity_log2
-    _check(count <= arity, f"{named} lists {count} versions inline, more than 2**{arity_log2}")
-    _check(all(generations), f"{named} has a version numbered 0")
-    _check(
-        all(a < b for a, b in zip(generations, generations[1:], strict=False)),
-        f"{named} has its versions out of order",
-    )
-    _check(
-        all(a < b for a, b in zip(times, times[1:], strict=False)),
-        f"{named} has its versions' commit times out of order",
-    )
-    last = generations[-1]
-    _check(
-        generations[0] >= last - (last - 1) % arity,
-        f"{named} lists versions of more than one version tree leaf",
-    )
-    for i in range(count):
-        _check(ids[i] < len(files), f"{named} names a data file it does not list")
-        if offsets[i] == lengths[i] == _MISSING:  # no B-tree (an empty version)
-            _check(
-                heights[i] == 0 and keys[i] == tree_bytes[i] == value_bytes[i] == 0,
-                f"{named} gives an empty version a height or statistics",
-            )
-        else:
-            _check(offsets[i] + lengths[i] < 1 << 64, f"{named}: an offset/length overflows")
-    _version_tree_nodes(reader, arity_log2, len(files), last, named)
-    reader.end()
-    root = None if offsets[-1] == lengths[-1] == _MISSING else files[ids[-1]]
-    return _Version(
-        root,
-        heights[-1],
-        offsets[-1],
-        lengths[-1],
-        keys[-1],
-        tree_bytes[-1],
-        value_bytes[-1],
-        built,
-    )
+    return arity_log2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inline:
+    """The versions a manifest lists inline, field by field (one list per field)."""
+
+    generations: list[int]
+    heights: list[int]
+    ids: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    keys: list[int]
+    tree_bytes: list[int]
+    value_bytes: list[int]
+    times: list[int]
+
+    @classmethod
+    def read(cls, reader: _Reader) -> _Inline:
+        count = reader.count(16, "versions")
+
+        def varints() -> list[int]:
+            return [reader.varint() for _ in range(count)]
+
+        generations = varints()
+        heights = [reader.byte() for _ in range(count)]
+        ids, offsets, lengths, keys, tree_bytes, value_bytes = (varints() for _ in range(6))
+        times = [int.from_bytes(reader.take(8), "little") for _ in range(count)]
+        return cls(
+            generations, heights, ids, offsets, lengths, keys, tree_bytes, value_bytes, times
+        )
+
+    def check(self, arity_log2: int, files: int, named: str) -> None:
+        """What TensorStore checks of the versions (its ValidateVersionTreeLeafNode-
+        Entries). A manifest whose CRC-32C holds but that breaks one of them is not one
+        this reader understands: TensorStore, the authority, decides (`Unsupported`), so
+        verify and restore accept and refuse the same steps."""
+        count, generations, times = len(self.generations), self.generations, self.times
+        _check(
+            count <= 1 << arity_log2,
+            f"{named} lists {count} versions inline, more than 2**{arity_log2}",
+        )
+        _check(all(generations), f"{named} has a version numbered 0")
+        _check(
+            all(a < b for a, b in zip(generations, generations[1:], strict=False)),
+            f"{named} has its versions out of order",
+        )
+        _check(
+            all(a < b for a, b in zip(times, times[1:], strict=False)),
+            f"{named} has its versions' commit times out of order",
+        )
+        last = generations[-1]
+        _check(
+            generations[0] >= last - (last - 1) % (1 << arity_log2),
+            f"{named} lists versions of more than one version tree leaf",
+        )
+        for i in range(count):
+            _check(self.ids[i] < files, f"{named} names a data file it does not list")
+            if self.offsets[i] == self.lengths[i] == _MISSING:  # no B-tree (an empty version)
+                _check(
+                    self.heights[i] == 0
+                    and self.keys[i] == self.tree_bytes[i] == self.value_bytes[i] == 0,
+                    f"{named} gives an empty version a height or statistics",
+                )
+            else:
+                _check(
+                    self.offsets[i] + self.lengths[i] < 1 << 64,
+                    f"{named}: an offset/length overflows",
+                )
 
 
 _MISSING = (1 << 64) - 1  # offset and length of an empty version's (absent) root
