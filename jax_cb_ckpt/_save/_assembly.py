@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._exchange import Claim
+from .._handoff._items import Claim
 
 if TYPE_CHECKING:
-    from ._shards import BlockKey
+    from .._handoff._shards import BlockKey
 
 
 class Assembly:

@@ -1,22 +1,22 @@
 """Per-device saves of sharded states (`maybe_save(..., shardings=...)`): what such a
 save is, shared by the stages that handle it.
 
-- `Layout` (built by `layout_of` when the save is planned, `_route.py`, from the
+- `Layout` (built by `layout_of` when the save is planned, `_save/_route.py`, from the
   shardings `chosen` for it): the mesh, how each leaf is split over it, and which block
   of a leaf each device holds.
-- Traced side (`_traced.py`): inside the save's `lax.cond`, a `shard_map` over the
+- Traced side (`_save/_traced.py`): inside the save's `lax.cond`, a `shard_map` over the
   shardings' mesh runs the crossing on every device with only that device's block of
   each leaf, plus the device's coordinates in the mesh (`lax.axis_index` per mesh axis).
   No leaf is gathered, so the compiled program needs no temporary copy of the state.
-- Host side (`_assembly.py`): every device's call copies the blocks it owns into staging
-  memory and adds them to the step's `Assembly`; the device that completes it queues
-  one save whose leaves are `ShardedArray`s.
+- Host side (`_save/_assembly.py`): every device's call copies the blocks it owns into
+  staging memory and adds them to the step's `Assembly`; the device that completes it
+  queues one save whose leaves are `ShardedArray`s.
 - Writer side: each `ShardedArray`'s blocks are written as they are, one zarr chunk per
-  block (`_store.py`), by the lowest-numbered process holding a replica of the block
-  (`ShardedArray.written_here`); the writer never touches the devices, which the running
-  program may hold while one of them waits for this writer (a full queue). Plain Orbax
-  reads the leaf with any sharding, and `restore(like)` reads on each device only the
-  slices it holds.
+  block (`_write/_store.py` takes the same type, its blocks made storable), by the
+  lowest-numbered process holding a replica of the block (`ShardedArray.written_here`);
+  the writer never touches the devices, which the running program may hold while one
+  of them waits for this writer (a full queue). Plain Orbax reads the leaf with any
+  sharding, and `restore(like)` reads on each device only the slices it holds.
 """
 
 from __future__ import annotations
@@ -226,7 +226,9 @@ def layout_of(
 
 @dataclasses.dataclass(eq=False)
 class ShardedArray:
-    """One leaf of a save as its host blocks: {global index: array}."""
+    """One leaf of a save as its host blocks: {global index: array}. The one type of a
+    leaf written block by block: the host side makes it, the writer hands `_store` a
+    copy whose blocks are this process's, as stored (`dataclasses.replace`)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
