@@ -186,33 +186,7 @@ def layout_of(
                 f"{dict(sharding.mesh.shape)}, another leaf on {dict(mesh.shape)}; one save "
                 "crosses over one mesh. Fix: use one mesh for the state's shardings."
             )
-        spec = tuple(sharding.spec)
-        shape = np.shape(leaf)
-        if len(spec) > len(shape):
-            raise InvalidStateError(
-                f"{where()}(shardings=...): leaf {name} has shape {tuple(shape)} but "
-                f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
-                "this leaf a PartitionSpec with at most one entry per dimension."
-            )
-        entry = []
-        for d, axes in enumerate(spec):
-            if axes is not None and not isinstance(axes, (str, tuple, list)):
-                raise InvalidStateError(
-                    f"{where()}(shardings=...): leaf {name}: dimension {d} of the spec "
-                    f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
-                    "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
-                    "sharding, e.g. jax.typeof(x).sharding or x.sharding."
-                )
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-            if shape[d] % parts:
-                raise InvalidStateError(
-                    f"{where()}(shardings=...): leaf {name} has {shape[d]} elements along "
-                    f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
-                    "equal blocks. Fix: pad the dimension or change the spec."
-                )
-            entry.append(axes)
-        dims.append(tuple(entry))
+        dims.append(_split_dims(sharding, np.shape(leaf), name))
     assert mesh is not None
     ids = local = None
     if isinstance(mesh, Mesh):  # an AbstractMesh names no devices (its .devices raises)
@@ -222,6 +196,39 @@ def layout_of(
         tuple(mesh.axis_names), tuple(int(s) for s in mesh.axis_sizes), tuple(dims), ids, local
     )
     return layout, mesh
+
+
+def _split_dims(
+    sharding: NamedSharding, shape: tuple[int, ...], name: str
+) -> tuple[AxisNames, ...]:
+    """The mesh axes each dimension of a leaf is split over, its spec checked (naming
+    the leaf): no longer than the leaf's rank, each dimension divisible."""
+    spec = tuple(sharding.spec)
+    if len(spec) > len(shape):
+        raise InvalidStateError(
+            f"{where()}(shardings=...): leaf {name} has shape {tuple(shape)} but "
+            f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
+            "this leaf a PartitionSpec with at most one entry per dimension."
+        )
+    entry = []
+    for d, axes in enumerate(spec):
+        if axes is not None and not isinstance(axes, (str, tuple, list)):
+            raise InvalidStateError(
+                f"{where()}(shardings=...): leaf {name}: dimension {d} of the spec "
+                f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
+                "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
+                "sharding, e.g. jax.typeof(x).sharding or x.sharding."
+            )
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+        if shape[d] % parts:
+            raise InvalidStateError(
+                f"{where()}(shardings=...): leaf {name} has {shape[d]} elements along "
+                f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
+                "equal blocks. Fix: pad the dimension or change the spec."
+            )
+        entry.append(axes)
+    return tuple(entry)
 
 
 @dataclasses.dataclass(eq=False)
