@@ -26,7 +26,7 @@ The data of one save may arrive several times from one program run: under GSPMD 
 every device runs the crossing with the whole (gathered) state. Such copies come from
 the same crossing (its `owner`, the traced call's Signature) and are dropped silently.
 Whether a program run repeated a step is decided once per run instead, by `end_run`,
-which the crossing calls once per save after its data (see _traced.py).
+which the crossing calls once per save after its data (see `_save/_traced.py`).
 """
 
 from __future__ import annotations
