@@ -33,6 +33,8 @@ from ._version import version as _version
 from ._write import _exit  # noqa: F401  (the exit hook: registered at import, _write/_exit.py)
 
 if _TYPE_CHECKING:
+    from ._handoff._stats import SaveRecord as SaveRecord
+    from ._handoff._stats import Stats as Stats
     from ._read._rebuild import same_bits as same_bits
     from ._read._restore import restore as restore
     from ._read._steps import all_steps as all_steps
@@ -42,8 +44,6 @@ if _TYPE_CHECKING:
     from ._read._steps import metrics as metrics
     from ._read._steps import metrics_table as metrics_table
     from ._read._steps import verify as verify
-    from ._save._stats import SaveRecord as SaveRecord
-    from ._save._stats import Stats as Stats
     from ._user._checkpointer import Checkpointer as Checkpointer
     from ._user._preempt import Preempted as Preempted
 
@@ -59,8 +59,8 @@ _LAZY = {
     "metrics_table": "_read._steps",
     "restore": "_read._restore",
     "verify": "_read._steps",
-    "SaveRecord": "_save._stats",
-    "Stats": "_save._stats",
+    "SaveRecord": "_handoff._stats",
+    "Stats": "_handoff._stats",
     "same_bits": "_read._rebuild",
 }
 

@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 
+from jax_cb_ckpt._handoff._items import Claim
 from jax_cb_ckpt._save._assembly import Assemblies, Assembly
-from jax_cb_ckpt._save._exchange import Claim
 
 KEY = ("crossing", 5)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cb_ckpt._save._stats import StatsRecorder
+from jax_cb_ckpt._handoff._stats import StatsRecorder
 from jax_cb_ckpt._user._clock import SaveClock
 
 

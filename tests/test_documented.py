@@ -28,7 +28,8 @@ from helpers import (
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError
-from jax_cb_ckpt._save import _route, _stats
+from jax_cb_ckpt._handoff import _stats
+from jax_cb_ckpt._save import _route
 from jax_cb_ckpt._storage import _remote
 
 CLI = Path(sys.executable).with_name("jax-cb-ckpt")

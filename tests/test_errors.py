@@ -326,7 +326,7 @@ def test_any_failure_inside_a_callback_is_kept_for_wait_with_its_text(tmp_path):
     failed the program, and JAX's failure was all there was: wait() swallowed it and
     returned with nothing on disk. It is kept as a CheckpointError naming the directory
     and the cause, and raised by wait()/close() whatever XLA did with the callback's."""
-    from jax_cb_ckpt._save._exchange import Exchange
+    from jax_cb_ckpt._handoff._exchange import Exchange
     from jax_cb_ckpt._save._host import HostSide
 
     exchange = Exchange(str(tmp_path), queue_size=2, on_existing="raise", old_steps=[])

@@ -16,7 +16,8 @@ from jax_cb_ckpt import (
     StepExistsError,
     StepOrderWarning,
 )
-from jax_cb_ckpt._save._exchange import Claim, Exchange, HandedSteps, is_failed_write
+from jax_cb_ckpt._handoff._exchange import Exchange, HandedSteps, is_failed_write
+from jax_cb_ckpt._handoff._items import Claim
 
 
 def exchange(old=(), on_existing="raise", queue_size=2):

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cb_ckpt._base._errors import InvalidStateError
-from jax_cb_ckpt._save import _shards
+from jax_cb_ckpt._handoff import _shards
+from jax_cb_ckpt._handoff._shards import block_key, layout_of
 from jax_cb_ckpt._save._assembly import Assemblies
-from jax_cb_ckpt._save._shards import block_key, layout_of
 
 SHAPE = (8, 12, 3)
 

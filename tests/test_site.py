@@ -118,38 +118,37 @@ def test_the_module_map_names_every_module_and_only_modules_that_exist():
         assert "(jax_cb_ckpt/README.md)" in f.read()  # contributors find it
 
 
-# Which stage folder may import which at run time (jax_cb_ckpt/README.md says why);
-# imports under `if TYPE_CHECKING:` are for the type checker and not counted.
+# Which stage folder may import which (jax_cb_ckpt/README.md says why), at run time and
+# under `if TYPE_CHECKING:` alike: a type named from a floor above is an arrow upward too.
 _MAY_IMPORT = {
     "_base": set(),
     "_layout": {"_base"},
     "_storage": {"_base", "_layout"},
-    "_save": {"_base", "_layout"},
+    "_handoff": {"_base", "_layout"},
+    "_save": {"_base", "_layout", "_handoff"},
     "_read": {"_base", "_layout", "_storage"},
-    "_write": {"_base", "_layout", "_storage", "_save", "_read"},
-    "_user": {"_base", "_layout", "_storage", "_save", "_read", "_write"},
+    "_write": {"_base", "_layout", "_storage", "_handoff", "_read"},
+    "_user": {"_base", "_layout", "_storage", "_handoff", "_save", "_read", "_write"},
     "_cli": {"_base", "_layout", "_storage", "_read"},
 }
 
 
-def _runtime_imports(path):
-    """The package's folders a module imports at run time (relative imports)."""
+def _stage_imports(path):
+    """The package's folders a module imports (relative imports), those under
+    `if TYPE_CHECKING:` and inside functions included."""
     import ast
 
     with open(path) as f:
         tree = ast.parse(f.read())
-    typing_only = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only |= {id(n) for n in ast.walk(node)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 2 and id(node) not in typing_only:
+        if isinstance(node, ast.ImportFrom) and node.level == 2:
             yield (node.module or "").split(".")[0], node.lineno
 
 
 def test_the_stages_import_only_what_is_below_them():
     """The arrows between stage folders are the ones the package map allows: `_read/`
-    never imports the traced side, `_layout/` and `_storage/` nothing above them. An
+    never imports the traced side, `_write/` never `_save/` (both meet in `_handoff/`),
+    `_layout/` and `_storage/` nothing above them, type checking's imports included. An
     import that runs the other way fails here, naming the file and line."""
     package = os.path.join(ROOT, "jax_cb_ckpt")
     wrong = []
@@ -157,7 +156,7 @@ def test_the_stages_import_only_what_is_below_them():
         for name in sorted(os.listdir(os.path.join(package, folder))):
             if not name.endswith(".py"):
                 continue
-            for target, line in _runtime_imports(os.path.join(package, folder, name)):
+            for target, line in _stage_imports(os.path.join(package, folder, name)):
                 if target.startswith("_") and target not in allowed and target != "_version":
                     wrong.append(f"jax_cb_ckpt/{folder}/{name}:{line} imports {target}/")
     folders = {

@@ -1,4 +1,4 @@
-"""`_save/_stats.py`: `StatsRecorder` counts each event once under its own name, keeps
+"""`_handoff/_stats.py`: `StatsRecorder` counts each event once under its own name, keeps
 totals and maxima of blocking and write times, the queue's high-water mark, the last
 saved step and the last 1024 records (totals over every save); `snapshot()` is a frozen
 copy that later events do not change; `Stats`' medians and summary line."""
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from jax_cb_ckpt._save import _stats
-from jax_cb_ckpt._save._stats import SaveRecord, Stats, StatsRecorder
+from jax_cb_ckpt._handoff import _stats
+from jax_cb_ckpt._handoff._stats import SaveRecord, Stats, StatsRecorder
 
 
 def _record(step, write_s=0.01, nbytes=100, blocking_s=0.002, handoff_s=0.001):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from jax_cb_ckpt._handoff._shards import Layout, ShardedArray
 from jax_cb_ckpt._storage import _places
 from jax_cb_ckpt._write import _store
 
@@ -65,18 +66,16 @@ def test_two_processes_parts_merge_into_one_database(tmp_path):
     state = str(tmp_path / "state")
     os.makedirs(state)
     top, bottom = BIG[:20], BIG[20:]
-    whole = BIG.shape
+    rows = Layout(("x",), (2,), ((("x",), ()),))  # leaf 0's rows split over 2 devices
+
+    def half(region, block):  # the one type of a leaf as blocks, as the writer hands it
+        return {("w",): ShardedArray(BIG.shape, BIG.dtype, rows, 0, {region: block})}
+
     p0 = _writer(str(tmp_path)).write(
-        state,
-        {("w",): _store.Blocks(whole, BIG.dtype, {((0, 20), (0, BIG.shape[1])): top})},
-        index=0,
-        zarrays=True,
+        state, half(((0, 20), (0, BIG.shape[1])), top), index=0, zarrays=True
     )
     p1 = _writer(str(tmp_path)).write(
-        state,
-        {("w",): _store.Blocks(whole, BIG.dtype, {((20, 40), (0, BIG.shape[1])): bottom})},
-        index=1,
-        zarrays=False,
+        state, half(((20, 40), (0, BIG.shape[1])), bottom), index=1, zarrays=False
     )
     sums0, _ = p0(None)
     sums1, _ = p1(None)

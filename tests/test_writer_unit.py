@@ -13,9 +13,10 @@ from helpers import checked_options
 
 import jax_cb_ckpt
 from jax_cb_ckpt import SaveError
+from jax_cb_ckpt._handoff._exchange import Exchange
+from jax_cb_ckpt._handoff._items import Claim, SaveItem
 from jax_cb_ckpt._layout import _format
 from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec, Signature
-from jax_cb_ckpt._save._exchange import Claim, Exchange, SaveItem
 from jax_cb_ckpt._storage import _places
 from jax_cb_ckpt._write._writer import Writer
 

@@ -1,7 +1,7 @@
 """The types several stages share, below all of them: the values a Checkpointer's
 options take (the options themselves are `_user/_options.Options`; the stages below
 get the values they read as arguments), and what the loops `run` and `ckpt.scan` use
-of a Checkpointer (`Saver`).
+of a Checkpointer (`Saver`, `SavedSteps`).
 
 Nothing here runs or blocks; it imports nothing of the package at run time (the
 names under `TYPE_CHECKING` are for the type checker only).
@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     import jax
     from jax.typing import ArrayLike
 
-    from .._save._stats import Stats
-
 # A user's pytree (a state, a `like`, a prefix tree of shardings): any nesting of
 # containers JAX flattens, holding any leaves. Python's types cannot say more, so it is
 # `Any`, under a name that says a pytree is meant.
@@ -29,6 +27,14 @@ OnDamaged = Literal["fall_back", "raise"]  # a restart that finds its newest ste
 Crossing = Literal["auto", "buffer", "callback"]  # how traced arrays reach the host
 Gather = Literal["stack", "concat", "replicated"]  # a state gathered over an axis
 BestMode = Literal["max", "min"]  # keep_best: is a higher metric better, or a lower one
+
+
+class SavedSteps(Protocol):
+    """What the loops read of a Checkpointer's counters (`ckpt.stats`, a
+    `_handoff/_stats.Stats`: a stage above this one, described here, never imported)."""
+
+    @property
+    def last_saved_step(self) -> int | None: ...
 
 
 class Saver(Protocol):
@@ -55,4 +61,4 @@ class Saver(Protocol):
     ) -> None: ...
     def wait(self) -> None: ...
     @property
-    def stats(self) -> Stats: ...
+    def stats(self) -> SavedSteps: ...

@@ -13,18 +13,31 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
 from .._base import _dtypes
 
-if TYPE_CHECKING:
-    from .._save._shards import ShardedArray
-
 # The key data of JAX's built-in PRNG implementations (jax.random.key_data's trailing
 # shape), known without importing JAX; a user-registered implementation asks JAX.
 _KEY_DATA = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+
+
+class HostLeaf(Protocol):
+    """A leaf in host memory as the specs read it: a numpy array, or a leaf saved per
+    device as its blocks (`_handoff/_shards.ShardedArray`, a stage above this one: it
+    is described here, never imported)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+
+Host = TypeVar("Host", bound=HostLeaf)  # the kind of host leaves a caller passes
 
 
 class Kind(enum.StrEnum):
@@ -163,13 +176,13 @@ class Signature:
         return len(self.specs) - len(self.metrics)
 
     def assemble(
-        self, crossed: Sequence[np.ndarray | ShardedArray], batch_shape: tuple[int, ...]
-    ) -> list[np.ndarray | ShardedArray]:
+        self, crossed: Sequence[Host], batch_shape: tuple[int, ...]
+    ) -> list[Host | np.ndarray]:
         """Every leaf's host array, in order: the arrays that crossed, and the constants
         broadcast to the batch shape (vmap and device gathers prepend axes)."""
         constant = dict(self.constants)
         it = iter(crossed)
-        out: list[np.ndarray | ShardedArray] = []
+        out: list[Host | np.ndarray] = []
         for index in range(len(self.specs)):
             value = constant.get(index)
             if value is None:
@@ -180,7 +193,7 @@ class Signature:
                 out.append(value)
         return out
 
-    def stored(self, hosts: Sequence[np.ndarray | ShardedArray]) -> tuple[LeafSpec, ...]:
+    def stored(self, hosts: Sequence[HostLeaf]) -> tuple[LeafSpec, ...]:
         """The specs of the arrays as they arrive: vmap and device gathers add or widen
         leading axes, so the stored shape is read off the array (minus key-data axes)."""
         specs = []
@@ -196,12 +209,17 @@ class Signature:
         return tuple(specs)
 
 
+def _is_numpy(leaf: object) -> bool:
+    """A numpy array or scalar (what `_dtypes.storable` takes), not a `ShardedArray`."""
+    return isinstance(leaf, (np.ndarray, np.generic))
+
+
 EMPTY_NAME = "_jax_cb_ckpt_empty"  # Orbax refuses an empty item: a placeholder leaf
 
 
 def stored_leaves(
-    specs: tuple[LeafSpec, ...], arrays: Sequence[np.ndarray | ShardedArray]
-) -> list[tuple[tuple[str, ...], np.ndarray | ShardedArray]]:
+    specs: tuple[LeafSpec, ...], arrays: Sequence[Host]
+) -> list[tuple[tuple[str, ...], Host | np.ndarray]]:
     """(name, array) of each leaf Orbax stores, in the order of the nested dict
     {name[0]: {name[1]: ...}} that it writes (a group's leaves together, the groups in
     the order they first appear): the order of the state's `_METADATA` and data files.
@@ -211,7 +229,7 @@ def stored_leaves(
     """
     out = [
         # Per-device leaves (ShardedArray) are made storable by the writer.
-        (spec.name, _dtypes.storable(a) if isinstance(a, (np.ndarray, np.generic)) else a)
+        (spec.name, _dtypes.storable(cast(np.ndarray, a)) if _is_numpy(a) else a)
         for spec, a in zip(specs, arrays, strict=True)
         if a.size != 0
     ]

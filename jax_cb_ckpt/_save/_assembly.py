@@ -1,6 +1,6 @@
-"""The host side of a per-device save (`shardings=`; see _shards.py): the blocks of one
-step arriving from the devices of a mesh, each in its own callback, until the last one
-completes the step.
+"""The host side of a per-device save (`shardings=`; see `_handoff/_shards.py`): the
+blocks of one step arriving from the devices of a mesh, each in its own callback, until
+the last one completes the step.
 
 Every device's call copies the blocks it owns (one replica of each block: the device
 whose coordinates are 0 along the mesh axes the leaf is not split over) into staging
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._exchange import Claim
+from .._handoff._items import Claim
 
 if TYPE_CHECKING:
-    from ._shards import BlockKey
+    from .._handoff._shards import BlockKey
 
 
 class Assembly:

@@ -43,9 +43,11 @@ from .._base._errors import (
     InvalidStateError,
     UnflushedSaveWarning,
 )
+from .._handoff import _shards
+from .._handoff._exchange import Closed, Exchange
+from .._handoff._items import Claim, SaveItem
 from .._layout._spec import Signature
-from . import _assembly, _cuda, _shards
-from ._exchange import Claim, Closed, Exchange, SaveItem
+from . import _assembly, _cuda
 from ._staging import StagingPool
 
 if TYPE_CHECKING:

@@ -29,9 +29,10 @@ from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from .._base._errors import ConfigError, InvalidStateError, where
 from .._base._types import Gather, PyTree
+from .._handoff import _shards
 from .._layout import _describe
 from .._layout._spec import Signature
-from . import _shards, _values
+from . import _values
 
 if TYPE_CHECKING:
     import numpy as np

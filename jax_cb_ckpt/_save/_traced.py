@@ -57,8 +57,8 @@ from .._base import _warn
 from .._base._dtypes import PACKED_AS, packed
 from .._base._errors import ConstantStepWarning, InvalidStateError, shown, where
 from .._base._types import Gather
+from .._handoff._shards import Layout
 from .._layout._format import MAX_STEP
-from ._shards import Layout
 from ._values import loop_body
 
 if TYPE_CHECKING:

@@ -39,12 +39,12 @@ from .._base._types import (
     OnFull,
     PyTree,
 )
+from .._handoff._exchange import Closed, Exchange
+from .._handoff._stats import Stats, StatsRecorder
 from .._layout import _format
 from .._read import _rebuild, _restore, _resume, _steps
 from .._save import _route, _traced, _values
-from .._save._exchange import Closed, Exchange
 from .._save._host import HostSide, probe_callback_arrays
-from .._save._stats import Stats, StatsRecorder
 from .._storage import _places, _remote
 from .._write import _processes
 from .._write._writer import Writer

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .._save._stats import StatsRecorder
+from .._handoff._stats import StatsRecorder
 
 
 class SaveClock:

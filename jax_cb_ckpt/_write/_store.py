@@ -38,11 +38,12 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from .._handoff._shards import ShardedArray
 from .._layout._format import (
     CHUNK_BYTES,
     PROCESS_PREFIX,
@@ -52,9 +53,6 @@ from .._layout._format import (
     param_name,
     region_key,
 )
-
-if TYPE_CHECKING:
-    from numpy.typing import DTypeLike
 
 # Larger leaves are split into chunks of at most CHUNK_BYTES (the on-disk format's:
 # `_format`), so chunks are copied in parallel.
@@ -72,17 +70,6 @@ _OCDBT_CONFIG = {
     # without TensorStore, whose import `jax-cb-ckpt verify` would otherwise wait on.
     "compression": None,
 }
-
-
-class Blocks:
-    """A leaf written block by block: its global shape and dtype and {region: block}."""
-
-    def __init__(
-        self, shape: tuple[int, ...], dtype: DTypeLike, blocks: Mapping[Region, np.ndarray]
-    ) -> None:
-        self.shape = tuple(int(n) for n in shape)
-        self.dtype = np.dtype(dtype)
-        self.blocks = dict(blocks)
 
 
 KvstoreSpec = Callable[[str], dict[str, Any]]  # a path -> its key-value store's spec
@@ -201,13 +188,13 @@ class StoreWriter:
     def write(
         self,
         state_dir: str,
-        flat: Mapping[tuple[str, ...], np.ndarray | Blocks],
+        flat: Mapping[tuple[str, ...], np.ndarray | ShardedArray],
         *,
         index: int,
         zarrays: bool,
     ) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
         """Start writing this process's arrays (`flat`: tree path -> numpy array or
-        `Blocks`) as one transaction: process 0 into the root database of `state_dir`,
+        `ShardedArray`) as one transaction: process 0 into the root database of `state_dir`,
         process `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray`
         (the primary).
 
@@ -303,10 +290,10 @@ def _checksums(leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]], sums: 
 
 
 def _pieces(
-    leaf: np.ndarray | Blocks,
+    leaf: np.ndarray | ShardedArray,
 ) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, tuple[int, ...]]:
     """(region, block) pieces of a leaf, its shape, dtype and chunk shape."""
-    if isinstance(leaf, Blocks):
+    if isinstance(leaf, ShardedArray):
         pieces = sorted(leaf.blocks.items())
         first = pieces[0][1] if pieces else np.empty(leaf.shape, leaf.dtype)
         chunks = tuple(max(1, n) for n in np.shape(first))

@@ -21,6 +21,7 @@ steps live is `_storage/`'s (the writer calls its verbs, never asks which kind).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -41,11 +42,12 @@ from .._base._errors import (
     SaveFailedWarning,
     UnflushedSaveWarning,
 )
+from .._handoff._exchange import Exchange
+from .._handoff._items import SaveItem
+from .._handoff._shards import ShardedArray
+from .._handoff._stats import SaveRecord
 from .._layout import _format, _spec
 from .._layout._policy import Rules
-from .._save._exchange import Exchange, SaveItem
-from .._save._shards import ShardedArray
-from .._save._stats import SaveRecord
 from .._storage import _places, _remote
 from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
@@ -359,7 +361,7 @@ class Writer:
                     # less than a key per block).
                     flat[path] = _assemble(leaf.shape, stored, blocks)
                 else:
-                    flat[path] = _store.Blocks(leaf.shape, stored, blocks)
+                    flat[path] = dataclasses.replace(leaf, dtype=stored, blocks=blocks)
             elif round_.primary:  # host arrays (replicated): process 0 writes them
                 flat[path] = leaf
         state = os.path.join(temp, _format.STATE_ITEM)

@@ -1,22 +1,22 @@
 """Per-device saves of sharded states (`maybe_save(..., shardings=...)`): what such a
 save is, shared by the stages that handle it.
 
-- `Layout` (built by `layout_of` when the save is planned, `_route.py`, from the
+- `Layout` (built by `layout_of` when the save is planned, `_save/_route.py`, from the
   shardings `chosen` for it): the mesh, how each leaf is split over it, and which block
   of a leaf each device holds.
-- Traced side (`_traced.py`): inside the save's `lax.cond`, a `shard_map` over the
+- Traced side (`_save/_traced.py`): inside the save's `lax.cond`, a `shard_map` over the
   shardings' mesh runs the crossing on every device with only that device's block of
   each leaf, plus the device's coordinates in the mesh (`lax.axis_index` per mesh axis).
   No leaf is gathered, so the compiled program needs no temporary copy of the state.
-- Host side (`_assembly.py`): every device's call copies the blocks it owns into staging
-  memory and adds them to the step's `Assembly`; the device that completes it queues
-  one save whose leaves are `ShardedArray`s.
+- Host side (`_save/_assembly.py`): every device's call copies the blocks it owns into
+  staging memory and adds them to the step's `Assembly`; the device that completes it
+  queues one save whose leaves are `ShardedArray`s.
 - Writer side: each `ShardedArray`'s blocks are written as they are, one zarr chunk per
-  block (`_store.py`), by the lowest-numbered process holding a replica of the block
-  (`ShardedArray.written_here`); the writer never touches the devices, which the running
-  program may hold while one of them waits for this writer (a full queue). Plain Orbax
-  reads the leaf with any sharding, and `restore(like)` reads on each device only the
-  slices it holds.
+  block (`_write/_store.py` takes the same type, its blocks made storable), by the
+  lowest-numbered process holding a replica of the block (`ShardedArray.written_here`);
+  the writer never touches the devices, which the running program may hold while one
+  of them waits for this writer (a full queue). Plain Orbax reads the leaf with any
+  sharding, and `restore(like)` reads on each device only the slices it holds.
 """
 
 from __future__ import annotations
@@ -186,33 +186,7 @@ def layout_of(
                 f"{dict(sharding.mesh.shape)}, another leaf on {dict(mesh.shape)}; one save "
                 "crosses over one mesh. Fix: use one mesh for the state's shardings."
             )
-        spec = tuple(sharding.spec)
-        shape = np.shape(leaf)
-        if len(spec) > len(shape):
-            raise InvalidStateError(
-                f"{where()}(shardings=...): leaf {name} has shape {tuple(shape)} but "
-                f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
-                "this leaf a PartitionSpec with at most one entry per dimension."
-            )
-        entry = []
-        for d, axes in enumerate(spec):
-            if axes is not None and not isinstance(axes, (str, tuple, list)):
-                raise InvalidStateError(
-                    f"{where()}(shardings=...): leaf {name}: dimension {d} of the spec "
-                    f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
-                    "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
-                    "sharding, e.g. jax.typeof(x).sharding or x.sharding."
-                )
-            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-            parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-            if shape[d] % parts:
-                raise InvalidStateError(
-                    f"{where()}(shardings=...): leaf {name} has {shape[d]} elements along "
-                    f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
-                    "equal blocks. Fix: pad the dimension or change the spec."
-                )
-            entry.append(axes)
-        dims.append(tuple(entry))
+        dims.append(_split_dims(sharding, np.shape(leaf), name))
     assert mesh is not None
     ids = local = None
     if isinstance(mesh, Mesh):  # an AbstractMesh names no devices (its .devices raises)
@@ -224,9 +198,44 @@ def layout_of(
     return layout, mesh
 
 
+def _split_dims(
+    sharding: NamedSharding, shape: tuple[int, ...], name: str
+) -> tuple[AxisNames, ...]:
+    """The mesh axes each dimension of a leaf is split over, its spec checked (naming
+    the leaf): no longer than the leaf's rank, each dimension divisible."""
+    spec = tuple(sharding.spec)
+    if len(spec) > len(shape):
+        raise InvalidStateError(
+            f"{where()}(shardings=...): leaf {name} has shape {tuple(shape)} but "
+            f"its sharding's spec {sharding.spec} has {len(spec)} entries. Fix: give "
+            "this leaf a PartitionSpec with at most one entry per dimension."
+        )
+    entry = []
+    for d, axes in enumerate(spec):
+        if axes is not None and not isinstance(axes, (str, tuple, list)):
+            raise InvalidStateError(
+                f"{where()}(shardings=...): leaf {name}: dimension {d} of the spec "
+                f"{sharding.spec} is {axes!r}; a save needs each dimension's mesh axes "
+                "(a name, a tuple of names, or None). Fix: pass the leaf's actual "
+                "sharding, e.g. jax.typeof(x).sharding or x.sharding."
+            )
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        parts = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+        if shape[d] % parts:
+            raise InvalidStateError(
+                f"{where()}(shardings=...): leaf {name} has {shape[d]} elements along "
+                f"dimension {d}, which its spec {sharding.spec} splits into {parts} "
+                "equal blocks. Fix: pad the dimension or change the spec."
+            )
+        entry.append(axes)
+    return tuple(entry)
+
+
 @dataclasses.dataclass(eq=False)
 class ShardedArray:
-    """One leaf of a save as its host blocks: {global index: array}."""
+    """One leaf of a save as its host blocks: {global index: array}. The one type of a
+    leaf written block by block: the host side makes it, the writer hands `_store` a
+    copy whose blocks are this process's, as stored (`dataclasses.replace`)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype

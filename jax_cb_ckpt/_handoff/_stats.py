@@ -142,7 +142,7 @@ class StatsRecorder:
         self._counts = _Counts()
         self._recent: collections.deque[SaveRecord] = collections.deque(maxlen=_RECENT)
         # time.monotonic() of the last hand-off (a save's start), or of the opening:
-        # `every_seconds` counts from it (`_clock.SaveClock`).
+        # `every_seconds` counts from it (`_user/_clock.SaveClock`).
         self.last_handoff = time.monotonic()
 
     def crossed(self) -> None:

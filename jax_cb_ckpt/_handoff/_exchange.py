@@ -1,8 +1,9 @@
 """The hand-off protocol between the callback side, the writer thread and the user.
 
 One object owns everything the three share: the slots that bound saves in flight, the
-queue, the pending count, the steps handed over, the first writer error and the notes
-(warnings to emit in the user's thread). Each side uses its own methods:
+queue (of `_items.SaveItem`s), the pending count, the steps handed over, the first
+writer error and the notes (warnings to emit in the user's thread). Each side uses its
+own methods:
 
 - callback side (inside JAX's callbacks, or an eager `save`): `hand_over` (`admit`,
   then the host's copy queued by `fill`, or its claim given back when the copy fails),
@@ -25,20 +26,17 @@ The data of one save may arrive several times from one program run: under GSPMD 
 every device runs the crossing with the whole (gathered) state. Such copies come from
 the same crossing (its `owner`, the traced call's Signature) and are dropped silently.
 Whether a program run repeated a step is decided once per run instead, by `end_run`,
-which the crossing calls once per save after its data (see _traced.py).
+which the crossing calls once per save after its data (see `_save/_traced.py`).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import enum
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
-
-import numpy as np
+from typing import Any, Literal
 
 from .._base import _warn
 from .._base._errors import (
@@ -51,11 +49,8 @@ from .._base._errors import (
     StepOrderWarning,
 )
 from .._base._types import OnError, OnExisting, OnFull
-from .._layout._spec import Signature
+from ._items import Claim, SaveItem
 from ._stats import StatsRecorder
-
-if TYPE_CHECKING:
-    from ._shards import ShardedArray
 
 
 class Closed(enum.Enum):
@@ -73,17 +68,6 @@ class _Stop(enum.Enum):
 
 
 _STOP = _Stop.STOP
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """A save admitted by the exchange (`admit`), holding a slot: its step, and the other
-    run's steps it replaces. It travels with the save (`SaveItem.claim`) to the writer,
-    which gives it back (`finished`); a save dropped before it is submitted gives it back
-    by `unclaim_slot`."""
-
-    step: int
-    replace: tuple[int, ...]
 
 
 _ABSENT = object()
@@ -169,40 +153,6 @@ class HandedSteps:
         if stride and (step - first) % stride == 0 and (step - first) // stride < count:
             return i
         return None
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveItem:
-    """One state handed off by the callback, waiting to be written."""
-
-    claim: Claim  # its step and slot, admitted by the exchange
-    # What the step is made of, as the host side took it: the leaves' specs as traced,
-    # every leaf in host memory (numpy arrays, or per-device blocks), the vmap batch's
-    # mask. The writer describes the step from them (its leaves and meta) when it takes
-    # the save: a save that a newer one supersedes (on_full="newest") never costs the
-    # device that ~0.1 ms.
-    signature: Signature
-    hosts: list[np.ndarray | ShardedArray]
-    members: np.ndarray
-    saved_at: float  # time.time() of the hand-off
-    nbytes: int
-    blocking_s: float
-    handoff_s: float
-    release: Callable[[], None]  # give the host buffers back (staging pool)
-    ready: Callable[[], None] | None = None  # wait until the host arrays hold the data
-    # Under vmap with a batched step: each member's own step, where some differ.
-    member_steps: np.ndarray | None = None
-    # Under vmap in a ckpt.while_loop: the members that had left it, where some had.
-    left: np.ndarray | None = None
-
-    @property
-    def step(self) -> int:
-        return self.claim.step
-
-    @property
-    def replace(self) -> tuple[int, ...]:
-        """Another run's steps to delete first (on_existing="replace")."""
-        return self.claim.replace
 
 
 def is_failed_write(error: CheckpointError) -> bool:
