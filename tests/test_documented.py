@@ -506,10 +506,10 @@ def test_a_second_process_without_jax_distributed_is_told_to_initialize_it(tmp_p
 
 _ON_GPU = """
 import sys, jax, jax.numpy as jnp, numpy as np, jax_cb_ckpt
-from jax_cb_ckpt._save import _traced
+from jax_cb_ckpt._save import _route
 if not any(d.platform == "gpu" for d in jax.devices()):
     print("no gpu"); sys.exit(0)
-assert _traced.buffer_by_default(), "auto is not the buffer crossing on this GPU"
+assert _route.buffer_by_default(), "auto is not the buffer crossing on this GPU"
 n = 16 << 20  # 64 MiB of float32
 with jax_cb_ckpt.Checkpointer(sys.argv[1], every=2) as ckpt:
     def body(x, i):

@@ -327,14 +327,16 @@ def test_any_failure_inside_a_callback_is_kept_for_wait_with_its_text(tmp_path):
     returned with nothing on disk. It is kept as a CheckpointError naming the directory
     and the cause, and raised by wait()/close() whatever XLA did with the callback's."""
     from jax_cb_ckpt._handoff._exchange import Exchange
+    from jax_cb_ckpt._save._buffer import CpuBuffer
     from jax_cb_ckpt._save._host import HostSide
 
     exchange = Exchange(str(tmp_path), queue_size=2, on_existing="raise", old_steps=[])
     host = HostSide(exchange, 2)
     token = np.zeros(1, np.int32)
     token.flags.writeable = False
+    read = CpuBuffer().receive
     with pytest.raises(jax_cb_ckpt.CheckpointError) as raised:
-        host.deposit(None, {}, None, token, np.int32(3), np.bool_(True), np.zeros(2))
+        host.receive(read, None, {}, None, token, np.int32(3), np.bool_(True), np.zeros(2))
     kept = exchange.take_error()
     assert kept is raised.value and isinstance(kept.__cause__, ValueError)
     assert repr(str(tmp_path)) in str(kept) and "read-only" in str(kept)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cb_ckpt._save import _host
+from jax_cb_ckpt._save import _callback, _host
 
 N_SAVES = 12
 SIZE = 1 << 14
@@ -39,9 +39,9 @@ def test_snapshots_are_exact(make_ckpt, monkeypatch, owned):
     # The callback crossing (the one that reads _OWNED: the buffer crossing always copies
     # into staging); a small queue: staging buffers are reused many times.
     ckpt = make_ckpt(queue_size=2, crossing="callback")
-    if owned and not _host.probe_callback_arrays():
+    if owned and not _callback.probe_callback_arrays():
         pytest.skip("this JAX aliases callback arguments; only the staging path applies")
-    monkeypatch.setattr(_host, "_OWNED", owned)
+    monkeypatch.setattr(_callback, "_OWNED", owned)
     run_saving_scan(ckpt)
     ckpt.wait()
     assert ckpt.all_steps() == list(range(N_SAVES))

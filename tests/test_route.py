@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cb_ckpt import ConfigError, InvalidStateError
 from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._layout import _describe
-from jax_cb_ckpt._save import _route, _traced, _values
+from jax_cb_ckpt._save import _route, _values
 
 
 def plan(state, step, known=None, condition=None, *, axis_name=None, gather="stack", **kw):
@@ -226,7 +226,7 @@ def test_tracing_is_told_apart_from_running_eagerly():
     jax.jit(lambda x: inside.append(_values.is_tracing(x)) or x)(jnp.zeros(()))
     jax.vmap(lambda x: inside.append(_values.is_tracing(x)) or x)(jnp.zeros(2))
     assert inside == [True, True, True]
-    assert jax.default_backend() != "cpu" or _traced.buffer_by_default()  # CPU: buffer
+    assert jax.default_backend() != "cpu" or _route.buffer_by_default()  # CPU: buffer
 
 
 def _in_shard_map(check):

@@ -1,7 +1,7 @@
 """`_save/_traced.py`, the checks made in Python while tracing, before any callback is
 compiled in: `check_step` refuses a non-integer, batched, negative or too large step
 (and says how to fix it), `check_when` refuses a non-boolean or batched predicate;
-`_widen` widens the packed types exactly. (The step as it crosses and `is_tracing` are
+`_buffer.widen` widens the packed types exactly. (The step as it crosses and `is_tracing` are
 `_values`'s, the axis name a check of `_route`'s: tests/test_route.py.)"""
 
 import jax
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from jax_cb_ckpt import InvalidStateError
+from jax_cb_ckpt._base._dtypes import packed
 from jax_cb_ckpt._base._errors import calling
-from jax_cb_ckpt._save import _traced
+from jax_cb_ckpt._save import _buffer, _route, _traced
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_widen_turns_packed_types_into_exact_bytes():
         jnp.array([0.5, -6.0], ml_dtypes.float4_e2m1fn),
         jnp.zeros(2, jnp.float32),
     ]
-    widened, crossing = _traced._widen(values)
+    widened, crossing = _buffer.widen(values)
     assert widened == {0: np.dtype(ml_dtypes.int4), 1: np.dtype(ml_dtypes.float4_e2m1fn)}
     assert [c.dtype for c in crossing] == [jnp.int8, jnp.float32, jnp.float32]
     assert crossing[2] is values[2]
@@ -100,7 +101,7 @@ def test_every_leaf_crosses_as_a_dtype_the_gpu_buffer_interface_serves():
     nothing from a jitted save of one, and wait() said nothing). Every leaf now crosses
     as a dtype it serves, on every backend, and comes back bit for bit (NaN payloads of
     float8_e4m3 included) through the host's turn back."""
-    from jax_cb_ckpt._save._host import _as_saved_dtypes
+    from jax_cb_ckpt._save._buffer import as_saved_dtypes
 
     bits = np.array([0x79, 0x7A, 0x7F, 0xF9, 0x00, 0x38], np.uint8)
     names = [
@@ -110,14 +111,14 @@ def test_every_leaf_crosses_as_a_dtype_the_gpu_buffer_interface_serves():
     ]  # fmt: skip
     dtypes = [np.dtype(getattr(ml_dtypes, n, None) or n) for n in names]
     values = [
-        jnp.asarray(bits.view(d)) if d.itemsize == 1 and not _traced.packed(d) and d.kind == "V"
+        jnp.asarray(bits.view(d)) if d.itemsize == 1 and not packed(d) and d.kind == "V"
         else jnp.zeros(6, d)
         for d in dtypes
     ]  # fmt: skip
-    widened, crossing = _traced._widen(values)
+    widened, crossing = _buffer.widen(values)
     crossed = {np.dtype(c.dtype).name for c in crossing}
     assert crossed <= CUDA_ARRAY_INTERFACE, crossed - CUDA_ARRAY_INTERFACE
-    back = _as_saved_dtypes([np.asarray(c) for c in crossing], widened)
+    back = as_saved_dtypes([np.asarray(c) for c in crossing], widened)
     for value, restored in zip(values, back, strict=True):
         assert restored.dtype == value.dtype
         assert restored.tobytes() == np.asarray(value).tobytes()
@@ -126,7 +127,7 @@ def test_every_leaf_crosses_as_a_dtype_the_gpu_buffer_interface_serves():
 def test_the_buffer_crossing_is_the_default_on_cpu():
     if jax.default_backend() != "cpu":  # (the suite on CUDA: gpu_check.py checks it there)
         pytest.skip(f"the default on a CPU; this run's backend is {jax.default_backend()}")
-    assert _traced.buffer_by_default() is True
+    assert _route.buffer_by_default() is True
 
 
 # -- through the façade: raised while tracing, before any callback is compiled in -------

@@ -11,9 +11,13 @@ before anything that could overwrite the buffers, and the program continues with
 waiting for Python. The writer thread waits for the event (`ready()`) before it reads
 the staging memory.
 
-This calls the CUDA runtime through ctypes (the `libcudart` that JAX's CUDA wheels
-install), so no compiled extension is needed. `crossing="auto"` selects it on CUDA
-GPUs: benchmarks/gpu_check.py checked it bit for bit on an H200 (docs/benchmarks.md).
+`CudaBuffer` is that crossing: the buffer crossing's traced half (_buffer.py), and a
+host half that copies this way when the buffers are in GPU memory (the CPU buffer
+crossing's, when a program of this process runs on the CPU device). This calls the
+CUDA runtime through ctypes (the `libcudart` that JAX's CUDA wheels install), so no
+compiled extension is needed. `crossing="auto"` selects it on CUDA GPUs
+(`_route.chosen_crossing`): benchmarks/gpu_check.py checked it bit for bit on an H200
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ import numpy as np
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
+    from .._layout._spec import Signature
+
+from .._base._dtypes import packed
 from .._base._errors import SaveError
+from ._buffer import CpuBuffer, as_saved_dtypes
+from ._crossing import Arrival, Blocks, HostCopy, Pools
 from ._staging import StagingPool
 
 _MEMCPY_DEVICE_TO_HOST = 2
@@ -169,7 +178,8 @@ def is_device_buffer(buffer: Any) -> bool:
 def gpu_present() -> bool:
     """Whether JAX has a GPU backend in this process (all backends start together, so
     by the time a program calls back, the answer is final). First asked by
-    `_host.probe_callback_arrays`, outside any callback."""
+    `_callback.probe_callback_arrays`, outside any callback, and by
+    `_route.chosen_crossing`, while tracing."""
     try:
         return bool(jax.devices("gpu"))
     except RuntimeError:  # no GPU backend
@@ -185,3 +195,62 @@ def read_now(buffers: Sequence[Any], stream: Any) -> list[np.ndarray]:
     _queue_copies(lib, buffers, hosts, stream_ptr)
     _check(lib.cudaStreamSynchronize(stream_ptr), "cudaStreamSynchronize")
     return hosts
+
+
+class CudaBuffer(CpuBuffer):
+    """The buffer crossing in a process with a GPU (see module doc): the same traced
+    half as `CpuBuffer`; the host half copies on XLA's stream what is in GPU memory."""
+
+    def receive(
+        self,
+        pools: Pools,
+        signature: Signature,
+        widened: dict[int, np.dtype],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        wanted: Any,
+        *buffers: Any,
+    ) -> Arrival:
+        """The copies to pinned memory are queued on XLA's stream and the writer waits
+        for them. The token is left as it is: nobody reads its value."""
+        if not is_device_buffer(out):  # (the token: always there, an int32)
+            return super().receive(pools, signature, widened, ctx, out, step, wanted, *buffers)
+        step, wanted = read_now([step, wanted], ctx.stream)
+        pinned = _pinned(pools)
+
+        def copy_out() -> HostCopy:
+            hosts, release, ready = copy_async(buffers, ctx.stream, pinned)
+            if not any(packed(dtype) for dtype in widened.values()):
+                # (leaves that crossed as bits are views: nothing is read before `ready`)
+                return HostCopy(as_saved_dtypes(list(hosts), widened), release, ready)
+            ready()  # packed dtypes are cast back here, so wait for their copies now
+            return HostCopy(as_saved_dtypes(list(hosts), widened), release)
+
+        return Arrival(step, wanted, copy_out, owner=signature)
+
+    def receive_blocks(
+        self,
+        pools: Pools,
+        widened: dict[int, np.dtype],
+        ctx: Any,
+        out: Any,
+        step: Any,
+        wanted: Any,
+        coords: Any,
+        *blocks: Any,
+    ) -> Blocks:
+        """One device's blocks copied out now (the host copies the ones it writes
+        into staging before it returns); the pinned memory is given back after."""
+        if not (blocks and is_device_buffer(blocks[0])):
+            return super().receive_blocks(pools, widened, ctx, out, step, wanted, coords, *blocks)
+        step, wanted, coords = read_now([step, wanted, coords], ctx.stream)
+        hosts, release, ready = copy_async(blocks, ctx.stream, _pinned(pools))
+        ready()
+        return Blocks(step, wanted, coords, as_saved_dtypes(list(hosts), widened), release)
+
+
+def _pinned(pools: Pools) -> StagingPool:
+    if pools.pinned is None:
+        pools.pinned = pinned_pool(keep=pools.keep)
+    return pools.pinned

@@ -5,38 +5,34 @@ one item on the writer's queue, return. It never calls JAX transformations or Or
 (calling JAX from a callback can deadlock; Orbax runs barriers and blocks on the previous
 save), and it never touches the disk.
 
-Three entry points, one per crossing (see _traced.py and docs/handoff.md):
+Three entry points, one per kind of callback a crossing compiles in (_crossing.py; the
+crossings' traced halves are called by _traced.py): each is given the crossing's own
+reader of the callback's arguments, which says what arrived, so nothing here asks which
+crossing made the call:
 
-- `deposit` (the "buffer" crossing): XLA's own buffers, valid only during the call,
-  each copied once into a reused, already touched staging buffer (`StagingPool`).
-  `end_run` runs after it, once per program run, to report repeated steps.
-- `deposit_shard` (`shardings=`): one device's blocks and mesh coordinates; the blocks
-  it owns are copied, and the device that completes the step queues it (_assembly.py).
-- `__call__` (the "callback" fallback): `jax.debug.callback` hands over `jax.Array`s that
-  JAX copied from XLA's buffers (`jax.device_put` to the CPU device) into fresh memory
-  it owns; `probe_callback_arrays()` checks once per process that they do not alias
-  XLA's memory, so they are kept without a second copy (else copied into staging).
-  Reading them waits for that copy, which may still be running: JAX's copy into fresh
-  memory (~2 GB/s here) is what made this path slow.
+- `receive`: a gathered save (`Arrival`): its step is admitted and its leaves copied
+  into host memory the library may keep (the crossing's `copy_out`), then queued.
+- `receive_blocks` (per device: `shardings=`, or `pmap`/`shard_map` with `axis_name=`):
+  one device's blocks and mesh coordinates (`Blocks`); the blocks it owns are copied,
+  and the device that completes the step queues it (_assembly.py).
+- `end_run` (the buffer crossings): runs after `receive`, once per program run, to
+  report repeated steps.
 
-What `buffer_callback` hands over (`ctx`, `out`, the buffers, the step and the mask) are
-XLA's own objects, left untyped: jaxlib has no types to name them by (see _cuda.py).
+`eager` takes a save made outside any trace: no callback, no crossing.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
 
 from .._base import _warn
-from .._base._dtypes import packed
 from .._base._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -47,39 +43,13 @@ from .._handoff import _shards
 from .._handoff._exchange import Closed, Exchange
 from .._handoff._items import Claim, SaveItem
 from .._layout._spec import Signature
-from . import _assembly, _cuda
+from . import _assembly
+from ._callback import probe_callback_arrays as probe_callback_arrays  # (the façade's one call)
+from ._crossing import Arrival, Blocks, HostCopy, Pools
 from ._staging import StagingPool
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
-
-_OWNED: bool | None = None  # set by probe_callback_arrays(); None: not probed, so copy
-
-
-def probe_callback_arrays() -> bool:
-    """Whether the arrays a JAX callback receives are JAX-owned copies (see module doc).
-
-    Runs once per process, in the user's thread (never inside a callback): a tiny jitted
-    callback, made the way the library makes its crossings, receives a parameter buffer,
-    and we check that the array the callback sees does not alias it. If it did, holding
-    on to callback arguments would mean holding on to XLA's memory, and the library
-    copies into staging buffers instead.
-    """
-    global _OWNED
-    _cuda.gpu_present()  # (cached: asked here, never first inside a callback)
-    if _OWNED is None:
-        seen: list[int] = []
-
-        def probe(x: jax.Array) -> None:
-            seen.append(x.unsafe_buffer_pointer())
-
-        with jax.ensure_compile_time_eval():
-            cpu = jax.local_devices(backend="cpu")[0]
-            param = jax.device_put(np.arange(1024, dtype=np.float32), cpu)
-            jax.jit(lambda x: jax.debug.callback(probe, x))(param)
-            jax.effects_barrier()
-        _OWNED = bool(seen) and seen[0] != param.unsafe_buffer_pointer()
-    return bool(_OWNED)
 
 
 def _reported(entry: Callable[..., None]) -> Callable[..., None]:
@@ -117,9 +87,8 @@ class HostSide:
         self._exchange = exchange
         self._stats = exchange.stats
         self._queue_size = queue_size
-        self._pool = StagingPool(keep=queue_size)
+        self._pools = Pools(StagingPool(keep=queue_size), keep=queue_size)  # the crossings'
         self._shard_pool: StagingPool | None = None  # per-device blocks, made when needed
-        self._pinned: StagingPool | None = None  # GPU staging, made when needed
         self._assemblies = _assembly.Assemblies()
         # Told the step of each per-device hand-off as it begins (multi-process runs:
         # the others wait for a process that is handing a save over).
@@ -130,124 +99,44 @@ class HostSide:
         return self._exchange.directory
 
     @_reported
-    def __call__(
-        self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
-    ) -> None:
-        """The `debug.callback` crossing's target (the fallback path; see _traced.py):
-        `arrays` are the leaves that crossed through JAX, as JAX's own copies."""
-
-        def copy_out() -> HostCopy:
-            if _OWNED:
-                # np.asarray waits until JAX's copy of the argument is complete (it may
-                # still be in flight), so what we keep is a finished, owned snapshot.
-                return HostCopy([np.asarray(a) for a in arrays], _noop)
-            return HostCopy(*self._pool.copy_in(arrays))
-
-        self._in_callback(signature, step, wanted, copy_out, owner=None)
+    def receive(self, read: Callable[..., Arrival], signature: Signature, *args: Any) -> None:
+        """A gathered save's callback (`Crossing.emit`): `read`, the crossing's own
+        `receive`, says from the callback's `args` what arrived; its step is admitted,
+        its leaves copied out and queued, while the device program waits."""
+        arrival = read(self._pools, signature, *args)
+        self._in_callback(signature, arrival.step, arrival.wanted, arrival.copy_out, arrival.owner)
 
     @_reported
-    def deposit(
+    def receive_blocks(
         self,
-        signature: Signature,
-        widened: dict[int, np.dtype],
-        ctx: Any,
-        out: Any,
-        step: Any,
-        wanted: Any,
-        *buffers: Any,
-    ) -> None:
-        """The `buffer_callback` crossing's target (the fast path; see _traced.py).
-
-        `buffers` are XLA's own buffers, valid only during this call: each is copied
-        once, here, into a staging buffer the library reuses (already touched memory),
-        while the device program waits. `out` is the crossing's one-element token.
-        `widened` gives the saved dtype of the leaves that crossed widened (packed sub-byte
-        types), by index.
-        """
-        if _cuda.is_device_buffer(out):  # (the token: always there, an int32)
-            self._deposit_from_gpu(signature, widened, ctx, step, wanted, buffers)
-            return
-        np.asarray(out)[...] = 0
-        arrays = _as_saved_dtypes([np.asarray(b) for b in buffers], widened)
-        self._in_callback(signature, step, wanted, self._staged(arrays), owner=signature)
-
-    def _deposit_from_gpu(
-        self,
-        signature: Signature,
-        widened: dict[int, np.dtype],
-        ctx: Any,
-        step: Any,
-        wanted: Any,
-        buffers: Sequence[Any],
-    ) -> None:
-        """`deposit` on a GPU (`crossing="buffer"`; see _cuda.py): the copies to pinned
-        memory are queued on XLA's stream and the writer waits for them. The token is
-        left as it is: nobody reads its value."""
-        step, wanted = _cuda.read_now([step, wanted], ctx.stream)
-        pinned = self._pinned_pool()
-
-        def copy_out() -> HostCopy:
-            hosts, release, ready = _cuda.copy_async(buffers, ctx.stream, pinned)
-            if not any(packed(dtype) for dtype in widened.values()):
-                # (leaves that crossed as bits are views: nothing is read before `ready`)
-                return HostCopy(_as_saved_dtypes(list(hosts), widened), release, ready)
-            ready()  # packed dtypes are cast back here, so wait for their copies now
-            return HostCopy(_as_saved_dtypes(list(hosts), widened), release)
-
-        self._in_callback(signature, step, wanted, copy_out, owner=signature)
-
-    @_reported
-    def deposit_shard(
-        self,
+        read: Callable[..., Blocks],
         signature: Signature,
         layout: _shards.Layout,
-        widened: dict[int, np.dtype],
-        ctx: Any,
-        out: Any,
-        step: Any,
-        wanted: Any,
-        coords: Any,
-        *blocks: Any,
+        *args: Any,
     ) -> None:
-        """One device's part of a per-device save (`shardings=`; see _shards.py): its
-        blocks of the crossing leaves, valid only during this call. The blocks it owns
-        are copied into staging; the device that completes the step queues the save.
-        (`ctx` and `out` are None when a `debug.callback` calls it: the fallback.)"""
+        """One device's part of a per-device save (`Crossing.emit_blocks`; see
+        _shards.py): `read`, the crossing's own `receive_blocks`, gives its blocks of
+        the crossing leaves in host memory. The blocks it owns are copied into staging;
+        the device that completes the step queues the save."""
         start = time.perf_counter()
-        pinned_release = None
-        if blocks and _cuda.is_device_buffer(blocks[0]):  # a GPU: copy out, wait for it
-            step, wanted, coords = _cuda.read_now([step, wanted, coords], ctx.stream)
-            hosts, pinned_release, ready = _cuda.copy_async(blocks, ctx.stream, self._pinned_pool())
-            ready()
-            blocks = tuple(hosts)
-        elif out is not None:
-            np.asarray(out)[...] = 0
+        blocks = read(self._pools, *args)
         try:
-            self._deposit_shard(signature, layout, widened, start, step, wanted, coords, blocks)
+            self._deposit_shard(signature, layout, start, blocks)
         finally:
-            if pinned_release is not None:
-                pinned_release()  # the blocks it owns were copied into staging
+            blocks.release()  # the blocks it owns were copied into staging
 
     def _deposit_shard(
-        self,
-        signature: Signature,
-        layout: _shards.Layout,
-        widened: dict[int, np.dtype],
-        start: float,
-        step: ArrayLike,
-        wanted: ArrayLike,
-        coords: ArrayLike,
-        blocks: Sequence[ArrayLike],
+        self, signature: Signature, layout: _shards.Layout, start: float, blocks: Blocks
     ) -> None:
-        members = np.asarray(wanted).astype(bool)  # a per-device mask under pmap "stack"
+        members = np.asarray(blocks.wanted).astype(bool)  # a device mask under pmap "stack"
         if not members.any():
             return
         # (a refusal is the same on every device, nothing added; kept by `_reported`)
-        step = _one_step(np.asarray(step), np.asarray(True))
+        step = _one_step(np.asarray(blocks.step), np.asarray(True))
         if self.on_step is not None:
             self.on_step(step)
-        position = tuple(int(c) for c in np.asarray(coords).reshape(-1))
-        arrays = _as_saved_dtypes([np.asarray(b) for b in blocks], widened)
+        position = tuple(int(c) for c in np.asarray(blocks.coords).reshape(-1))
+        arrays = blocks.arrays
         shapes = [layout.global_shape(i, a.shape) for i, a in enumerate(arrays)]
         if self._shard_pool is None:
             self._shard_pool = StagingPool(keep=self._queue_size * layout.devices, layouts=64)
@@ -342,11 +231,6 @@ class HostSide:
         if assembly.claim is not None:
             self._exchange.unclaim_slot(assembly.claim)
 
-    def _pinned_pool(self) -> StagingPool:
-        if self._pinned is None:
-            self._pinned = _cuda.pinned_pool(keep=self._queue_size)
-        return self._pinned
-
     def settle_failed_assemblies(self) -> None:
         """Give back per-device saves that failed and never completed (a program that
         ended early); called by `wait()`. Saves still in progress are left alone: a
@@ -357,26 +241,22 @@ class HostSide:
     @_reported
     def end_run(
         self,
+        read: Callable[..., tuple[np.ndarray, np.ndarray]],
         signature: Signature,
-        shapes: tuple[tuple[int, ...], tuple[int, ...]],
-        packed: jax.Array,
+        *args: Any,
     ) -> None:
-        """Runs once per program run and save, after `deposit` (it reads its token): a
-        step whose data was dropped because this crossing handed it over in an earlier
-        run is reported here, once, however many devices deposited it. `packed` is the
-        token, the steps and the mask in one flat array (`_traced._packed`), `shapes` the
-        shapes of the steps and the mask."""
-        step_shape, wanted_shape = shapes
-        flat = np.asarray(packed)[1:]  # [0] is the token
-        n = math.prod(step_shape)
-        step = flat[:n].reshape(step_shape)
-        members = flat[n:].reshape(wanted_shape).astype(bool)
+        """Runs once per program run and save, after `receive` (its callback reads the
+        buffer crossing's token): a step whose data was dropped because this crossing
+        handed it over in an earlier run is reported here, once, however many devices
+        deposited it. `read`, the crossing's own, gives the steps and the mask from the
+        callback's `args`."""
+        step, members = read(*args)
         if not members.any():
             return
         try:
             step = _one_step(np.asarray(step), members)
         except CheckpointError:
-            return  # deposit raised it already and the program failed there
+            return  # receive raised it already and the program failed there
         if not self._exchange.end_run(step, signature):
             self._stats.duplicate()
 
@@ -425,7 +305,7 @@ class HostSide:
         def copy_out() -> HostCopy:
             views = [_immutable_view(a) for a in arrays]
             owned = [a for a, v in zip(arrays, views, strict=True) if v is None]
-            copies, release = self._pool.copy_in(owned)
+            copies, release = self._pools.staging.copy_in(owned)
             copied = iter(copies)
             return HostCopy([next(copied) if v is None else v for v in views], release)
 
@@ -543,32 +423,6 @@ def _immutable_view(array: np.ndarray | jax.Array) -> np.ndarray | None:
         return None
     view = np.asarray(array)
     return view if view.ctypes.data == array.unsafe_buffer_pointer() else None
-
-
-class HostCopy(NamedTuple):
-    """What a crossing's `copy_out` gives the hand-off: the leaves in host memory the
-    library may keep, how to give that memory back once written, and (copies from a
-    GPU still in flight) how to wait until they hold the data."""
-
-    arrays: Sequence[np.ndarray | _shards.ShardedArray]
-    release: Callable[[], None]
-    ready: Callable[[], None] | None = None
-
-
-def _as_saved_dtypes(arrays: list[np.ndarray], widened: dict[int, np.dtype]) -> list[np.ndarray]:
-    """`arrays` with the leaves that crossed as another dtype (see _traced._widen) turned
-    back into their dtype {index: dtype}, exactly: packed sub-byte types cast back from
-    the bytes they were widened to, every other one viewed as the bits it crossed as."""
-    for index, dtype in widened.items():
-        if packed(dtype):
-            arrays[index] = arrays[index].astype(dtype)
-        else:
-            arrays[index] = arrays[index].view(dtype)
-    return arrays
-
-
-def _noop() -> None:
-    pass
 
 
 def _one_step(steps: np.ndarray, members: np.ndarray) -> int:

@@ -10,7 +10,8 @@ metrics in one pass, and returns its route:
   memory the library keeps by the host side before the save returns); no JAX callback.
 - `Traced`: inside a trace. Leaves Python knows are constants of the program are copied
   now and never cross; the rest (`payload`) cross in one guarded callback, gathered or
-  (`layout`) device by device (`_traced.cross` / `_traced.cross_sharded`).
+  (`layout`) device by device (`_traced.send`), by the `Crossing` chosen here
+  (`chosen_crossing`: `Checkpointer(crossing=...)` and the backend), once per save.
 
 Multi-process runs (`processes` > 1) refuse what cannot be saved there: an eager save
 of a state spanning processes, and a traced save that is not per device over every
@@ -20,19 +21,24 @@ process's devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from .._base._errors import ConfigError, InvalidStateError, where
+from .._base._types import Crossing as CrossingName
 from .._base._types import Gather, PyTree
 from .._handoff import _shards
 from .._layout import _describe
-from .._layout._spec import Signature
-from . import _values
+from .._layout._spec import LeafSpec, Signature
+from . import _cuda, _values
+from ._buffer import CpuBuffer
+from ._callback import DebugCallback
+from ._crossing import Crossing
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,6 +87,10 @@ class Traced:
     signature: Signature
     step: jax.Array  # the step, traced
     payload: list[jax.Array]  # the leaves that cross
+    crossing: Crossing  # how they reach the host (`chosen_crossing`)
+    condition: jax.Array | None  # the request's: None, unconditional
+    axis_name: Hashable | None  # the request's (inside pmap/shard_map)
+    gather: Gather  # the request's
     layout: _shards.Layout | None = None  # per device: the blocks' layout and mesh
     mesh: Mesh | AbstractMesh | None = None  # (None: gathered)
 
@@ -89,18 +99,22 @@ class Traced:
         return self.signature.metrics
 
 
-def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Traced | Skip:
+def plan(
+    request: Request, *, processes: int, wanted: bool = True, crossing: CrossingName = "auto"
+) -> Eager | Traced | Skip:
     """The route of one save: checked, described, then `Skip` (not `wanted`, or an eager
-    save whose condition is false), `Eager` or `Traced`.
+    save whose condition is false), `Eager` or `Traced` (which crosses by the crossing
+    named, `Checkpointer(crossing=...)`).
 
     Each stage sees the state once, in this order: the arguments are checked here, the
     state and metrics described (`_describe`), the leaves' values taken (`_values`), the
     per-device layout chosen (`_shards`)."""
-    state, step, step_value = request.state, request.step, request.step_value
+    state, step_value = request.state, request.step_value
     axis_name, gather, condition = request.axis_name, request.gather, request.condition
     _check_arguments(axis_name, gather, request.shardings, request.metrics, processes)
     per_leaf = _per_leaf_shardings(request.shardings, state)
-    specs, leaves, names, n_state = _describe.describe_save(state, request.metrics)
+    described = _describe.describe_save(state, request.metrics)
+    specs, leaves, names, n_state = described
     if per_leaf is not None and len(per_leaf) != n_state:
         raise InvalidStateError(
             f"{where()}(shardings=...): got {len(per_leaf)} shardings for the state's "
@@ -112,23 +126,50 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
     if axis_name is None and step_value is not None and not _values.is_tracing(leaves, condition):
         if condition is not None and not bool(condition):
             return Skip(names)
-        if processes > 1:
-            raise InvalidStateError(
-                f"{where()}: outside jit in a multi-process run: a state that spans "
-                "the devices of several processes cannot be read whole by any of "
-                "them, and host values (numpy, Python numbers, one process's "
-                "arrays) may differ between processes, while the checkpoint would "
-                "keep process 0's. Fix: save inside the jitted program with "
-                f"shardings=, e.g. jax.jit(lambda s: ckpt.{where()}(s, step, "
-                "shardings=jax.tree.map(lambda x: x.sharding, state)))(state); keep "
-                "per-process host data in files of your own."
-            )
-        hosts = _values.eager_values(specs, leaves)
-        ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
-        return Eager(Signature(specs, ndims, metrics=names), step_value, hosts)
+        return _eager_route(specs, leaves, names, step_value, processes)
+    return _traced_route(request, described, per_leaf, processes, chosen_crossing(crossing))
+
+
+def _eager_route(
+    specs: tuple[LeafSpec, ...],
+    leaves: list[Any],
+    names: tuple[str, ...],
+    step: int,
+    processes: int,
+) -> Eager:
+    if processes > 1:
+        raise InvalidStateError(
+            f"{where()}: outside jit in a multi-process run: a state that spans "
+            "the devices of several processes cannot be read whole by any of "
+            "them, and host values (numpy, Python numbers, one process's "
+            "arrays) may differ between processes, while the checkpoint would "
+            "keep process 0's. Fix: save inside the jitted program with "
+            f"shardings=, e.g. jax.jit(lambda s: ckpt.{where()}(s, step, "
+            "shardings=jax.tree.map(lambda x: x.sharding, state)))(state); keep "
+            "per-process host data in files of your own."
+        )
+    hosts = _values.eager_values(specs, leaves)
+    ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
+    return Eager(Signature(specs, ndims, metrics=names), step, hosts)
+
+
+def _traced_route(
+    request: Request,
+    described: _describe.Described,
+    per_leaf: list[Sharding] | None,
+    processes: int,
+    crossing: Crossing,
+) -> Traced:
+    """A traced save's route: its leaves split (constants, payload), then gathered or,
+    with a layout, device by device."""
+    specs, leaves, names, n_state = described
+    axis_name, gather = request.axis_name, request.gather
     split = _values.split(specs, leaves, gather, axis_name)
-    traced_step = _values.traced_step(step, step_value)
     signature = Signature(specs, split.ndims, split.constants, metrics=names)
+    step = _values.traced_step(request.step, request.step_value)
+    traced = functools.partial(
+        Traced, signature, step, split.payload, crossing, request.condition, axis_name, gather
+    )
     chosen = None
     if axis_name is None and split.payload:
         chosen = _shards.chosen(per_leaf, leaves, split.crossing, n_state)
@@ -137,7 +178,7 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
         layout, mesh = _shards.layout_of(chosen, split.payload, paths)
         # (Across processes only a mesh over every process's devices; refused below.)
         if layout.devices > 1 and (processes == 1 or layout.spans_processes):
-            return Traced(signature, traced_step, split.payload, layout, mesh)
+            return traced(layout, mesh)
     if processes > 1 and split.payload:
         raise ConfigError(
             f"{where()}: in a multi-process run (jax.distributed, "
@@ -148,7 +189,33 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
             "(axis_name=) and one on a mesh of this process's devices alone are not "
             "supported there (docs/multiprocess.md)."
         )
-    return Traced(signature, traced_step, split.payload)
+    return traced()
+
+
+def chosen_crossing(name: CrossingName) -> Crossing:
+    """The crossing a traced save takes (_crossing.py): `name` is
+    `Checkpointer(crossing=...)`. The buffer crossing reads XLA's buffers from numpy on
+    a CPU and copies them on XLA's stream in a process with a GPU (its host half still
+    reads buffers in host memory, a program on the CPU device, the CPU way). A
+    per-device save on a CPU always takes the buffer crossing (`DebugCallback`'s
+    `blocks_by`). A new crossing is a class of `Crossing` and one line here."""
+    buffer = _cuda.CudaBuffer() if _cuda.gpu_present() else CpuBuffer()
+    if name == "buffer" or (name == "auto" and buffer_by_default()):
+        return buffer
+    return DebugCallback(blocks_by=buffer if jax.default_backend() == "cpu" else None)
+
+
+def buffer_by_default() -> bool:
+    """What `crossing="auto"` picks: the buffer crossing where it is built and checked,
+    on CPU and on CUDA GPUs (benchmarks/gpu_check.py, bit for bit on an H200); the
+    `debug.callback` crossing elsewhere (ROCm GPUs, TPU)."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return True
+    if backend != "gpu":
+        return False
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "rocm" not in str(version).lower()
 
 
 def _check_arguments(

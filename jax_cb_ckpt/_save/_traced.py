@@ -1,7 +1,7 @@
 """The traced side of a save: checks in Python while tracing, then one guarded crossing.
 
-The crossing is `buffer_callback` + `debug.callback` (or, as a fallback, `debug.callback`
-alone), inside our own `lax.cond`, inside a `jax.custom_batching.custom_vmap`, on
+The crossing (one `Crossing` object, chosen where the save is planned: _crossing.py) is
+compiled in inside our own `lax.cond`, inside a `jax.custom_batching.custom_vmap`, on
 `stop_gradient`-ed leaves. Each layer is there for a transformation (docs/transforms.md
 and docs/handoff.md have the evidence):
 
@@ -12,19 +12,9 @@ and docs/handoff.md have the evidence):
   batching rule instead does one `cond(any(wanted))` for the whole batch: one crossing per
   save step, carrying the per-member mask. Nested `vmap` applies the rule again.
 - `stop_gradient`: a checkpoint saves primal values and must not touch gradients.
-- The fast crossing ("buffer", CPU): a *pure* `jax.experimental.buffer_callback` gets
-  XLA's own buffers (zero-copy views, valid during the call) and the host copies each
-  once into reused staging memory. Being pure, it would be removed as dead code; its
-  one-element token is read by a `jax.debug.callback`, an effect that JAX keeps under
-  jit, scan, grad (partial evaluation keeps debug effects on primals) and remat, so the
-  buffer callback stays too. `has_side_effect=True` instead is dropped under `grad`,
-  refused under remat and by the GSPMD partitioner.
-- The fallback ("callback", other backends): `jax.debug.callback` with the leaves,
-  which JAX first copies by value into fresh memory (and, on jax 0.10.2, waits for while
-  other devices sit in a collective: multi-device programs abort).
-- Why not `io_callback`: it refuses JVP and remat, and under `grad` of a `lax.scan`
-  with stop-gradient inputs it is silently dropped. Why not `pure_callback`: it has no
-  effect, so dead-code elimination removes it.
+- The crossing itself (`Crossing.emit`): a pure `buffer_callback` kept alive by a
+  `jax.debug.callback` (_buffer.py, _cuda.py), or a `jax.debug.callback` with the
+  leaves (_callback.py, the fallback); each module says why its callbacks are those.
 - Unordered: ordered effects are refused for programs on more than one device. Order is
   not needed: `jax.effects_barrier()` waits for unordered effects too, and the host side
   keys everything by step. A program's crossings may reach the host in any order (XLA
@@ -35,7 +25,7 @@ and docs/handoff.md have the evidence):
   (`_per_device_in_map`, _shards.py); under `vmap` inside the map, naming only some
   axes, or with `gather="replicated"`, the state is gathered (or not, replicated) and
   the first device saves (`_gather_and_save`). With `shardings=` every device hands
-  over its own block too (`cross_sharded`).
+  over its own block too (`cross_sharded`), by the crossing's `per_device()`.
 """
 
 from __future__ import annotations
@@ -45,16 +35,13 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.core import Tracer
-from jax.experimental.buffer_callback import buffer_callback
 
 from .._base import _warn
-from .._base._dtypes import PACKED_AS, packed
 from .._base._errors import ConstantStepWarning, InvalidStateError, shown, where
 from .._base._types import Gather
 from .._handoff._shards import Layout
@@ -66,22 +53,11 @@ if TYPE_CHECKING:
     from jax.typing import ArrayLike
 
     from .._layout._spec import Signature
+    from ._crossing import Crossing, Host
+    from ._route import Traced
 
 # One save's crossing, `save(step, wanted, payload)` (`_batched_save`).
 _Save = Callable[[jax.Array, jax.Array, list[jax.Array]], object]
-
-
-def buffer_by_default() -> bool:
-    """What `crossing="auto"` picks: the buffer crossing where it is built and checked,
-    on CPU and on CUDA GPUs (benchmarks/gpu_check.py, bit for bit on an H200); the
-    `debug.callback` crossing elsewhere (ROCm GPUs, TPU)."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return True
-    if backend != "gpu":
-        return False
-    version = getattr(jax.devices()[0].client, "platform_version", "")
-    return "rocm" not in str(version).lower()
 
 
 def _value_text(x: object) -> str:
@@ -241,51 +217,37 @@ def only_live(
     return True, condition, jnp.where(live, step, -1 - step), None
 
 
-class Host(Protocol):
-    """What the crossing calls on the host side (`_host.HostSide`), from inside JAX's
-    callbacks: each call takes the data it is given before it returns. What
-    `buffer_callback` hands over (`ctx`, `out`, the buffers) are XLA's own objects,
-    which have no types to name (see _cuda.py); `debug.callback` hands over
-    `jax.Array`s."""
-
-    def __call__(
-        self, signature: Signature, step: jax.Array, wanted: jax.Array, *arrays: jax.Array
-    ) -> None: ...
-
-    def deposit(
-        self,
-        signature: Signature,
-        widened: dict[int, np.dtype],
-        ctx: Any,
-        out: Any,
-        step: Any,
-        wanted: Any,
-        *buffers: Any,
-    ) -> None: ...
-
-    def deposit_shard(
-        self,
-        signature: Signature,
-        layout: Layout,
-        widened: dict[int, np.dtype],
-        ctx: Any,
-        out: Any,
-        step: Any,
-        wanted: Any,
-        coords: Any,
-        *blocks: Any,
-    ) -> None: ...
-
-    def end_run(
-        self,
-        signature: Signature,
-        shapes: tuple[tuple[int, ...], tuple[int, ...]],
-        packed: jax.Array,
-    ) -> None: ...
+def send(host: Host, route: Traced) -> None:
+    """Compile in a traced save's crossing, as planned (`_route.Traced`): device by
+    device (`route.layout`: `shardings=`), else gathered or in a map (`cross`)."""
+    if route.layout is not None:
+        assert route.mesh is not None  # (a route's layout and mesh are set together)
+        cross_sharded(
+            host,
+            route.crossing,
+            route.signature,
+            route.layout,
+            route.mesh,
+            route.step,
+            route.payload,
+            route.condition,
+        )
+        return
+    cross(
+        host,
+        route.crossing,
+        route.signature,
+        route.step,
+        route.payload,
+        route.condition,
+        axis_name=route.axis_name,
+        gather=route.gather,
+    )
 
 
 def cross(
     host: Host,
+    crossing: Crossing,
     signature: Signature,
     step: jax.Array,
     payload: list[jax.Array],
@@ -293,9 +255,8 @@ def cross(
     *,
     axis_name: Hashable | None = None,
     gather: Gather = "stack",
-    by_buffer: bool = True,
 ) -> None:
-    """Hand `payload` to `host(signature, step, wanted, *payload)` on the host, if `wanted`.
+    """Hand `payload` to the host (`host.receive`, by `crossing`), if `wanted`.
 
     `wanted` is the device-side decision to save: a bool scalar, traced or not (under
     `vmap`, the rule makes it the per-member mask the host receives); with `wanted=None`
@@ -310,7 +271,7 @@ def cross(
     payload = [jax.lax.stop_gradient(p) for p in payload]
     always = wanted is None and axis_name is None
     wanted = jnp.asarray(True) if wanted is None else wanted
-    save = _batched_save(host, signature, by_buffer, always=always)
+    save = _batched_save(host, crossing, signature, always=always)
     if axis_name is None:
         save(step, wanted, payload)
         return
@@ -318,7 +279,8 @@ def cross(
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if gather != "replicated" and set(names) == manual and payload:
         # Every device hands over its own block; nothing is gathered (_shards.py).
-        _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer)
+        crossing = crossing.per_device()
+        _per_device_in_map(host, crossing, signature, step, wanted, payload, names, gather)
         return
     _gather_and_save(save, step, wanted, payload, axis_name, gather)
 
@@ -355,15 +317,14 @@ def _gather_and_save(
     jax.lax.cond(anyone, gather_and_save, lambda *_: None, step, wanted, payload)
 
 
-def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by_buffer):
+def _per_device_in_map(host, crossing, signature, step, wanted, payload, names, gather):
     """Inside `pmap`/`shard_map` over exactly the axes `names`: each device crosses with
     its own block. `"stack"`: the saved leaf gets a leading axis of one block per device
     (the per-device mask, a few bytes, is gathered and travels along); `"concat"`: the
     blocks make up the leaf's first axis (0-d leaves: device 0's). Under `vmap` the
     batched state takes the gather path instead, exactly as before."""
     sizes = tuple(int(jax.lax.axis_size(name)) for name in names)
-    by_buffer = _per_device_by_buffer(by_buffer)
-    fallback = _batched_save(host, signature, by_buffer)
+    fallback = _batched_save(host, crossing, signature)
 
     @jax.custom_batching.custom_vmap
     def save(step, wanted, payload):
@@ -377,10 +338,10 @@ def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by
         dims = tuple((names,) if b.ndim else () for b in blocks)
         layout = Layout(names, sizes, dims)
 
-        def crossing(step, mask, blocks):
-            _device_crosses(host, signature, layout, step, mask, blocks, by_buffer)
+        def branch(step, mask, blocks):
+            _device_crosses(host, crossing, signature, layout, step, mask, blocks)
 
-        jax.lax.cond(anyone, crossing, lambda *_: None, step, mask, blocks)
+        jax.lax.cond(anyone, branch, lambda *_: None, step, mask, blocks)
         return ()
 
     @save.def_vmap
@@ -404,14 +365,13 @@ def _per_device_in_map(host, signature, step, wanted, payload, names, gather, by
 
 def cross_sharded(
     host: Host,
+    crossing: Crossing,
     signature: Signature,
     layout: Layout,
     mesh: Mesh | AbstractMesh,
     step: jax.Array,
     payload: list[jax.Array],
     wanted: jax.Array | None,
-    *,
-    by_buffer: bool,
 ) -> None:
     """Hand `payload` to the host device by device (`shardings=`; see _shards.py).
 
@@ -423,11 +383,11 @@ def cross_sharded(
     payload = [jax.lax.stop_gradient(p) for p in payload]
     wanted = jnp.asarray(True) if wanted is None else wanted
     specs = layout.partition_specs
-    by_buffer = _per_device_by_buffer(by_buffer)
+    crossing = crossing.per_device()
     replicated = jax.sharding.PartitionSpec()
 
     def per_device(step, wanted, *blocks):
-        _device_crosses(host, signature, layout, step, wanted, list(blocks), by_buffer)
+        _device_crosses(host, crossing, signature, layout, step, wanted, list(blocks))
         return ()
 
     @jax.custom_batching.custom_vmap
@@ -456,7 +416,7 @@ def cross_sharded(
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
         _check_batched_metrics(signature)
-        _batched_save(host, signature, by_buffer, levels=((axis_size, in_batched),))(
+        _batched_save(host, crossing, signature, levels=((axis_size, in_batched),))(
             step, wanted, payload
         )
         return (), ()
@@ -464,70 +424,11 @@ def cross_sharded(
     save(step, wanted, payload)
 
 
-def _device_crosses(host, signature, layout, step, mask, blocks, by_buffer) -> None:
+def _device_crosses(host, crossing, signature, layout, step, mask, blocks) -> None:
     """One device's crossing with its own `blocks` and its coordinates in the mesh (in a
     manual context: `shard_map` or `pmap`); see _shards.py."""
     coords = jnp.stack([jax.lax.axis_index(name) for name in layout.axis_names])
-    if by_buffer:
-        widened, crossing = _widen(blocks)
-        deposit = functools.partial(host.deposit_shard, signature, layout, widened)
-        token_type = jax.ShapeDtypeStruct((), jnp.int32)
-        token = buffer_callback(deposit, token_type)(step, mask, coords, *crossing)
-        jax.debug.callback(_keep_alive, token)
-    else:
-        deposit = functools.partial(host.deposit_shard, signature, layout, {}, None, None)
-        jax.debug.callback(deposit, step, mask, coords, *blocks)
-
-
-def _keep_alive(token: jax.Array) -> None:
-    """The effect that keeps a per-device crossing (and its token) in the program."""
-    del token
-
-
-# The dtypes jaxlib's `Buffer.__cuda_array_interface__` serves (jaxlib/ffi.cc): the GPU
-# buffer crossing reads every operand through it (_cuda.py), and refused any other dtype
-# (float8_*: the H200 run of 2026-12-04 saved nothing from a jitted save of one).
-_SERVED = frozenset(
-    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
-    + ["bfloat16", "float16", "float32", "float64", "complex64", "complex128"]
-)
-_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def _widen(values: Sequence[jax.Array]) -> tuple[dict[int, np.dtype], list[jax.Array]]:
-    """Every leaf as a dtype the buffer crossing can hand over on every backend; returns
-    `widened`, {index: original dtype} of the leaves that cross as another dtype (for the
-    host to turn back, `_host._as_saved_dtypes`), and the values to cross.
-
-    XLA packs sub-byte types (int4: two per byte) and numpy views them one per byte, so
-    those cross widened to a byte-per-element dtype that holds their values exactly. Any
-    other dtype outside `_SERVED` (float8_*, float6_*) crosses as its bits (an unsigned
-    integer of its width, `bitcast_convert_type`: NaN payloads kept), the same on a CPU
-    as on a GPU, so the CPU tests cover the GPU's path."""
-    widened = {i: np.dtype(v.dtype) for i, v in enumerate(values) if _crosses_as_other(v)}
-    crossing = [_as_crossing(v) if i in widened else v for i, v in enumerate(values)]
-    return widened, crossing
-
-
-def _crosses_as_other(value: jax.Array) -> bool:
-    return packed(value.dtype) or np.dtype(value.dtype).name not in _SERVED
-
-
-def _as_crossing(value: jax.Array) -> jax.Array:
-    dtype = np.dtype(value.dtype)
-    if packed(dtype):
-        return value.astype(PACKED_AS.get(dtype.name, np.float32))
-    return jax.lax.bitcast_convert_type(value, _BITS[dtype.itemsize])
-
-
-def _packed(token: jax.Array, step: jax.Array, wanted: jax.Array) -> jax.Array:
-    """`end_run`'s one operand: the token (the dependence that keeps the buffer callback
-    alive), then the steps and the mask, flat, in the step's dtype (see `HostSide.end_run`).
-    `debug.callback` puts each operand on a device again before calling (~60-130 us per
-    operand on a CPU): one operand instead of three saves ~0.1 ms per crossing."""
-    dtype = jnp.result_type(step)
-    flat = [token.reshape(1), jnp.ravel(step), jnp.ravel(wanted)]
-    return jnp.concatenate([x.astype(dtype) for x in flat])
+    crossing.emit_blocks(host, signature, layout, step, mask, coords, blocks)
 
 
 # The vmaps applied to a save so far, outermost first: (axis size, which of `step`,
@@ -559,17 +460,10 @@ def _whole_batch(
     )
 
 
-def _per_device_by_buffer(by_buffer: bool) -> bool:
-    """Whether a per-device crossing copies from XLA's buffers: always on a CPU, where
-    with debug.callback each device's callback waits for JAX's copy while the others
-    are blocked in theirs, and jax 0.10.2 hangs (measured: a 16 MiB leaf on 4 devices)."""
-    return by_buffer or jax.default_backend() == "cpu"
-
-
 def _batched_save(
     host: Host,
+    crossing: Crossing,
     signature: Signature,
-    by_buffer: bool,
     *,
     always: bool = False,
     levels: Levels = (),
@@ -585,30 +479,15 @@ def _batched_save(
     XLA:CPU runs a body of up to 8 thunks in order, a longer one through its dataflow
     executor (~0.5 us a step more on a tiny step; docs/benchmarks.md).
     """
-    callback = functools.partial(host, signature)
-    end_run = functools.partial(host.end_run, signature)
-    token_type = jax.ShapeDtypeStruct((), jnp.int32)
 
     @jax.custom_batching.custom_vmap
     def save(step, wanted, payload):
-        def crossing(step, wanted, payload):
+        def branch(step, wanted, payload):
             step, wanted, payload = _whole_batch(levels, step, wanted, payload)
-            if by_buffer:
-                # The data goes through a pure buffer_callback (XLA's buffers, copied
-                # once by the host side); its token feeds a debug.callback, whose effect
-                # keeps both alive in a program that uses neither result.
-                # XLA packs sub-byte types (int4: two per byte), numpy views them one
-                # per byte: they cross widened and are narrowed back on the host.
-                widened, payload = _widen(payload)
-                deposit = functools.partial(host.deposit, signature, widened)
-                token = buffer_callback(deposit, token_type)(step, wanted, *payload)
-                shapes = (jnp.shape(step), jnp.shape(wanted))
-                jax.debug.callback(functools.partial(end_run, shapes), _packed(token, step, wanted))
-            else:
-                jax.debug.callback(callback, step, wanted, *payload)
+            crossing.emit(host, signature, step, wanted, payload)
 
         if always:
-            crossing(step, wanted, payload)
+            branch(step, wanted, payload)
         elif jnp.ndim(wanted) == 0:
             # One decision for every member: the branch runs only when it holds, so
             # `wanted` is not passed in (an operand, and a thunk, less). A vmap over
@@ -617,20 +496,20 @@ def _batched_save(
                 return ()
             jax.lax.cond(
                 wanted,
-                lambda step, payload: crossing(step, jnp.asarray(True), payload),
+                lambda step, payload: branch(step, jnp.asarray(True), payload),
                 lambda *_: None,
                 step,
                 payload,
             )
         else:
-            jax.lax.cond(jnp.any(wanted), crossing, lambda *_: None, step, wanted, payload)
+            jax.lax.cond(jnp.any(wanted), branch, lambda *_: None, step, wanted, payload)
         return ()
 
     @save.def_vmap
     def _rule(axis_size, in_batched, step, wanted, payload):
         _check_batched_metrics(signature)
         level = ((axis_size, in_batched),)
-        _batched_save(host, signature, by_buffer, always=always, levels=level + levels)(
+        _batched_save(host, crossing, signature, always=always, levels=level + levels)(
             step, wanted, payload
         )
         return (), ()

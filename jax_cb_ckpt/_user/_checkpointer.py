@@ -459,7 +459,9 @@ class Checkpointer:
                 metrics = _scan.metrics_at_save(request.metrics, request.state, request.condition)
             request = dataclasses.replace(request, metrics=metrics)
         processes = 1 if self._group is None else self._group.count
-        route = _route.plan(request, processes=processes, wanted=wanted)
+        route = _route.plan(
+            request, processes=processes, wanted=wanted, crossing=self._options.where.crossing
+        )
         names, best = route.metrics, self._options.keep.best
         if names and best is not None and best not in names and names not in self._told_best:
             # Once per set of names: a misspelt `best` would keep none of the steps.
@@ -471,31 +473,7 @@ class Checkpointer:
                 CheckpointWarning,
             )
         if isinstance(route, _route.Traced):
-            crossing = self._options.where.crossing
-            by_buffer = crossing == "buffer" or (crossing == "auto" and _traced.buffer_by_default())
-            if route.layout is not None:
-                assert route.mesh is not None  # (a route's layout and mesh are set together)
-                _traced.cross_sharded(
-                    self._host,
-                    route.signature,
-                    route.layout,
-                    route.mesh,
-                    route.step,
-                    route.payload,
-                    request.condition,
-                    by_buffer=by_buffer,
-                )
-                return
-            _traced.cross(
-                self._host,
-                route.signature,
-                route.step,
-                route.payload,
-                request.condition,
-                axis_name=request.axis_name,
-                gather=request.gather,
-                by_buffer=by_buffer,
-            )
+            _traced.send(self._host, route)
         elif isinstance(route, _route.Eager):
             # No JAX callback: every leaf is copied into host memory the library keeps,
             # with its exact dtype, before this call returns.
