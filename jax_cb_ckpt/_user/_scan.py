@@ -29,11 +29,17 @@ if TYPE_CHECKING:
     import numpy as np
     from jax.typing import ArrayLike
 
+    from ._wiring import Parts
+
+
+# The user's scan body, `f(carry, x) -> (carry, y)`, as `lax.scan` takes it.
+ScanBody = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
 
 def scan(
     ckpt: Saver,
-    when: When,
-    f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    parts: Parts,
+    f: ScanBody,
     init: PyTree,
     xs: PyTree,
     length: int | None,
@@ -43,7 +49,50 @@ def scan(
     every: int | None,
     start: ArrayLike,
     shardings: PyTree,
-    metrics: Callable[[PyTree], PyTree] | None = None,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> tuple[PyTree, PyTree]:
+    """`Checkpointer.scan` (its docstring): `ckpt` saves, `every` defaults to the
+    Checkpointer's; run eagerly, a failure that a callback of ours caused is raised as
+    ours (`Parts.running`)."""
+    when = parts.options.when
+    every = when.every if every is None else every
+    if every is None and parts.clock is None:
+        raise ConfigError(
+            "scan: no every. Fix: pass every=N, or create the Checkpointer with "
+            "every=N (or every_seconds=T)."
+        )
+    return parts.running(
+        lambda: _scan(
+            ckpt,
+            when,
+            f,
+            init,
+            xs,
+            length,
+            reverse,
+            unroll,
+            every=every,
+            start=start,
+            shardings=shardings,
+            metrics=metrics,
+        )
+    )
+
+
+def _scan(
+    ckpt: Saver,
+    when: When,
+    f: ScanBody,
+    init: PyTree,
+    xs: PyTree,
+    length: int | None,
+    reverse: bool,
+    unroll: int | bool,
+    *,
+    every: int | None,
+    start: ArrayLike,
+    shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
 ) -> tuple[PyTree, PyTree]:
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
         raise ConfigError(
