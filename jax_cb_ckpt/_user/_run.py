@@ -428,26 +428,9 @@ def make_loop(
     # before the first chunk boundary (a resume from a step saved with other settings)
     # and after the last full chunk run one at a time, deciding after each step.
     chunk = check if every is None else math.gcd(every, check)
-
-    def no(i: jax.Array) -> jax.Array:
-        return jnp.asarray(False)
+    after = _after(ckpt, num_steps, every, check, read_stop, shardings, read_due, metrics)
 
     def loop(state: PyTree, start: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
-        def after(i, state):
-            """What follows step `i`: read the stop flag (and with every_seconds, the
-            clock) every `check` steps, save at every `every` steps, at the end, when
-            the time has come and when stopping."""
-            at_save = i == num_steps
-            if every is not None:
-                at_save = at_save | (i % every == 0)
-            stop = jax.lax.cond(i % check == 0, read_stop, no, i)
-            save = at_save | stop
-            if read_due is not None:
-                save = save | jax.lax.cond(i % check == 0, read_due, no, i)
-            recorded = metrics_at_save(metrics, state, save)  # only where a save is made
-            ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
-            return stop
-
         def one_step(carry):
             i, state, _ = carry
             state = step_fn(state, i)
@@ -469,6 +452,38 @@ def make_loop(
         return state, i, stop
 
     return loop
+
+
+def _after(
+    ckpt: Saver,
+    num_steps: int,
+    every: int | None,
+    check: int,
+    read_stop: Callable[[jax.Array], jax.Array],
+    shardings: PyTree,
+    read_due: Callable[[jax.Array], jax.Array] | None,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> Callable[[jax.Array, PyTree], jax.Array]:
+    """`after(i, state)`, what follows step `i` in `make_loop`'s loop: read the stop
+    flag (and with every_seconds, the clock) every `check` steps, save at every `every`
+    steps, at the end, when the time has come and when stopping. Returns the stop read."""
+
+    def no(i: jax.Array) -> jax.Array:
+        return jnp.asarray(False)
+
+    def after(i: jax.Array, state: PyTree) -> jax.Array:
+        at_save = i == num_steps
+        if every is not None:
+            at_save = at_save | (i % every == 0)
+        stop = jax.lax.cond(i % check == 0, read_stop, no, i)
+        save = at_save | stop
+        if read_due is not None:
+            save = save | jax.lax.cond(i % check == 0, read_due, no, i)
+        recorded = metrics_at_save(metrics, state, save)  # only where a save is made
+        ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
+        return stop
+
+    return after
 
 
 def _save_initial(

@@ -118,11 +118,39 @@ def _scan(
     chunks = jax.tree.map(lambda x: _split(x, cut, reverse, full, size), xs)
     rest_xs = jax.tree.map(lambda x: x[:rest] if reverse else x[cut:], xs)
 
+    def scanned(carry: PyTree, chunk_xs: PyTree) -> tuple[PyTree, PyTree]:
+        return jax.lax.scan(f, carry, chunk_xs, length=size, reverse=reverse, unroll=unroll)
+
+    chunk = _chunk(ckpt, scanned, size, start, every, by_clock, shardings, metrics)
+    (carry, _), chunk_ys = jax.lax.scan(
+        chunk, (init, jnp.int32(0)), chunks, length=full, reverse=reverse
+    )
+    flat_ys = jax.tree.map(lambda y: y.reshape(full * size, *y.shape[2:]), chunk_ys)
+    if not rest:
+        return carry, flat_ys
+    carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
+    parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+
+
+def _chunk(
+    ckpt: Saver,
+    scanned: ScanBody,
+    size: int,
+    start: ArrayLike,
+    every: int | None,
+    by_clock: bool,
+    shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> Callable[[tuple[PyTree, jax.Array], PyTree], tuple[tuple[PyTree, jax.Array], PyTree]]:
+    """The outer scan's body: one chunk of `size` iterations (`scanned`), then the save
+    at its end (with the clock: when it is due, or at a multiple of `every`)."""
+
     def chunk(
         carry_done: tuple[PyTree, jax.Array], chunk_xs: PyTree
     ) -> tuple[tuple[PyTree, jax.Array], PyTree]:
         carry, done = carry_done
-        carry, ys = jax.lax.scan(f, carry, chunk_xs, length=size, reverse=reverse, unroll=unroll)
+        carry, ys = scanned(carry, chunk_xs)
         done = done + 1
         step = start + done * size
         if not by_clock:  # every boundary saves: no conditional
@@ -137,15 +165,7 @@ def _scan(
         ckpt.maybe_save(carry, step, when=when, shardings=shardings, metrics=recorded)
         return (carry, done), ys
 
-    (carry, _), chunk_ys = jax.lax.scan(
-        chunk, (init, jnp.int32(0)), chunks, length=full, reverse=reverse
-    )
-    flat_ys = jax.tree.map(lambda y: y.reshape(full * size, *y.shape[2:]), chunk_ys)
-    if not rest:
-        return carry, flat_ys
-    carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
-    parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
-    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+    return chunk
 
 
 def check_metrics(call: str, metrics: object, of: str, example: str, more: str = "") -> None:
