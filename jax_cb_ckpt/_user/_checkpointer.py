@@ -214,7 +214,7 @@ class Checkpointer:
         return self._parts.close()
 
     def __enter__(self) -> Checkpointer:
-        self._parts.check_open_for_with()
+        self._parts.enter()
         return self
 
     def __exit__(

@@ -197,7 +197,8 @@ class Parts:
         # call happens here (eagerly or while tracing).
         self.report()
 
-    def check_open_for_with(self) -> None:
+    def enter(self) -> None:
+        """The start of a `with` block: refused once closed."""
         if self.closed:
             raise CheckpointerClosedError(
                 f"with ckpt: this Checkpointer on {self.directory!r} is closed (a `with` "
