@@ -411,7 +411,7 @@ class NewestUnwritten(KeepNewest):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ckpt._writer._write = _pretend_write  # type: ignore[attr-defined]
+        self.ckpt._parts.writer._write = _pretend_write  # type: ignore[attr-defined]
 
     def flush(self) -> None:
         self.ckpt.wait()  # nothing is on disk: there is no last step to check

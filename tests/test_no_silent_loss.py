@@ -47,7 +47,7 @@ def main():
 
 if MODE == "global":
     train(ckpt)
-    print("pending at exit:", ckpt._exchange.pending, flush=True)
+    print("pending at exit:", ckpt._parts.exchange.pending, flush=True)
 elif MODE == "late":
     # A non-daemon thread that opens its Checkpointer after the main thread ended.
     def late():

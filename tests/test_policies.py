@@ -1040,8 +1040,8 @@ def test_the_clock_is_asked_every_check_every_steps_under_vmap_too(make_ckpt):
     that asks at every step; the batching rule asks once per check for the batch."""
     ckpt = make_ckpt(every_seconds=3600, check_every=50)
     reads = []
-    read = ckpt._clock.read
-    ckpt._clock.read = lambda step: (reads.append(1), read(step))[1]  # counted, not replaced
+    read = ckpt._parts.clock.read
+    ckpt._parts.clock.read = lambda step: (reads.append(1), read(step))[1]  # counted, not replaced
 
     def body(carry, _):
         state, i = carry

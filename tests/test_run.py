@@ -142,7 +142,7 @@ def test_an_error_of_ours_in_run_s_loop_is_raised_as_ours(make_ckpt, ckpt_dir):
             shutil.rmtree(ckpt_dir)
             ckpt_dir.mkdir()
         if int(i) == 3:  # step 2's write has failed by now: step 4's crossing refuses
-            ckpt._exchange.drain()
+            ckpt._parts.exchange.drain()
         return np.float32(0)
 
     def watched(state, step):  # (the state depends on the callback: it runs in order)

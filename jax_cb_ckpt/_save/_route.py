@@ -60,7 +60,7 @@ class Request:
     gather: Gather = "stack"
     shardings: PyTree = None
     # Scalars recorded with the step (None: none); from the façade also a function of the
-    # state, which `Checkpointer._cross` computes before `plan` sees the request.
+    # state, which `Parts.cross` (`_user/_wiring.py`) computes before `plan` sees it.
     metrics: PyTree = None
 
 

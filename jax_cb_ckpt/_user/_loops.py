@@ -112,6 +112,7 @@ def checkpointed_fori_loop(
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None,
 ) -> PyTree:
+    """`Checkpointer.fori_loop` (its docstring); `when`: the Checkpointer's options."""
     if every is None and check_every is None:  # the loop saves nothing itself
         _check_nothing_to_save_by(stoppable, save_last, shardings, metrics)
         return fori_loop(lower, upper, body_fun, init_val)
@@ -121,13 +122,54 @@ def checkpointed_fori_loop(
     reads = by_clock or stoppable  # decisions that need the host, every `check` iterations
     chunk = check if every is None else (math.gcd(every, check) if reads else every)
 
+    lower, upper, first, chunks, head, tail = _cuts(lower, upper, chunk)
+    after = _after(ckpt, upper, every, check, stoppable, save_last, by_clock, shardings, metrics)
+
+    def one(i: jax.Array, val: PyTree) -> tuple[PyTree, jax.Array]:
+        val = body_fun(i, val)
+        return val, after(i + 1, val, always=False)
+
+    def whole(base: jax.Array, val: PyTree) -> tuple[PyTree, jax.Array]:
+        # A static trip count: a scan, which loops on the device with no readback.
+        val = jax.lax.fori_loop(0, chunk, lambda k, v: body_fun(base + k, v), val)
+        return val, after(base + chunk, val, always=not reads)
+
+    last = first + chunks * chunk
+    if not stoppable:
+        val = init_val
+        if head:
+            val = fori_loop(lower, first, lambda i, v: one(i, v)[0], val)
+        val = fori_loop(0, chunks, lambda c, v: whole(first + c * chunk, v)[0], val)
+        if tail:
+            val = fori_loop(last, upper, lambda i, v: one(i, v)[0], val)
+        return val
+    val, stop = _until_stopped(lower, first, 1, one, (init_val, jnp.asarray(False)))
+    val, stop = _until_stopped(first, last, chunk, whole, (val, stop))
+    val, _ = _until_stopped(last, upper, 1, one, (val, stop))
+    return val
+
+
+def _after(
+    ckpt: Saver,
+    upper: ArrayLike,
+    every: int | None,
+    check: int,
+    stoppable: bool,
+    save_last: bool,
+    by_clock: bool,
+    shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> Callable[..., jax.Array]:
+    """`after(i, val, always)`: what follows iteration `i - 1` (checkpoint `i`) of
+    `checkpointed_fori_loop`."""
+
     def no(i: jax.Array) -> jax.Array:
         return jnp.asarray(False)
 
     def after(i: jax.Array, val: PyTree, always: bool) -> jax.Array:
-        """What follows iteration `i - 1` (checkpoint `i`): save at the multiples of
-        `every`, at `upper` with save_last, when the time has come or a stop was
-        requested (both read every `check` iterations). The stop read, or False."""
+        """Save at the multiples of `every`, at `upper` with save_last, when the time
+        has come or a stop was requested (both read every `check` iterations). The
+        stop read, or False."""
         if always:  # a whole chunk that ends at a multiple of `every`, nothing to ask
             ckpt.save(val, i, shardings=shardings, metrics=metrics_at_save(metrics, val, None))
             return jnp.asarray(False)
@@ -146,43 +188,27 @@ def checkpointed_fori_loop(
         ckpt.maybe_save(val, i, when=save, shardings=shardings, metrics=recorded)
         return stop
 
-    def one(i: jax.Array, val: PyTree) -> tuple[PyTree, jax.Array]:
-        val = body_fun(i, val)
-        return val, after(i + 1, val, always=False)
+    return after
 
-    def whole(base: jax.Array, val: PyTree) -> tuple[PyTree, jax.Array]:
-        # A static trip count: a scan, which loops on the device with no readback.
-        val = jax.lax.fori_loop(0, chunk, lambda k, v: body_fun(base + k, v), val)
-        return val, after(base + chunk, val, always=not reads)
 
-    # The cuts: Python ints when the bounds are (every loop a scan, so reverse-mode
-    # differentiable, as lax.fori_loop is), traced otherwise.
-    first: int | jax.Array  # (the first multiple of `chunk` from `lower` on, in bounds)
-    chunks: int | jax.Array
-    head = tail = True  # (a loop known to be empty is left out, not traced)
+def _cuts(
+    lower: ArrayLike, upper: ArrayLike, chunk: int
+) -> tuple[ArrayLike, ArrayLike, int | jax.Array, int | jax.Array, bool, bool]:
+    """(lower, upper, first, chunks, head, tail): the bounds, the first multiple of
+    `chunk` from `lower` on (in bounds), the number of whole chunks from there, and
+    whether iterations come before them (`head`) and after (`tail`). Python ints when
+    the bounds are (every loop a scan, so reverse-mode differentiable, as
+    lax.fori_loop is), traced otherwise; a loop known to be empty is left out."""
     known = _known_bounds(lower, upper)
-    if known is not None:
-        lower, upper = known
-        first = max(lower, min(-(-lower // chunk) * chunk, upper))
-        chunks = max((upper - first) // chunk, 0)
-        head, tail = first > lower, upper > first + chunks * chunk
-    else:
+    if known is None:
         low, high = jnp.asarray(lower), jnp.asarray(upper)
         first = jnp.maximum(low, jnp.minimum(-(-low // chunk) * chunk, high))
         chunks = jnp.maximum((high - first) // chunk, 0)
-    last = first + chunks * chunk
-    if not stoppable:
-        val = init_val
-        if head:
-            val = fori_loop(lower, first, lambda i, v: one(i, v)[0], val)
-        val = fori_loop(0, chunks, lambda c, v: whole(first + c * chunk, v)[0], val)
-        if tail:
-            val = fori_loop(last, upper, lambda i, v: one(i, v)[0], val)
-        return val
-    val, stop = _until_stopped(lower, first, 1, one, (init_val, jnp.asarray(False)))
-    val, stop = _until_stopped(first, last, chunk, whole, (val, stop))
-    val, _ = _until_stopped(last, upper, 1, one, (val, stop))
-    return val
+        return lower, upper, first, chunks, True, True
+    low, high = known
+    first_ = max(low, min(-(-low // chunk) * chunk, high))
+    chunks_ = max((high - first_) // chunk, 0)
+    return low, high, first_, chunks_, first_ > low, high > first_ + chunks_ * chunk
 
 
 def _known_bounds(lower: ArrayLike, upper: ArrayLike) -> tuple[int, int] | None:

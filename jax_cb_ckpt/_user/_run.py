@@ -25,12 +25,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base._errors import ConfigError
 from .._base._types import PyTree, Saver
+from . import _restart
 from ._options import When
 from ._preempt import Preempted, StopFlag
 from ._scan import check_metrics, metrics_at_save
 
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
+
+    from ._wiring import Parts
 
 logger = logging.getLogger("jax_cb_ckpt")
 
@@ -43,8 +46,7 @@ _T = TypeVar("_T")
 
 def run(
     ckpt: Saver,
-    when: When,
-    stop_flag: StopFlag,
+    parts: Parts,
     body: Body,
     init: PyTree,
     num_steps: int,
@@ -52,24 +54,54 @@ def run(
     batched: bool,
     sigint: bool,
     check_every: int | None,
-    progress: bool = False,
-    loops: dict[Hashable, Loop] | None = None,
-    metrics: Callable[[PyTree], PyTree] | None = None,
-    quiet: bool = False,
-    resume: Callable[[PyTree], tuple[PyTree, int | np.ndarray] | None],
+    progress: bool,
+    metrics: Callable[[PyTree], PyTree] | None,
+    quiet: bool,
 ) -> PyTree:
-    """`Checkpointer.run` (its docstring); `when`: the Checkpointer's saving options;
-    `loops`: the Checkpointer's cache of jitted
-    loops (`_jitted_loop`); `resume(like)`: the Checkpointer's restart (the state and
-    step to continue from, or None for a fresh run)."""
-    loops = {} if loops is None else loops
+    """`Checkpointer.run` (its docstring): `ckpt` saves, `parts` holds the Checkpointer's
+    options, stop flag and cache of jitted loops (`_jitted_loop`). A failure of the
+    loop that a callback of ours caused is raised as ours (`Parts.running`)."""
+    parts.check_usable()
+    return parts.running(
+        lambda: _run(
+            ckpt,
+            parts,
+            body,
+            init,
+            num_steps,
+            batched=batched,
+            sigint=sigint,
+            check_every=check_every,
+            progress=progress,
+            metrics=metrics,
+            quiet=quiet,
+        )
+    )
+
+
+def _run(
+    ckpt: Saver,
+    parts: Parts,
+    body: Body,
+    init: PyTree,
+    num_steps: int,
+    *,
+    batched: bool,
+    sigint: bool,
+    check_every: int | None,
+    progress: bool,
+    metrics: Callable[[PyTree], PyTree] | None,
+    quiet: bool,
+) -> PyTree:
+    """The arguments checked, the run resumed (or started fresh), then the loop."""
+    when = parts.options.when
     every, by_clock = when.every, when.every_seconds is not None
     check = _checked_arguments(when, num_steps, metrics, check_every, progress, quiet)
     bar_type = _progress_bar_type() if progress else None
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
-    resumed = resume(init)
+    resumed = _restart.resume(parts, lambda: init)
     state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched)
     if not quiet:
         _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
@@ -86,15 +118,39 @@ def run(
     if jax.process_count() > 1:  # see docs/multiprocess.md
         shardings = _process_shardings(state)
     loop = _jitted_loop(
-        loops, ckpt, stop_flag, body, batched, num_steps, every, check, by_clock, shardings, metrics
+        parts.run_loops,
+        ckpt,
+        parts.stop,
+        body,
+        batched,
+        num_steps,
+        every,
+        check,
+        by_clock,
+        shardings,
+        metrics,
     )
+    return _until_done(ckpt, parts.stop, loop, state, start, num_steps, sigint, bar_type)
+
+
+def _until_done(
+    ckpt: Saver,
+    stop_flag: StopFlag,
+    loop: Loop,
+    state: PyTree,
+    start: int,
+    num_steps: int,
+    sigint: bool,
+    bar_type: type[tqdm] | None,
+) -> PyTree:
+    """The loop from `start`, in a thread of its own while this one waits for signals;
+    its last save on disk before it returns, or raises `Preempted` when stopped."""
     # Committed to their devices, as a restored state's arrays are: a fresh state's
     # uncommitted arrays would make the resumed call another entry of jit's cache, and
     # compile the same program again.
     state = jax.tree.map(
         lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
     )
-
     bar = None if bar_type is None else _Progress(bar_type, ckpt, stop_flag, start, num_steps)
     try:
         with stop_flag.signals(sigint=sigint):
@@ -372,26 +428,9 @@ def make_loop(
     # before the first chunk boundary (a resume from a step saved with other settings)
     # and after the last full chunk run one at a time, deciding after each step.
     chunk = check if every is None else math.gcd(every, check)
-
-    def no(i: jax.Array) -> jax.Array:
-        return jnp.asarray(False)
+    after = _after(ckpt, num_steps, every, check, read_stop, shardings, read_due, metrics)
 
     def loop(state: PyTree, start: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
-        def after(i, state):
-            """What follows step `i`: read the stop flag (and with every_seconds, the
-            clock) every `check` steps, save at every `every` steps, at the end, when
-            the time has come and when stopping."""
-            at_save = i == num_steps
-            if every is not None:
-                at_save = at_save | (i % every == 0)
-            stop = jax.lax.cond(i % check == 0, read_stop, no, i)
-            save = at_save | stop
-            if read_due is not None:
-                save = save | jax.lax.cond(i % check == 0, read_due, no, i)
-            recorded = metrics_at_save(metrics, state, save)  # only where a save is made
-            ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
-            return stop
-
         def one_step(carry):
             i, state, _ = carry
             state = step_fn(state, i)
@@ -413,6 +452,38 @@ def make_loop(
         return state, i, stop
 
     return loop
+
+
+def _after(
+    ckpt: Saver,
+    num_steps: int,
+    every: int | None,
+    check: int,
+    read_stop: Callable[[jax.Array], jax.Array],
+    shardings: PyTree,
+    read_due: Callable[[jax.Array], jax.Array] | None,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> Callable[[jax.Array, PyTree], jax.Array]:
+    """`after(i, state)`, what follows step `i` in `make_loop`'s loop: read the stop
+    flag (and with every_seconds, the clock) every `check` steps, save at every `every`
+    steps, at the end, when the time has come and when stopping. Returns the stop read."""
+
+    def no(i: jax.Array) -> jax.Array:
+        return jnp.asarray(False)
+
+    def after(i: jax.Array, state: PyTree) -> jax.Array:
+        at_save = i == num_steps
+        if every is not None:
+            at_save = at_save | (i % every == 0)
+        stop = jax.lax.cond(i % check == 0, read_stop, no, i)
+        save = at_save | stop
+        if read_due is not None:
+            save = save | jax.lax.cond(i % check == 0, read_due, no, i)
+        recorded = metrics_at_save(metrics, state, save)  # only where a save is made
+        ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
+        return stop
+
+    return after
 
 
 def _save_initial(

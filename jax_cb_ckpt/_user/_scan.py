@@ -29,11 +29,17 @@ if TYPE_CHECKING:
     import numpy as np
     from jax.typing import ArrayLike
 
+    from ._wiring import Parts
+
+
+# The user's scan body, `f(carry, x) -> (carry, y)`, as `lax.scan` takes it.
+ScanBody = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
 
 def scan(
     ckpt: Saver,
-    when: When,
-    f: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    parts: Parts,
+    f: ScanBody,
     init: PyTree,
     xs: PyTree,
     length: int | None,
@@ -43,7 +49,50 @@ def scan(
     every: int | None,
     start: ArrayLike,
     shardings: PyTree,
-    metrics: Callable[[PyTree], PyTree] | None = None,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> tuple[PyTree, PyTree]:
+    """`Checkpointer.scan` (its docstring): `ckpt` saves, `every` defaults to the
+    Checkpointer's; run eagerly, a failure that a callback of ours caused is raised as
+    ours (`Parts.running`)."""
+    when = parts.options.when
+    every = when.every if every is None else every
+    if every is None and parts.clock is None:
+        raise ConfigError(
+            "scan: no every. Fix: pass every=N, or create the Checkpointer with "
+            "every=N (or every_seconds=T)."
+        )
+    return parts.running(
+        lambda: _scan(
+            ckpt,
+            when,
+            f,
+            init,
+            xs,
+            length,
+            reverse,
+            unroll,
+            every=every,
+            start=start,
+            shardings=shardings,
+            metrics=metrics,
+        )
+    )
+
+
+def _scan(
+    ckpt: Saver,
+    when: When,
+    f: ScanBody,
+    init: PyTree,
+    xs: PyTree,
+    length: int | None,
+    reverse: bool,
+    unroll: int | bool,
+    *,
+    every: int | None,
+    start: ArrayLike,
+    shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
 ) -> tuple[PyTree, PyTree]:
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
         raise ConfigError(
@@ -69,11 +118,39 @@ def scan(
     chunks = jax.tree.map(lambda x: _split(x, cut, reverse, full, size), xs)
     rest_xs = jax.tree.map(lambda x: x[:rest] if reverse else x[cut:], xs)
 
+    def scanned(carry: PyTree, chunk_xs: PyTree) -> tuple[PyTree, PyTree]:
+        return jax.lax.scan(f, carry, chunk_xs, length=size, reverse=reverse, unroll=unroll)
+
+    chunk = _chunk(ckpt, scanned, size, start, every, by_clock, shardings, metrics)
+    (carry, _), chunk_ys = jax.lax.scan(
+        chunk, (init, jnp.int32(0)), chunks, length=full, reverse=reverse
+    )
+    flat_ys = jax.tree.map(lambda y: y.reshape(full * size, *y.shape[2:]), chunk_ys)
+    if not rest:
+        return carry, flat_ys
+    carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
+    parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+
+
+def _chunk(
+    ckpt: Saver,
+    scanned: ScanBody,
+    size: int,
+    start: ArrayLike,
+    every: int | None,
+    by_clock: bool,
+    shardings: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
+) -> Callable[[tuple[PyTree, jax.Array], PyTree], tuple[tuple[PyTree, jax.Array], PyTree]]:
+    """The outer scan's body: one chunk of `size` iterations (`scanned`), then the save
+    at its end (with the clock: when it is due, or at a multiple of `every`)."""
+
     def chunk(
         carry_done: tuple[PyTree, jax.Array], chunk_xs: PyTree
     ) -> tuple[tuple[PyTree, jax.Array], PyTree]:
         carry, done = carry_done
-        carry, ys = jax.lax.scan(f, carry, chunk_xs, length=size, reverse=reverse, unroll=unroll)
+        carry, ys = scanned(carry, chunk_xs)
         done = done + 1
         step = start + done * size
         if not by_clock:  # every boundary saves: no conditional
@@ -88,15 +165,7 @@ def scan(
         ckpt.maybe_save(carry, step, when=when, shardings=shardings, metrics=recorded)
         return (carry, done), ys
 
-    (carry, _), chunk_ys = jax.lax.scan(
-        chunk, (init, jnp.int32(0)), chunks, length=full, reverse=reverse
-    )
-    flat_ys = jax.tree.map(lambda y: y.reshape(full * size, *y.shape[2:]), chunk_ys)
-    if not rest:
-        return carry, flat_ys
-    carry, rest_ys = jax.lax.scan(f, carry, rest_xs, length=rest, reverse=reverse, unroll=unroll)
-    parts = (rest_ys, flat_ys) if reverse else (flat_ys, rest_ys)
-    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+    return chunk
 
 
 def check_metrics(call: str, metrics: object, of: str, example: str, more: str = "") -> None:
