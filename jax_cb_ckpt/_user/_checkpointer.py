@@ -1023,6 +1023,7 @@ class Checkpointer:
         step: int | None = None,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
+        partial_restore: bool = False,
     ) -> PyTree:
         """Restore `step` (default: the newest that passes its checks) into the pytree
         types of `like`.
@@ -1033,16 +1034,27 @@ class Checkpointer:
         only its chunks). Without `step=` this is a restart, as in `restore_or_init`: a
         newer damaged step is passed over and set aside (see `on_damaged`), and the run
         continues from the step restored. See `jax_cb_ckpt.restore`.
+
+        `partial_restore=True`: `like` holds only some of the saved leaves (a
+        TrainState's `{"params": ...}`); only they are read and checked.
         """
         self.wait()
         if step is None:
-            resumed = self._resume(lambda: like, verify=verify, member=member)
+            request = _restore.make_request(like, partial_restore)
+            resumed = self._resume(request, verify=verify, member=member)
             if resumed is None:
                 # Nothing to resume from: the read says what the directory holds.
                 _steps.pick_step(self._storage, None, "restore")
                 raise NoCheckpointError(f"restore: no checkpoint in {self.directory!r}")
             return resumed[0]
-        restored = _restore.restore(self.directory, like, step=step, verify=verify, member=member)
+        restored = _restore.restore(
+            self.directory,
+            like,
+            step=step,
+            verify=verify,
+            member=member,
+            partial_restore=partial_restore,
+        )
         self._continue_from(step)
         return restored
 
@@ -1059,7 +1071,7 @@ class Checkpointer:
 
     def _resume(
         self,
-        like: Callable[[], PyTree],
+        like: Callable[[], PyTree] | _restore.Request,
         *,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
