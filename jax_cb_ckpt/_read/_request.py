@@ -75,11 +75,12 @@ class Request:
         leaves, specs = [], []
         for spec, leaf in zip(self.specs, self.leaves, strict=True):
             if spec.name in batched:
-                spec = dataclasses.replace(spec, shape=spec.shape[n:])
                 if isinstance(leaf, jax.ShapeDtypeStruct):
                     leaf = jax.ShapeDtypeStruct(leaf.shape[n:], leaf.dtype)
                 else:
                     leaf = leaf[index]
+                weak = bool(getattr(leaf, "weak_type", False))  # (as `_describe` has it)
+                spec = dataclasses.replace(spec, shape=spec.shape[n:], weak=weak)
             leaves.append(leaf)
             specs.append(spec)
         one = Request(lambda: self.treedef.unflatten(leaves), partial=self.partial)
