@@ -198,3 +198,18 @@ def test_hot_path_benchmark_reports_each_step_size_next_to_the_cond_floor(tmp_pa
         assert all(v > 0 for v in row["seconds"].values())
         assert all(isinstance(row["body_thunks"][m], int) for m in methods)
     assert (out / "results.md").read_text() in printed.stdout
+
+
+def test_partial_benchmark_reports_the_partial_restore_against_the_whole(tmp_path):
+    out = tmp_path / "partial"
+    args = ("--mib", "8", "--reps", "2", "--dir", str(tmp_path), "--out", str(out))
+    printed = _run("benchmarks.partial", *args, timeout=300).stdout
+    report = json.loads((out / "results.json").read_text())["partial"]
+    assert set(report["median_ms"]) == {"whole", "params, partial_restore"}
+    assert all(ms > 0 for ms in report["median_ms"].values())
+    assert 0.009 < report["params_share"] < 0.011 and report["target"] == 0.05
+    assert (
+        report["ratio"]
+        == report["median_ms"]["params, partial_restore"] / report["median_ms"]["whole"]
+    )
+    assert "partial_restore" in (out / "results.md").read_text() and "ratio" in printed

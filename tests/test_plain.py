@@ -17,6 +17,7 @@ import pytest
 from jax_cb_ckpt import ConfigError, DamagedStepError, StructureMismatchError
 from jax_cb_ckpt._base._errors import calling
 from jax_cb_ckpt._read import _plain
+from jax_cb_ckpt._read._request import Request
 from jax_cb_ckpt._storage import _places
 
 
@@ -60,7 +61,7 @@ def test_a_managers_steps_are_found_with_their_item(storage):
 def test_the_step_is_read_into_likes_types_and_left_unchanged(storage):
     before = sorted(os.walk(storage.path))
     like = {"w": jnp.zeros(3), "n": np.int32(0), "k": {"b": np.zeros((2, 2))}}
-    out = _plain.restore(_found(storage)[5], like)
+    out = _plain.restore(_found(storage)[5], Request.of(like))
     assert isinstance(out["w"], jax.Array) and out["w"].dtype == jnp.float32
     np.testing.assert_array_equal(out["w"], [10, 11, 12])
     assert type(out["n"]) is np.int32 and out["n"] == 7
@@ -92,13 +93,13 @@ def test_the_step_is_read_into_likes_types_and_left_unchanged(storage):
 )
 def test_a_like_that_differs_is_refused_naming_the_leaf(storage, like, match):
     with pytest.raises(StructureMismatchError, match=r"^restore: plain Orbax step 3 .*" + match):
-        _plain.restore(_found(storage)[3], like)
+        _plain.restore(_found(storage)[3], Request.of(like))
 
 
 def test_member_is_refused():
     found = _plain.PlainStep(3, "default", "/nowhere/3")
     with pytest.raises(ConfigError, match="a plain Orbax step records no batch"):
-        _plain.restore(found, {}, member=0)
+        _plain.restore(found, Request.of({}), member=0)
 
 
 def test_a_step_with_several_pytree_items_is_found_with_its_problem(tmp_path):
@@ -119,7 +120,7 @@ def test_a_step_with_several_pytree_items_is_found_with_its_problem(tmp_path):
         match=r"cannot be resumed from: a plain Orbax step "
         r"with several pytree items",
     ):
-        _plain.restore(found, {"x": np.ones(2)})
+        _plain.restore(found, Request.of({"x": np.ones(2)}))
 
 
 def test_a_folder_that_is_not_orbaxs_is_not_found(storage):

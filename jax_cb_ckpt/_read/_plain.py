@@ -33,7 +33,7 @@ import datetime
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from .._layout import _format, _spec
 from .._layout._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
 from .._storage import _remote
 from .._storage._protocol import Storage
+
+if TYPE_CHECKING:  # (JAX's: imported where a step is read, `_restore`)
+    from ._request import Request
 
 # The handlers of a pytree item, by the name Orbax records (its module paths move).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
@@ -226,15 +229,16 @@ def _recognised(storage: Storage, step: int, text: bytes) -> PlainStep | None:
     return PlainStep(step, item, path, saved_at=_commit_time(record))
 
 
-def restore(found: PlainStep, like: Any, *, member: object = None) -> Any:
-    """The plain Orbax step `found` read into `like`'s types (see the module's doc):
+def restore(found: PlainStep, request: Request, *, member: object = None) -> Any:
+    """The plain Orbax step `found` read into the types of the request's `like` (see
+    the module's doc; with `request.partial`, only like's leaves are read):
     `StructureMismatchError` naming the first leaf that differs; `DamagedStepError` for
     a step that cannot be read as it describes itself; `RestoreError` otherwise."""
     with calling(f"{where()}: plain Orbax step {found.step} ({found.path}/{found.item})"):
-        return _checked_restore(found, like, member)
+        return _checked_restore(found, request, member)
 
 
-def _checked_restore(found: PlainStep, like: Any, member: object) -> Any:
+def _checked_restore(found: PlainStep, request: Request, member: object) -> Any:
     if found.problem is not None:
         raise DamagedStepError(
             f"{where()}: cannot be resumed from: {found.problem}.", found.problem
@@ -245,7 +249,7 @@ def _checked_restore(found: PlainStep, like: Any, member: object) -> Any:
             "a plain Orbax step records no batch. Fix: restore the whole state."
         )
     with _quiet_orbax():
-        return _restore(found, like)
+        return _restore(found, request)
 
 
 def read_whole(found: PlainStep) -> None:
@@ -279,9 +283,11 @@ def _stored_tree(found: PlainStep) -> Any:
     return described.tree
 
 
-def _read_arrays(found: PlainStep, tree: Any) -> Any:
+def _read_arrays(found: PlainStep, tree: Any, wanted: set[tuple[str, ...]] | None = None) -> Any:
     """The arrays of the item `tree` describes, read by Orbax as numpy (host memory,
-    whatever device wrote them), and Python numbers for the numbers it stored."""
+    whatever device wrote them), and Python numbers for the numbers it stored; with
+    `wanted` (stored names), only those: every other leaf is Orbax's `PLACEHOLDER`,
+    which it neither reads nor returns."""
     import orbax.checkpoint as ocp
 
     def args(leaf: object) -> Any:
@@ -290,8 +296,13 @@ def _read_arrays(found: PlainStep, tree: Any) -> Any:
 
     try:
         restore_args = _map(args, tree)
+        item = None
+        if wanted is not None:
+            item = _map_named(lambda n, v: v if n in wanted else ocp.PLACEHOLDER, tree)
+            restore_args = _map_named(lambda n, v: v if n in wanted else None, restore_args)
         return ocp.PyTreeCheckpointer().restore(
-            f"{found.path}/{found.item}", args=ocp.args.PyTreeRestore(restore_args=restore_args)
+            f"{found.path}/{found.item}",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
         )
     except Exception as e:
         raise _failure("its arrays", e) from e
@@ -311,27 +322,26 @@ def _quiet_orbax() -> Iterator[None]:
         absl.setLevel(level)
 
 
-def _restore(found: PlainStep, like: Any) -> Any:
-    # JAX's (`_describe`): only where a step is read; recognising one (`steps`, for
-    # `jax-cb-ckpt ls`) needs numpy alone.
-    from .._layout import _describe
+def _restore(found: PlainStep, request: Request) -> Any:
+    # JAX's: only where a step is read; recognising one (`steps`, for `jax-cb-ckpt ls`)
+    # needs numpy alone.
     from . import _rebuild
 
     tree = _stored_tree(found)
     stored = _leaves(tree)
-    treedef, like_specs, like_leaves = _describe.describe_state(
-        like, prefix="like", abstract_ok=True
-    )
+    like_specs = request.specs
     saved_specs = [_saved_spec(spec, stored) for spec in like_specs]
-    extra = sorted(set(stored) - {spec.name for spec in like_specs})
-    if extra:
+    names = {spec.name for spec in like_specs}
+    extra = sorted(set(stored) - names)
+    if extra and not request.partial:
         raise StructureMismatchError(
             f"{where()}: it holds leaf {'/'.join(extra[0])!r}, which like does not have. Fix: "
-            "pass a like with the structure of the state Orbax saved."
+            "pass a like with the structure of the state Orbax saved, or "
+            "partial_restore=True to restore only like's leaves."
         )
-    read = _leaves(_read_arrays(found, tree))
+    read = _leaves(_read_arrays(found, tree, names if extra else None))
     leaves = []
-    for leaf, spec, saved in zip(like_leaves, like_specs, saved_specs, strict=True):
+    for leaf, spec, saved in zip(request.leaves, like_specs, saved_specs, strict=True):
         array = _as_saved(read[spec.name], saved)
         if array.shape != saved.stored_shape or array.dtype.name != saved.dtype:
             raise DamagedStepError(
@@ -340,7 +350,7 @@ def _restore(found: PlainStep, like: Any) -> Any:
                 f"leaf {spec.path}'s data is not what its description says",
             )
         leaves.append(_rebuild.rebuild(leaf, spec, saved, array))
-    return treedef.unflatten(leaves)
+    return request.build(leaves)
 
 
 def _as_saved(value: Any, saved: _spec.LeafSpec) -> np.ndarray:
@@ -380,6 +390,15 @@ def _map(fn: Any, tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map(fn, value) for value in tree)
     return None if tree is None else fn(tree)
+
+
+def _map_named(fn: Any, tree: Any, name: tuple[str, ...] = ()) -> Any:
+    """`_map` whose `fn(name, leaf)` is also given the leaf's stored name (`_leaves`)."""
+    if isinstance(tree, dict):
+        return {k: _map_named(fn, v, (*name, str(k))) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_named(fn, v, (*name, str(i))) for i, v in enumerate(tree))
+    return None if tree is None else fn(name, tree)
 
 
 def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any]) -> Any:

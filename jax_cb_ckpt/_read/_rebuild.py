@@ -26,8 +26,11 @@ from .._layout._describe import is_key as _is_key
 from .._layout._spec import ARRAY, KEY, SCALAR, LeafSpec
 
 
-def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...]) -> None:
-    """Raise `StructureMismatchError` naming the first leaf where `like` and the save differ."""
+def check_like(
+    like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...], *, partial: bool = False
+) -> None:
+    """Raise `StructureMismatchError` naming the first leaf where `like` and the save
+    differ; with `partial` (`partial_restore=True`), a saved leaf `like` lacks is left out."""
     saved_by_name = {spec.name: spec for spec in saved}
     like_names = {spec.name for spec in like_specs}
     fix = (
@@ -50,11 +53,12 @@ def check_like(like_specs: tuple[LeafSpec, ...], saved: tuple[LeafSpec, ...]) ->
                 f"{where()}: leaf {spec.path} differs: the checkpoint has "
                 f"{other.describe()}, like has {spec.describe()}." + fix
             )
-    for other in saved:
+    for other in () if partial else saved:
         if other.name not in like_names:
             raise StructureMismatchError(
                 f"{where()}: the checkpoint has leaf {other.path} ({other.describe()}), "
-                "which like does not have." + fix
+                "which like does not have." + fix + " To restore only like's leaves (the "
+                "parameters without the optimizer state, say), pass partial_restore=True."
             )
 
 

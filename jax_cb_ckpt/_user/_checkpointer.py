@@ -423,14 +423,24 @@ class Checkpointer:
         step: int | None = None,
         verify: bool = True,
         member: int | tuple[int, ...] | None = None,
+        partial_restore: bool = False,
     ) -> PyTree:
         """Restore `step` (default: the newest that passes its checks) into the pytree
         types of `like` (arrays or `jax.ShapeDtypeStruct`s).
 
         Waits for pending saves (`wait()`), then blocks while reading. `verify=False`
         skips the checksums; `member=k` reads member k of a batch saved under vmap.
-        Without `step=`, a restart (`on_damaged`). See `jax_cb_ckpt.restore`."""
-        return _restart.restore(self._parts, like, step=step, verify=verify, member=member)
+        Without `step=`, a restart (`on_damaged`). `partial_restore=True`: `like` holds
+        only some of the saved leaves (a TrainState's `{"params": ...}`); only they are
+        read and checked. See `jax_cb_ckpt.restore`."""
+        return _restart.restore(
+            self._parts,
+            like,
+            step=step,
+            verify=verify,
+            member=member,
+            partial_restore=partial_restore,
+        )
 
     @entry("restore_or_init")
     def restore_or_init(

@@ -34,17 +34,26 @@ def restore(
     step: int | None,
     verify: bool,
     member: int | tuple[int, ...] | None,
+    partial_restore: bool = False,
 ) -> PyTree:
     """`Checkpointer.restore` (its docstring)."""
     parts.wait()
     if step is None:
-        resumed = resume(parts, lambda: like, verify=verify, member=member)
+        request = _restore.make_request(like, partial_restore)
+        resumed = resume(parts, request, verify=verify, member=member)
         if resumed is None:
             # Nothing to resume from: the read says what the directory holds.
             _steps.pick_step(parts.storage, None, "restore")
             raise NoCheckpointError(f"restore: no checkpoint in {parts.directory!r}")
         return resumed[0]
-    restored = _restore.restore(parts.directory, like, step=step, verify=verify, member=member)
+    restored = _restore.restore(
+        parts.directory,
+        like,
+        step=step,
+        verify=verify,
+        member=member,
+        partial_restore=partial_restore,
+    )
     parts.continue_from(step)
     return restored
 
@@ -88,7 +97,7 @@ def restore_or_init(
 
 def resume(
     parts: Parts,
-    like: Callable[[], PyTree],
+    like: Callable[[], PyTree] | _restore.Request,
     *,
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
