@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
@@ -40,6 +40,7 @@ from .._base._types import (
     PyTree,
 )
 from .._layout import _format
+from .._layout._rule import Rule
 from .._read import _rebuild, _restore, _resume, _steps
 from .._save import _route, _traced, _values
 from .._save._exchange import Closed, Exchange
@@ -144,6 +145,10 @@ class Checkpointer:
             counts as best. Orbax: `BestN` (`best_fn`, `best_mode`).
         best: the metric `keep_best` ranks by.
         mode: `"max"` (default) or `"min"`.
+        keep: the retention rules as objects, instead of the keywords above (not with
+            them): `keep=[ckpt.LatestN(3), ckpt.BestN("loss", 2, "min")]` is
+            `max_to_keep=3, keep_best=2, best="loss", mode="min"`; also
+            `ckpt.EveryNSteps(k)`, `ckpt.EveryNSeconds(t)`.
         on_damaged: what a restart (`restore_or_init`, `run`, `restore` without
             `step=`) does when its newest step is damaged (a flipped bit, a cut or
             edited file). `"fall_back"` (default): resume from the newest step that
@@ -153,8 +158,8 @@ class Checkpointer:
             with a `DamagedStepError` instead, touching nothing.
 
     Retention: with no rule (`max_to_keep`, `keep_every`, `keep_every_seconds`,
-    `keep_best`) every step is kept. With rules, a step is kept if any rule keeps it
-    (Orbax's `AnyPreservationPolicy`), and the newest step always is; the writer
+    `keep_best`, or `keep=[...]`) every step is kept. With rules, a step is kept if any
+    rule keeps it (Orbax's `AnyPreservationPolicy`), and the newest step always is; the writer
     applies them after each commit, in the background, to the library's own complete
     steps only. Rules changed between runs on one directory apply from the next commit;
     a step the previous rules kept and the new ones delete is named in a warning log.
@@ -183,6 +188,7 @@ class Checkpointer:
         keep_best: int | None = None,
         best: str | None = None,
         mode: BestMode = "max",
+        keep: Sequence[Rule] | None = None,
         on_damaged: OnDamaged = "fall_back",
     ) -> None:
         # The parameters by name (`locals()` holds nothing else yet: no `super()` or
