@@ -38,7 +38,7 @@ import dataclasses
 import math
 import reprlib
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 # reasons: a new rule is one module and one name here.
 RULES: tuple[type[Rule], ...] = (LatestN, EveryNSteps, EveryNSeconds, BestN)
 
-__all__ = ["AnyOf", "Entry", "Keeper", "RULES", "keywords"]
+R = TypeVar("R", bound=Rule)
 
 
 def keywords() -> dict[str, Any]:
@@ -120,7 +120,7 @@ class AnyOf:
         """The metric a rule ranks steps by (`Entry.values`), or None."""
         return next((rule.ranks for rule in self.rules if rule.ranks is not None), None)
 
-    def find(self, kind: type[Rule]) -> Any:
+    def find(self, kind: type[R]) -> R | None:
         """The rule of type `kind`, or None."""
         return next((rule for rule in self.rules if type(rule) is kind), None)
 

@@ -143,6 +143,7 @@ class Keep:
             rules = AnyOf.short(dict(short))
         else:
             rules = _rule_objects(self.keep, [name for name, _ in short])
+            object.__setattr__(self, "keep", rules.rules)  # (a tuple: frozen, hashable)
         object.__setattr__(self, "rules", rules if rules.any else None)
 
     # What the façade reads: the metric ranked (`best_step`, a misspelt `best`'s
