@@ -279,7 +279,10 @@ def test_keep_takes_the_rules_as_objects_the_keywords_short_form(tmp_path):
 
 KEEP_BAD = [
     (dict(keep=[LatestN(3)], max_to_keep=2), r"Checkpointer\(keep=\[...\], max_to_keep=...\): "),
-    (dict(keep=[LatestN(3)], mode="min"), r"Checkpointer\(keep=\[...\], mode=...\): keep= takes"),
+    (
+        dict(keep=[LatestN(3)], mode="min"),
+        r"Checkpointer\(keep=\[...\], mode=...\): keep= and mode both say",
+    ),
     (dict(keep=LatestN(3)), r"Checkpointer\(keep=LatestN\(n=3\)\): keep must be a list"),
     (dict(keep="max_to_keep=3"), r"keep must be a list of retention rules, got a str"),
     (dict(keep=[3]), r"Checkpointer\(keep=\[...\]\): keep\[0\] is 3 \(int\), not a retention"),

@@ -168,11 +168,11 @@ def _rule_objects(keep: object, short: list[str]) -> AnyOf:
     """`keep=[...]` combined, or a `ConfigError` naming `keep` (and the keywords that
     `keep` cannot be given with)."""
     if short:
-        names = ", ".join(f"{name}=..." for name in short)
+        names, plain = ", ".join(f"{n}=..." for n in short), ", ".join(short)
         raise ConfigError(
-            f"Checkpointer(keep=[...], {names}): keep= takes the retention rules as "
-            f"objects, and {names.replace('=...', '')} say them in the short form; give "
-            "one or the other. Fix: add the rule to keep=, e.g. keep=[ckpt.LatestN(3), "
+            f"Checkpointer(keep=[...], {names}): keep= and {plain} both say what to keep "
+            f"(keep= as rule objects, {plain} as the keywords' short form); give one or the "
+            "other. Fix: put every rule in keep=, e.g. keep=[ckpt.LatestN(3), "
             "ckpt.BestN('loss', 2, 'min')], or drop keep=."
         )
     if isinstance(keep, str | bytes | dict) or not isinstance(keep, Iterable):
