@@ -35,6 +35,10 @@ from ._write import _exit  # noqa: F401  (the exit hook: registered at import, _
 if _TYPE_CHECKING:
     from ._handoff._stats import SaveRecord as SaveRecord
     from ._handoff._stats import Stats as Stats
+    from ._layout._keep_best import BestN as BestN
+    from ._layout._keep_every import EveryNSteps as EveryNSteps
+    from ._layout._keep_latest import LatestN as LatestN
+    from ._layout._keep_seconds import EveryNSeconds as EveryNSeconds
     from ._read._rebuild import same_bits as same_bits
     from ._read._restore import restore as restore
     from ._read._steps import all_steps as all_steps
@@ -50,6 +54,10 @@ if _TYPE_CHECKING:
 # {public name: the private module it comes from}, imported on first use.
 _LAZY = {
     "Checkpointer": "_user._checkpointer",
+    "BestN": "_layout._keep_best",  # the retention rules (Checkpointer's keep=)
+    "EveryNSeconds": "_layout._keep_seconds",
+    "EveryNSteps": "_layout._keep_every",
+    "LatestN": "_layout._keep_latest",
     "Preempted": "_user._preempt",
     "all_steps": "_read._steps",
     "best_step": "_read._steps",

@@ -4,14 +4,15 @@ checked values as the flat `Options` they replaced (issue 46, item 3)."""
 
 import dataclasses
 import inspect
+import json
 import math
 import re
 
 import pytest
 
-from jax_cb_ckpt import Checkpointer, ConfigError
+from jax_cb_ckpt import BestN, Checkpointer, ConfigError, EveryNSeconds, EveryNSteps, LatestN
 from jax_cb_ckpt._layout import _format
-from jax_cb_ckpt._layout._policy import Rules
+from jax_cb_ckpt._layout._policy import AnyOf
 from jax_cb_ckpt._user import _options
 from jax_cb_ckpt._user._options import Failures, Keep, Options, Queue, When, Where
 
@@ -68,13 +69,15 @@ BEFORE_NON_DEFAULT = dict(
     check_every=10,
     initial_save=True,
     on_damaged="raise",
-    rules=Rules(
-        max_to_keep=3,
-        keep_every=20,
-        keep_every_seconds=30.0,
-        keep_best=2,
-        best="return",
-        mode="min",
+    rules=AnyOf.short(
+        dict(
+            max_to_keep=3,
+            keep_every=20,
+            keep_every_seconds=30.0,
+            keep_best=2,
+            best="return",
+            mode="min",
+        )
     ),
 )
 
@@ -121,7 +124,7 @@ def test_the_checkpointer_builds_the_options_it_built_before(tmp_path, given, be
         for name, value in before.items():  # 60 and 60.0 are equal: the types too
             assert type(got[name]) is type(value), name
         if options.keep.rules is not None:
-            assert type(options.keep.rules.keep_every_seconds) is float
+            assert type(options.keep.rules.find(EveryNSeconds).seconds) is float
         assert options == _options.checked(tmp_path / "run", **given)  # the same mapping
 
 
@@ -138,8 +141,10 @@ def test_each_keyword_belongs_to_one_group_with_the_signature_s_default():
     assert set(owners) == set(parameters)
     for group in _options.GROUPS.values():
         for field in dataclasses.fields(group):
-            if field.init and field.name != "directory":
+            if field.init and field.name != "directory" and group is not Keep:
                 assert parameters[field.name].default == field.default, field.name
+    for keyword, default in Keep.KEYWORDS.items():  # keep= and the rules' short form
+        assert parameters[keyword].default == default, keyword
     assert parameters["directory"].default is inspect.Parameter.empty
     assert [f.name for f in dataclasses.fields(Options)] == list(_options.GROUPS)
 
@@ -201,7 +206,7 @@ def test_each_group_refuses_a_bad_value_naming_the_argument(
     gives for the same keyword: the check is the group's own."""
     monkeypatch.chdir(tmp_path)  # (a relative directory lands here)
     with pytest.raises(ConfigError, match=re.escape(says)) as direct:
-        group(**fields)
+        Keep.given(**fields) if group is Keep else group(**fields)
     assert f"Checkpointer({named}=" in str(direct.value)  # names the argument
     given = {k: v for k, v in fields.items() if k != "directory"}
     directory = fields.get("directory", str(tmp_path))
@@ -222,7 +227,7 @@ def test_a_file_where_the_directory_should_be_is_refused_by_where(tmp_path):
     [
         Where("."),
         When(every=3, every_seconds=2, check_every=7, initial_save=True),
-        Keep(max_to_keep=2, keep_best=1, best="r"),
+        Keep.given(max_to_keep=2, keep_best=1, best="r"),
         Queue(queue_size=3, on_full="skip"),
         Failures(on_error="continue", peer_timeout=5),
         Options(Where("."), When(), Keep(), Queue(), Failures()),
@@ -244,8 +249,9 @@ def test_the_groups_keep_their_values_in_one_form():
     assert When().check == _options.DEFAULT_CHECK_EVERY
     assert When(every_seconds=1, check_every=7).check == 7
     assert Keep().rules is None  # no rule: every step is kept
-    assert Keep(keep_every=10).rules == Rules(keep_every=10)
-    assert Keep(keep_best=1, best="r", mode="min").rules == Rules(keep_best=1, best="r", mode="min")
+    assert Keep.given(keep_every=10).rules == AnyOf.short({"keep_every": 10})
+    made = Keep.given(keep_best=1, best="r", mode="min").rules
+    assert made == AnyOf.short({"keep_best": 1, "best": "r", "mode": "min"})
     assert type(Failures(peer_timeout=5).peer_timeout) is float
     assert (Queue().slots, Queue(on_full="newest").slots, Queue(3, "skip").slots) == (2, 3, 3)
 
@@ -255,3 +261,56 @@ def test_only_what_users_read_is_a_property():
     directory, the counters and the stop request (the README's API block)."""
     properties = {n for n, v in vars(Checkpointer).items() if isinstance(v, property)}
     assert properties == {"directory", "stats", "stop_requested"}
+
+
+def test_keep_takes_the_rules_as_objects_the_keywords_short_form(tmp_path):
+    """`keep=[...]` and the keywords build the same rules, recorded in the same bytes
+    whatever the list's order (P-usage-300)."""
+    short = _options.checked(
+        tmp_path, max_to_keep=3, keep_every_seconds=60, keep_best=2, best="loss", mode="min"
+    )
+    rules = [BestN("loss", 2, "min"), EveryNSeconds(60), LatestN(3)]
+    long = _options.checked(tmp_path, keep=rules)
+    assert long.keep.rules == short.keep.rules
+    assert json.dumps(long.keep.rules.to_json()) == json.dumps(short.keep.rules.to_json())
+    assert long.keep.best == "loss" and long.keep.mode == "min" and long.keep.max_to_keep == 3
+    assert _options.checked(tmp_path, keep=[]).keep.rules is None  # no rule: keep all
+
+
+KEEP_BAD = [
+    (dict(keep=[LatestN(3)], max_to_keep=2), r"Checkpointer\(keep=\[...\], max_to_keep=...\): "),
+    (
+        dict(keep=[LatestN(3)], mode="min"),
+        r"Checkpointer\(keep=\[...\], mode=...\): keep= and mode both say",
+    ),
+    (dict(keep=LatestN(3)), r"Checkpointer\(keep=LatestN\(n=3\)\): keep must be a list"),
+    (dict(keep="max_to_keep=3"), r"keep must be a list of retention rules, got a str"),
+    (dict(keep=[3]), r"Checkpointer\(keep=\[...\]\): keep\[0\] is 3 \(int\), not a retention"),
+    (dict(keep=[LatestN]), r"keep\[0\] is <class .*LatestN'> \(the class itself\)"),
+    (dict(keep=[LatestN(2), LatestN(3)]), r"Checkpointer\(keep=\[...\]\): LatestN is given 2"),
+]
+
+
+@pytest.mark.parametrize("given, says", KEEP_BAD, ids=[says[:40] for _, says in KEEP_BAD])
+def test_keep_given_wrongly_is_refused_naming_it(tmp_path, given, says):
+    with pytest.raises(ConfigError, match=says):
+        Checkpointer(tmp_path / "run", **given)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: LatestN(0), r"^LatestN\(n=...\): n must be a positive int \(how many"),
+        (lambda: LatestN(True), r"^LatestN\(n=...\): .*got True of type bool"),
+        (lambda: EveryNSteps(2.5), r"^EveryNSteps\(n=...\): n must be a positive int"),
+        (lambda: EveryNSeconds(-1), r"^EveryNSeconds\(seconds=...\): .*positive number of sec"),
+        (lambda: BestN("loss", 0), r"^BestN\(n=...\): n must be a positive int"),
+        (lambda: BestN("loss", 2, "median"), r"^BestN\(mode='median'\): mode must be one of"),
+        (lambda: BestN("", 2), r"^BestN\(metric=''\): metric must name a metric"),
+        (lambda: BestN(None, 2), r"^BestN\(n=2, metric=None\): n and metric go together"),
+    ],
+)
+def test_a_misconfigured_rule_object_is_refused_naming_its_argument(make, says):
+    with pytest.raises(ConfigError, match=says):
+        make()

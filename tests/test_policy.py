@@ -2,7 +2,7 @@
 
 Each rule alone, their union, the edge cases of "best" (NaN, a missing metric, inf, ties,
 members), the rare paths (a remove, an add below the newest, a Keeper built from a
-listing) and `Rules`' JSON record; then a randomized differential test against two plain
+listing) and the rules' JSON record; then a randomized differential test against two plain
 oracles (see `ScratchOracle` and `LiteralOracle`). How fast it runs is a benchmark's
 business, not a test's.
 """
@@ -11,13 +11,21 @@ import json
 import math
 import random
 import re
+import types
 
 import numpy as np
 import pytest
 
-from jax_cb_ckpt._layout._policy import Entry, Keeper, Rules
+from jax_cb_ckpt._layout._keep_best import BestN
+from jax_cb_ckpt._layout._keep_latest import LatestN
+from jax_cb_ckpt._layout._policy import AnyOf, Entry, Keeper
 
 NAN, INF = float("nan"), float("inf")
+
+
+def Rules(**keywords):
+    """The rules as `Checkpointer(...)`'s keywords spell them (their short form)."""
+    return AnyOf.short(keywords)
 
 
 def entry(step, value=None, seconds=None):
@@ -325,7 +333,7 @@ def test_adding_a_held_step_again_replaces_its_entry():
     ],
 )
 def test_a_record_round_trips_through_json(rules):
-    assert Rules.from_json(json.loads(json.dumps(rules.to_json()))) == rules
+    assert AnyOf.from_json(json.loads(json.dumps(rules.to_json()))) == rules
 
 
 def test_to_json_writes_only_the_set_fields_and_describe_says_them():
@@ -341,45 +349,54 @@ def test_to_json_writes_only_the_set_fields_and_describe_says_them():
 
 def test_a_record_with_unknown_keys_is_read_and_missing_keys_are_defaults():
     record = {"max_to_keep": 3, "keep_newest_of_each_day": 1, "best_of": [1, 2]}
-    assert Rules.from_json(record) == Rules(max_to_keep=3)
-    assert Rules.from_json({"keep_best": 1, "best": "r"}).mode == "max"
+    assert AnyOf.from_json(record) == Rules(max_to_keep=3)
+    assert AnyOf.from_json({"keep_best": 1, "best": "r"}).find(BestN).mode == "max"
 
 
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"max_to_keep": True}, r"max_to_keep=True \(bool\) is not a positive int"),
-        ({"keep_every": -5}, r"keep_every=-5 \(int\) is not a positive int"),
-        ({"max_to_keep": 0}, r"max_to_keep=0 \(int\)"),
-        ({"max_to_keep": 2.0}, r"max_to_keep=2.0 \(float\)"),
-        ({"keep_best": 1, "best": "r", "max_to_keep": "3"}, r"max_to_keep='3' \(str\)"),
-        ({"keep_every_seconds": NAN}, r"keep_every_seconds=nan \(float\) is not a positive fin"),
-        ({"keep_every_seconds": INF}, r"keep_every_seconds=inf"),
-        ({"keep_every_seconds": -1.0}, r"keep_every_seconds=-1.0"),
-        ({"keep_every_seconds": False}, r"keep_every_seconds=False \(bool\)"),
-        ({"keep_every_seconds": "60"}, r"keep_every_seconds='60' \(str\)"),
-        ({"keep_best": 2, "best": "r", "mode": "median"}, r"mode='median' is not 'max'"),
-        ({"keep_best": 2, "best": "r", "mode": ["max"]}, r"mode=\['max'\] is not"),
-        ({"keep_best": 2}, r"keep_best=2 is set without best"),
-        ({"best": "r"}, r"best='r' is set without keep_best"),
-        ({"keep_best": 2, "best": "x" * 201}, r"best='xxx.*' is not a metric's name .*200"),
-        ({"keep_best": 2, "best": ""}, r"best='' is not a metric's name"),
-        ({"keep_best": 2, "best": 7}, r"best=7 is not a metric's name"),
-        ({"max_to_keep": None}, r"max_to_keep is null"),
-        ([3], r"\[3\] is a list, not a JSON object"),
-        ("max_to_keep=3", r"'max_to_keep=3' is a str, not a JSON object"),
+        (
+            {"max_to_keep": True},
+            r"\(max_to_keep=\.\.\.\): max_to_keep must be a positive int.*True of type bool",
+        ),
+        ({"keep_every": -5}, r"\(keep_every=\.\.\.\): keep_every must be .*got -5 of type int"),
+        ({"max_to_keep": 0}, r"\(max_to_keep=\.\.\.\): .*got 0 of type int"),
+        ({"max_to_keep": 2.0}, r"\(max_to_keep=\.\.\.\): .*got 2.0 of type float"),
+        ({"keep_best": 1, "best": "r", "max_to_keep": "3"}, r"\(max_to_keep=.*got '3' of type str"),
+        ({"keep_every_seconds": NAN}, r"\(keep_every_seconds=\.\.\.\): .*positive number.*got nan"),
+        ({"keep_every_seconds": INF}, r"\(keep_every_seconds=\.\.\.\): .*got inf"),
+        ({"keep_every_seconds": -1.0}, r"\(keep_every_seconds=\.\.\.\): .*got -1.0"),
+        ({"keep_every_seconds": False}, r"\(keep_every_seconds=\.\.\.\): .*got False"),
+        ({"keep_every_seconds": "60"}, r"\(keep_every_seconds=\.\.\.\): .*got '60'"),
+        ({"keep_best": 2, "best": "r", "mode": "median"}, r"\(mode='median'\): mode must be one"),
+        ({"keep_best": 2, "best": "r", "mode": ["max"]}, r"\(mode=\['max'\]\): mode must be"),
+        ({"keep_best": 2}, r"\(keep_best=2, best=None\): keep_best and best go together"),
+        ({"best": "r"}, r"\(keep_best=None, best='r'\): keep_best and best go together"),
+        ({"keep_best": 2, "best": "x" * 201}, r"\(best='xxx.*\): best must name a metric"),
+        ({"keep_best": 2, "best": ""}, r"\(best=''\): best must name a metric"),
+        ({"keep_best": 2, "best": 7}, r"\(best=7\): best must name a metric"),
+        ({"max_to_keep": None}, r": max_to_keep is null"),
+        ([3], r": \[3\] is a list, not a JSON object"),
+        ("max_to_keep=3", r": 'max_to_keep=3' is a str, not a JSON object"),
     ],
 )
 def test_a_bad_record_is_refused_naming_the_field_and_value(record, message):
-    with pytest.raises(ValueError, match=r"^retention record: " + message):
-        Rules.from_json(record)
+    with pytest.raises(ValueError, match=r"^retention record" + message):
+        AnyOf.from_json(record)
 
 
 def test_bad_rules_are_refused_when_made():
-    with pytest.raises(ValueError, match=r"^Rules: keep_best=3 is set without best"):
+    with pytest.raises(ValueError, match=r"^Checkpointer\(keep_best=3, best=None\): keep_best and"):
         Rules(keep_best=3)
-    with pytest.raises(ValueError, match=r"^Rules: keep_every=0 \(int\).*None to turn"):
+    with pytest.raises(ValueError, match=r"^Checkpointer\(keep_every=\.\.\.\): .*got 0 of type"):
         Rules(keep_every=0)
+    with pytest.raises(ValueError, match=r"^LatestN\(n=\.\.\.\): n must be a positive int \("):
+        LatestN(0)
+    with pytest.raises(ValueError, match=r"^BestN\(metric=''\): metric must name a metric"):
+        BestN("", 2)
+    with pytest.raises(ValueError, match=r"^AnyOf\(rules\): LatestN is given 2 times"):
+        AnyOf((LatestN(2), LatestN(3)))
 
 
 # A randomized differential test against two oracles -------------------------------------------
@@ -585,7 +602,7 @@ class LiteralOracle(ScratchOracle):
 def _random_rules(rng):
     while True:
         best = rng.choice([None, 1, 2, 3])
-        rules = Rules(
+        rules = types.SimpleNamespace(
             max_to_keep=rng.choice([None, None, 1, 2, 4]),
             keep_every=rng.choice([None, None, 2, 3, 7]),
             keep_every_seconds=rng.choice([None, None, 0.5, 1, 2.5]),
@@ -593,8 +610,8 @@ def _random_rules(rng):
             best=None if best is None else "metric",
             mode=rng.choice(["max", "min"]),
         )
-        if rules.any:
-            return rules
+        if Rules(**vars(rules)).any:
+            return rules  # (as the oracles read them: every keyword, None when unset)
 
 
 def _random_entry(rng, step, shapes, clock):
@@ -616,7 +633,7 @@ def test_the_keeper_agrees_with_plain_oracles_on_random_sequences(seed):
     rng = random.Random(seed)
     rules = _random_rules(rng)
     shapes = rng.choice([[()], [(4,)], [(2, 3)], [(), (3,)], [(4,), (2, 3)]])
-    keeper = Keeper(rules)
+    keeper = Keeper(Rules(**vars(rules)))
     scratch, literal = ScratchOracle(rules), LiteralOracle(rules)
     clock, top = 0.0, -1
     for _ in range(rng.randint(10, 60)):
@@ -634,7 +651,7 @@ def test_the_keeper_agrees_with_plain_oracles_on_random_sequences(seed):
         elif what < 0.9:  # a new Keeper from the listing, in any order
             listed = list(scratch.held.values())
             rng.shuffle(listed)
-            keeper = Keeper(rules, listed)
+            keeper = Keeper(Rules(**vars(rules)), listed)
             scratch.restart()
             literal.restart()
         if rng.random() < 0.7:
@@ -642,6 +659,8 @@ def test_the_keeper_agrees_with_plain_oracles_on_random_sequences(seed):
         expected = scratch.kept_by()
         assert literal.kept_by() == expected, rules
         assert {step: keeper.kept_by(step) for step in keeper.steps} == expected, rules
+        if rules.keep_best is None:  # (best_step ranks by the BestN rule)
+            continue
         assert keeper.best_step() == scratch.best_step(None)
         newest_first = [scratch.held[step] for step in sorted(scratch.held, reverse=True)]
         shaped = [e.values for e in newest_first if e.values is not None]

@@ -8,6 +8,10 @@ import jax_cb_ckpt
 
 PUBLIC = [
     "Checkpointer",
+    "BestN",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "LatestN",
     "CheckpointError",
     "CheckpointerClosedError",
     "CheckpointWarning",

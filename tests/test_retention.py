@@ -5,9 +5,12 @@ steps of ours are touched: a damaged step is neither ranked nor deleted (said in
 the last run delete, from the first commit, what the old ones kept, named in a warning
 log first; later commits act incrementally."""
 
+import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import pytest
@@ -15,7 +18,9 @@ from helpers import fresh_copy
 
 import jax_cb_ckpt
 from jax_cb_ckpt import DamagedStepWarning
-from jax_cb_ckpt._layout._policy import Rules
+from jax_cb_ckpt._layout import _policy
+from jax_cb_ckpt._layout._policy import AnyOf, Entry, Keeper
+from jax_cb_ckpt._layout._rule import Stateless
 from jax_cb_ckpt._read import _steps
 from jax_cb_ckpt._storage import _places
 from jax_cb_ckpt._write._retention import Retention
@@ -40,7 +45,9 @@ def directory(written, tmp_path):
 def _retention(directory, **rules):
     notes = []
     retention = Retention(
-        Rules(**rules), _places.at(str(directory)), lambda kind, text: notes.append((kind, text))
+        AnyOf.short(rules),
+        _places.at(str(directory)),
+        lambda kind, text: notes.append((kind, text)),
     )
     return retention, notes
 
@@ -116,3 +123,75 @@ def test_retention_after_someone_removed_a_step(directory):
     retention.removed(5)
     assert _commit(retention, directory, 6) == []
     assert jax_cb_ckpt.all_steps(directory) == [6]
+
+
+# A rule added in a test file alone (the "how to add a rule" of _layout/README.md) ------
+
+
+@dataclasses.dataclass(frozen=True)
+class DivisibleBy:
+    """A throwaway rule: keep the steps divisible by `n` (all a `_keep_*.py` holds)."""
+
+    n: int
+    reason: ClassVar[str] = "divisible"
+    keywords: ClassVar[Mapping[str, Any]] = {"keep_divisible_by": None}
+    reads_metas: ClassVar[bool] = False
+    ranks = None
+
+    def to_json(self):
+        return {"keep_divisible_by": self.n}
+
+    @classmethod
+    def from_keywords(cls, given, call):
+        n = given.get("keep_divisible_by")
+        return None if n is None else cls(n)
+
+    def describe(self):
+        return f"keep_divisible_by={self.n}"
+
+    def track(self, held, previous):
+        return Stateless(lambda step: step % self.n == 0)
+
+
+def test_a_rule_added_in_a_test_file_runs_through_a_checkpointer(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(_policy, "RULES", (*_policy.RULES, DivisibleBy))  # the one line
+    directory = tmp_path / "ckpt"
+    keep = [DivisibleBy(7), jax_cb_ckpt.LatestN(2)]
+    with jax_cb_ckpt.Checkpointer(directory, keep=keep) as ckpt:
+        for step in range(1, 22):
+            ckpt.save({"w": jnp.full((2,), float(step))}, step)
+    assert jax_cb_ckpt.all_steps(directory) == [7, 14, 20, 21]
+    kept = {row["step"]: row["kept_by"] for row in jax_cb_ckpt.metrics_table(directory)}
+    assert kept == {
+        7: ["divisible"],
+        14: ["divisible"],
+        20: ["latest"],
+        21: ["newest", "latest", "divisible"],
+    }
+    record = jax_cb_ckpt.metadata(directory, step=21)["retention"]
+    assert record == {"max_to_keep": 2, "keep_divisible_by": 7}  # in RULES order
+    with caplog.at_level(logging.WARNING, logger="jax_cb_ckpt"):  # a restart: same rules
+        with jax_cb_ckpt.Checkpointer(directory, keep=keep[::-1]) as ckpt:
+            ckpt.save({"w": jnp.zeros(2)}, 28)
+    assert jax_cb_ckpt.all_steps(directory) == [7, 14, 21, 28]
+    assert "rules changed" not in caplog.text
+
+
+def test_a_commit_asks_the_rules_about_a_few_steps_however_many_are_held():
+    """The cost promise (docs/usage.md, "What retention touches"): a settle examines
+    only the steps an add can have changed, never every held step."""
+    asked = []
+
+    class Counted(DivisibleBy):
+        def track(self, held, previous):
+            return Stateless(lambda step: asked.append(step) or step % self.n == 0)
+
+    keeper = Keeper(AnyOf((Counted(1), jax_cb_ckpt.LatestN(3))))  # keeps every step
+    per_commit = []
+    for step in range(3000):
+        asked.clear()
+        keeper.add(Entry(step, float(step), None))
+        assert keeper.settle() == []
+        per_commit.append(len(asked))
+    assert len(keeper.steps) == 3000
+    assert max(per_commit[10:]) == max(per_commit[2990:]) <= 2

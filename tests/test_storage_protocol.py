@@ -18,7 +18,7 @@ import pytest
 
 from jax_cb_ckpt._base._errors import DirectoryLockedError
 from jax_cb_ckpt._layout import _format, _ocdbt
-from jax_cb_ckpt._layout._policy import Rules
+from jax_cb_ckpt._layout._policy import AnyOf
 from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec
 from jax_cb_ckpt._read import _arrays
 from jax_cb_ckpt._storage import _places, _remote
@@ -414,7 +414,7 @@ def test_retention_s_report_of_a_step_it_cannot_delete_goes_with_the_step(where)
         return set_aside(step)
 
     storage.set_aside = refused  # type: ignore[method-assign]
-    retention = Retention(Rules(max_to_keep=2), storage, note=lambda *args: None)
+    retention = Retention(AnyOf.short({"max_to_keep": 2}), storage, note=lambda *args: None)
     for aside in retention.committed(4, {}):
         storage.remove_aside(aside)
     assert storage.list_steps() == [1, 3, 4]

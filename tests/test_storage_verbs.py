@@ -12,7 +12,7 @@ import pytest
 
 import jax_cb_ckpt
 from jax_cb_ckpt._layout import _format
-from jax_cb_ckpt._layout._policy import Rules
+from jax_cb_ckpt._layout._policy import AnyOf
 from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec
 from jax_cb_ckpt._read._steps import all_steps, verify
 from jax_cb_ckpt._storage import _places
@@ -85,7 +85,7 @@ def test_retention_keeps_the_newest_and_sets_the_rest_aside(where):
     small = {"b": B}
     for step in (1, 2, 3, 4):
         _write_step(storage, step, token, tree=small)
-    retention = Retention(Rules(max_to_keep=2), storage, note=lambda *args: None)
+    retention = Retention(AnyOf.short({"max_to_keep": 2}), storage, note=lambda *args: None)
     aside = retention.committed(4, {})  # the first commit: every step examined
     assert storage.list_steps() == [3, 4]
     for name in aside:

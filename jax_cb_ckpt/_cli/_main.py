@@ -31,7 +31,8 @@ from .._base._errors import (
     calling,
 )
 from .._layout import _format, _policy, _spec
-from .._layout._policy import Rules
+from .._layout._keep_best import BestN
+from .._layout._policy import AnyOf
 from .._read import _plain
 from .._storage import _places
 from .._storage._protocol import Storage
@@ -178,7 +179,7 @@ def _ls(storage: Storage, args: argparse.Namespace) -> int:
     if not rows:  # a wrong path, by the exit codes' one rule (2)
         raise NoCheckpointError(f"no checkpoints in {directory}{_step_folder_hint(storage)}")
     if args.best is not None:
-        rows = _ranked(rows, metas, rules, args, directory)
+        rows = _ranked(rows, metas, None if rules is None else rules.find(BestN), args, directory)
     elif (args.mode, args.member, args.top) != (None, None, None) or args.ignore_recorded:
         raise ConfigError(
             "--mode, --member, --top and --ignore-recorded rank by a metric: pass --best NAME too."
@@ -225,7 +226,7 @@ def _not_listed(storage: Storage) -> list[dict[str, Any]]:
 
 
 def _ls_table(
-    rows: list[dict[str, Any]], metas: dict[int, _format.StepMeta], rules: Rules | None
+    rows: list[dict[str, Any]], metas: dict[int, _format.StepMeta], rules: AnyOf | None
 ) -> None:
     """`ls`'s table: a row per step, a column per recorded metric, what keeps it."""
     names = sorted({name for meta in metas.values() for name in meta.metrics})
@@ -285,7 +286,7 @@ def _ours(row: dict[str, Any]) -> bool:
 def _ranked(
     rows: list[dict[str, Any]],
     metas: dict[int, _format.StepMeta],
-    rules: Rules | None,
+    rule: BestN | None,
     args: argparse.Namespace,
     directory: str,
 ) -> list[dict[str, Any]]:
@@ -297,7 +298,7 @@ def _ranked(
     `--mode` against it is refused unless `--ignore-recorded`."""
     import numpy as np  # (already imported by _format: no start-up cost)
 
-    name, mode = args.best, _ranking_mode(args, rules)
+    name, mode = args.best, _ranking_mode(args, rule)
     if args.top is not None and args.top <= 0:
         raise ConfigError(f"--top {args.top}: pass a positive number of steps.")
     ranked, batched = [], False
@@ -337,27 +338,23 @@ def _ranked(
     return [r for *_, r in ranked][: args.top]
 
 
-def _ranking_mode(args: argparse.Namespace, rules: Rules | None) -> str:
+def _ranking_mode(args: argparse.Namespace, rule: BestN | None) -> str:
     """`ls --best NAME`'s mode: `--mode`, else the one the steps were kept by for NAME;
     a `--mode` against it is refused unless `--ignore-recorded`."""
     name, mode = args.best, args.mode
-    kept_by_it = rules is not None and rules.best == name
+    kept_by_it = rule is not None and rule.metric == name
     if mode is None:
-        if rules is None or not kept_by_it:
-            said = (
-                "no keep_best rule"
-                if rules is None or rules.best is None
-                else (f"keep_best by {rules.best!r}")
-            )
+        if rule is None or not kept_by_it:
+            said = "no keep_best rule" if rule is None else f"keep_best by {rule.metric!r}"
             raise ConfigError(
                 f"--best {name!r}: the steps record {said}, not whether a higher or a lower "
                 f"{name!r} is better. Fix: add --mode max (higher is better) or --mode min."
             )
-        mode = rules.mode
-    elif kept_by_it and rules is not None and mode != rules.mode and not args.ignore_recorded:
+        mode = rule.mode
+    elif kept_by_it and rule is not None and mode != rule.mode and not args.ignore_recorded:
         raise ConfigError(
             f"--best {name!r} --mode {mode}: the steps were kept by {name!r} with mode "
-            f"{rules.mode}; --mode {mode} ranks them the other way (the worst would come "
+            f"{rule.mode}; --mode {mode} ranks them the other way (the worst would come "
             "first). Fix: leave --mode out, or add --ignore-recorded to rank by it anyway."
         )
     return mode
@@ -386,7 +383,7 @@ def _step_folder_hint(storage: Storage) -> str:
     return ""
 
 
-def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> Rules | None:
+def _kept_by(rows: list[dict[str, Any] | None], metas: dict[int, _format.StepMeta]) -> AnyOf | None:
     """The retention rules the newest step was saved with (None: none recorded), and in
     each complete step's row, which of them keep it (`kept_by`)."""
     rules, kept = _policy.kept_by_each(metas)
@@ -517,7 +514,7 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
         _say(f"  metrics       {shown}")
     if meta.retention is not None:
         try:
-            _say(f"  retention     {Rules.from_json(meta.retention).describe()}")
+            _say(f"  retention     {AnyOf.from_json(meta.retention).describe()}")
         except ValueError as e:
             _say(f"  retention     unreadable record ({e})")
     _say(f"  {len(meta.leaves)} leaves:")

@@ -427,7 +427,7 @@ def meta_record(
     - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
       numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
     - `retention` (only with retention rules): the rules in force when it was saved
-      (`_policy.Rules.to_json`): a later run with other rules says what they change;
+      (`_policy.AnyOf.to_json`): a later run with other rules says what they change;
     - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_arrays.py`).
     """
     meta: dict[str, Any] = dict(

@@ -44,6 +44,7 @@ from .._base._errors import (
 from .._base._types import BestMode
 from .._layout import _format, _ocdbt, _policy
 from .._layout._format import META_ITEM, STATE_ITEM
+from .._layout._keep_best import BestN
 from .._layout._spec import LeafSpec
 from .._storage import _places, _remote
 from .._storage._protocol import OpenedStep, StepIdentity, Storage
@@ -459,7 +460,7 @@ def best_step(
     recorded = _recorded_best(metas)
     best, mode = _best_rule(best, mode, recorded, ignore_recorded, storage.path)
     try:
-        rules = _policy.Rules(keep_best=1, best=best, mode=mode)
+        rules = _policy.AnyOf((BestN(best, 1, mode),))
     except ValueError as e:
         raise ConfigError(f"{call}(best={best!r}): {e}") from None
     keeper = _policy.Keeper(rules, [_policy.entry_of(s, m, rules) for s, m in metas.items()])
@@ -469,16 +470,16 @@ def best_step(
         raise ConfigError(f"{call}(member={member!r}) in {storage.path!r}: {e}") from None
 
 
-def _recorded_best(metas: dict[int, _format.StepMeta]) -> _policy.Rules | None:
-    """The rules the newest step was saved with, when they rank a metric."""
+def _recorded_best(metas: dict[int, _format.StepMeta]) -> BestN | None:
+    """The rule ranking a metric the newest step was saved with, if any."""
     rules = _policy.recorded_rules(metas[max(metas)]) if metas else None
-    return rules if rules is not None and rules.best is not None else None
+    return None if rules is None else rules.find(BestN)
 
 
 def _best_rule(
     best: str | None,
     mode: BestMode | None,
-    recorded: _policy.Rules | None,
+    recorded: BestN | None,
     ignore_recorded: bool,
     path: str,
 ) -> tuple[str, BestMode]:
@@ -488,17 +489,17 @@ def _best_rule(
     said = (
         "no rule ranking a metric"
         if recorded is None
-        else f"keep_best by {recorded.best!r} ({recorded.mode})"
+        else f"keep_best by {recorded.metric!r} ({recorded.mode})"
     )
     if best is None:
-        if recorded is None or recorded.best is None:
+        if recorded is None:
             raise ConfigError(
                 f"{call}: the steps record {said}, so which metric is best is not known. "
                 "Fix: pass best='<metric name>' and mode='max' (higher is better) or "
                 "mode='min'."
             )
-        best = recorded.best
-    same = recorded is not None and recorded.best == best
+        best = recorded.metric
+    same = recorded is not None and recorded.metric == best
     if mode is None:
         if recorded is None or not same:
             raise ConfigError(

@@ -5,7 +5,7 @@ from the options; each public method is one call into the module that does the w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
@@ -24,6 +24,7 @@ from .._base._types import (
     PyTree,
 )
 from .._handoff._stats import Stats
+from .._layout._rule import Rule
 from .._read import _steps
 from . import _loops, _options, _restart, _run, _scan, _when, _wiring
 
@@ -86,6 +87,10 @@ class Checkpointer:
         keep_best: retention: keep this many best steps by the metric `best`.
         best: the metric `keep_best` ranks by (a name given in `metrics=`).
         mode: `"max"` (default) or `"min"`.
+        keep: the retention rules as objects, instead of the keywords above (not with
+            them): `keep=[ckpt.LatestN(3), ckpt.BestN("loss", 2, "min")]` is
+            `max_to_keep=3, keep_best=2, best="loss", mode="min"`; also
+            `ckpt.EveryNSteps(k)`, `ckpt.EveryNSeconds(t)`.
         on_damaged: a restart whose newest step is damaged: `"fall_back"` to the newest
             step that passes its checks, the newer ones set aside, or `"raise"`
             (`DamagedStepError`) ([resume.md](resume.md#the-restarts-rules)).
@@ -113,6 +118,7 @@ class Checkpointer:
         keep_best: int | None = None,
         best: str | None = None,
         mode: BestMode = "max",
+        keep: Sequence[Rule] | None = None,
         on_damaged: OnDamaged = "fall_back",
     ) -> None:
         # The parameters by name (`locals()` holds nothing else yet: no `super()` or

@@ -19,15 +19,18 @@ import inspect
 import math
 import os
 import typing
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 import jax
 
 from .._base._errors import ConfigError, calling, shown
 from .._base._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull
-from .._layout import _format
-from .._layout._policy import Rules
+from .._layout import _policy
+from .._layout._keep_best import BestN
+from .._layout._keep_latest import LatestN
+from .._layout._policy import AnyOf
+from .._layout._rule import Rule
 from .._read._resume import check_on_damaged
 from .._storage import _places, _remote
 
@@ -35,7 +38,6 @@ _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
 _ON_EXISTING = typing.get_args(OnExisting)
 _CROSSING = typing.get_args(Crossing)
-_MODES = typing.get_args(BestMode)
 
 # How often a bare maybe_save asks the host whether `every_seconds` have passed: one
 # scalar crossing per 100 steps (benchmarks.policies measures its cost).
@@ -110,53 +112,87 @@ class When:
 @dataclasses.dataclass(frozen=True)
 class Keep:
     """What retention keeps: a step any rule keeps, and the newest (no rule: every
-    step). `rules` is the same, as the writer's retention reads it (None: keep all)."""
+    step). The rules come as objects (`keep=[LatestN(3), BestN("loss", 2, "min")]`)
+    or in their short form, the keywords that build them (`max_to_keep=3, keep_best=2,
+    best="loss", mode="min"`; `short`: those given, defaults left out), never both.
+    `rules` is them combined, as the writer's retention reads it (None: keep all)."""
 
-    max_to_keep: int | None = None
-    keep_every: int | None = None
-    keep_every_seconds: float | None = None
-    keep_best: int | None = None
-    best: str | None = None
-    mode: BestMode = "max"
-    rules: Rules | None = dataclasses.field(init=False)
+    keep: Sequence[Rule] | None = None
+    short: tuple[tuple[str, Any], ...] = ()
+    rules: AnyOf | None = dataclasses.field(init=False)
+
+    # The keywords of `Checkpointer(...)` it holds, with their defaults: `keep` and
+    # each rule's short form (`_policy.keywords`).
+    KEYWORDS: ClassVar[dict[str, Any]] = {"keep": None, **_policy.keywords()}
+
+    @classmethod
+    def given(cls, keep: Sequence[Rule] | None = None, **short: Any) -> Keep:
+        """The group from `Checkpointer(...)`'s keywords."""
+        return cls(keep, tuple(short.items()))
 
     def __post_init__(self) -> None:
-        _positive_int(
-            self.max_to_keep, "max_to_keep", "how many checkpoints to keep", optional=True
+        known = self.KEYWORDS
+        unknown = sorted(k for k, _ in self.short if k not in known or k == "keep")
+        if unknown:
+            raise TypeError(f"Keep: no option {unknown}")  # (a bug of ours)
+        short = tuple(
+            (k, v) for k, v in self.short if type(v) is not type(known[k]) or v != known[k]
         )
-        _positive_int(
-            self.keep_every, "keep_every", "keep every step that is a multiple of it", optional=True
+        object.__setattr__(self, "short", short)
+        if self.keep is None:
+            rules = AnyOf.short(dict(short))
+        else:
+            rules = _rule_objects(self.keep, [name for name, _ in short])
+            object.__setattr__(self, "keep", rules.rules)  # (a tuple: frozen, hashable)
+        object.__setattr__(self, "rules", rules if rules.any else None)
+
+    # What the façade reads: the metric ranked (`best_step`, a misspelt `best`'s
+    # warning), its mode, and `max_to_keep` (the Checkpointer's repr).
+
+    @property
+    def best(self) -> str | None:
+        return None if self.rules is None else self.rules.metric
+
+    @property
+    def mode(self) -> BestMode:
+        ranked = None if self.rules is None else self.rules.find(BestN)
+        return "max" if ranked is None else ranked.mode
+
+    @property
+    def max_to_keep(self) -> int | None:
+        latest = None if self.rules is None else self.rules.find(LatestN)
+        return None if latest is None else latest.n
+
+
+def _rule_objects(keep: object, short: list[str]) -> AnyOf:
+    """`keep=[...]` combined, or a `ConfigError` naming `keep` (and the keywords that
+    `keep` cannot be given with)."""
+    if short:
+        names, plain = ", ".join(f"{n}=..." for n in short), ", ".join(short)
+        raise ConfigError(
+            f"Checkpointer(keep=[...], {names}): keep= and {plain} both say what to keep "
+            f"(keep= as rule objects, {plain} as the keywords' short form); give one or the "
+            "other. Fix: put every rule in keep=, e.g. keep=[ckpt.LatestN(3), "
+            "ckpt.BestN('loss', 2, 'min')], or drop keep=."
         )
-        seconds = _positive_seconds(
-            self.keep_every_seconds, "keep_every_seconds", "keep one step per this many seconds"
+    if isinstance(keep, str | bytes | dict) or not isinstance(keep, Iterable):
+        raise ConfigError(
+            f"Checkpointer(keep={shown(keep)}): keep must be a list of retention rules, "
+            f"got a {type(keep).__name__}. Fix: e.g. keep=[ckpt.LatestN(3)]."
         )
-        keep_best, best, mode = self.keep_best, self.best, self.mode
-        _positive_int(
-            keep_best, "keep_best", "keep the best this many steps by a metric", optional=True
-        )
-        if mode not in _MODES:
+    rules = tuple(keep)
+    for index, rule in enumerate(rules):
+        if not isinstance(rule, _policy.RULES):
+            what = "the class itself" if isinstance(rule, type) else type(rule).__name__
             raise ConfigError(
-                f"Checkpointer(mode={shown(mode)}): mode must be one of {_MODES}: 'max' keeps "
-                "the steps with the highest `best` metric (a return), 'min' the lowest (a loss)."
+                f"Checkpointer(keep=[...]): keep[{index}] is {shown(rule)} ({what}), not a "
+                f"retention rule. Fix: one of {', '.join(k.__name__ for k in _policy.RULES)}"
+                ", made with its arguments, e.g. ckpt.LatestN(3)."
             )
-        if (keep_best is None) != (best is None):
-            raise ConfigError(
-                f"Checkpointer(keep_best={shown(keep_best)}, best={shown(best)}): keep_best and "
-                "best go together: keep_best=N keeps the N best steps by the metric named "
-                "best. Fix: pass both, e.g. keep_best=3, best='return', mode='max'."
-            )
-        if best is not None and (
-            not isinstance(best, str) or not best or len(best) > _format.MAX_METRIC_NAME
-        ):
-            raise ConfigError(
-                f"Checkpointer(best={shown(best)}): best must name a metric passed as "
-                "metrics= (its key; nested keys joined with '/', e.g. 'eval/return')."
-            )
-        object.__setattr__(self, "keep_every_seconds", seconds)
-        rules = None
-        if (self.max_to_keep, self.keep_every, seconds, keep_best) != (None,) * 4:
-            rules = Rules(self.max_to_keep, self.keep_every, seconds, keep_best, best, mode)
-        object.__setattr__(self, "rules", rules)
+    problem = AnyOf.problem(rules)
+    if problem is not None:
+        raise ConfigError(f"Checkpointer(keep=[...]): {problem}")
+    return AnyOf(rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +283,9 @@ GROUPS: dict[str, type[Group]] = typing.get_type_hints(Options)
 
 def keywords(group: type[Group]) -> tuple[str, ...]:
     """The keywords of `Checkpointer(...)` that `group` holds (its fields given by
-    the caller, not those it derives)."""
+    the caller, not those it derives; `Keep`: its `KEYWORDS`)."""
+    if group is Keep:
+        return tuple(Keep.KEYWORDS)
     return tuple(f.name for f in dataclasses.fields(group) if f.init)
 
 
@@ -261,7 +299,8 @@ def checked(directory: object, **given: Any) -> Options:
     given["directory"] = directory
 
     def made(group: type[_G]) -> _G:
-        return group(**{k: given[k] for k in keywords(group) if k in given})
+        chosen = {k: given[k] for k in keywords(group) if k in given}
+        return Keep.given(**chosen) if group is Keep else group(**chosen)  # type: ignore[return-value]
 
     return Options(made(Where), made(When), made(Keep), made(Queue), made(Failures))
 
@@ -303,7 +342,11 @@ ORBAX_NAMES = {
     "save_decision_policy": "every=N and/or every_seconds=T",
     "keep_period": "keep_every=K (every step that is a multiple of K, kept forever)",
     "keep_time_interval": "keep_every_seconds=T",
-    "preservation_policy": "max_to_keep=, keep_every=, keep_every_seconds=, keep_best= (a union)",
+    "preservation_policy": (
+        "keep=[ckpt.LatestN(n), ckpt.EveryNSteps(n), ckpt.EveryNSeconds(s), "
+        "ckpt.BestN(metric, n, mode)] (a union), or the keywords max_to_keep=, keep_every=, "
+        "keep_every_seconds=, keep_best="
+    ),
     "best_fn": (
         "best='<metric name>', with metrics={name: value} passed to each save (Orbax's "
         "best_fn computes the value from the metrics; here the metric is named)"

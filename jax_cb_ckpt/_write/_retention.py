@@ -24,7 +24,7 @@ import numpy as np
 
 from .._base._errors import CheckpointWarning, ConfigError, DamagedStepWarning
 from .._layout import _format, _policy
-from .._layout._policy import Entry, Keeper, Rules
+from .._layout._policy import AnyOf, Entry, Keeper
 from .._read import _steps
 from .._storage import _remote
 from .._storage._protocol import Storage
@@ -36,14 +36,14 @@ class Retention:
     """Which steps one writer keeps under `rules`, and what it set aside."""
 
     def __init__(
-        self, rules: Rules, storage: Storage, note: Callable[[type[Warning], str], None]
+        self, rules: AnyOf, storage: Storage, note: Callable[[type[Warning], str], None]
     ) -> None:
         self.rules = rules
         self._storage = storage
         self._note = note  # a warning for the user's thread (`Exchange.note`)
         self._keeper: Keeper | None = None  # made at the first commit (or just before)
         # What changed rules delete, said once the first commit's step is added.
-        self._changed: tuple[Rules | None, list[int], dict[int, _format.StepMeta]] | None = None
+        self._changed: tuple[AnyOf | None, list[int], dict[int, _format.StepMeta]] | None = None
         self._put_off: list[int] = []  # steps to set aside that the storage refused
         self._stuck: dict[int, str] = {}  # steps that refused their deletion: why
         # Steps whose meta was read and checked (or that this writer committed): the
@@ -62,13 +62,12 @@ class Retention:
         # the storage does not answer, retention waits for the next commit.
         seconds = _format.saved_seconds(meta.get("saved_at"))  # (as a later run reads it)
         members = np.asarray(meta.get("members", True), dtype=bool)
-        recorded = meta.get("retention") or {}
         entry = Entry(
             step,
             seconds,
-            _best_values(meta, self.rules.best),
+            _best_values(meta, self.rules.metric),
             None if members.all() else members,
-            _policy.recorded_chain(recorded),
+            meta.get("retention") or {},  # (the decisions recorded with it)
         )
         self._checked.add(step)
         try:
@@ -185,19 +184,17 @@ class Retention:
             _remote.scrub(str(e)),
         )
 
-    def chain_decision(self, step: int, seconds: float | None, masked: bool) -> bool | None:
-        """Does the step about to be written (at `seconds`) join the seconds chain? The
-        writer records the answer with the step, so that a restart keeps what this run
-        kept, whatever the clock did (set back, say) in between. None: no such rule, or
-        the directory could not be listed (decided at the commit, as before)."""
-        if self.rules.keep_every_seconds is None:
-            return None
+    def decisions(self, step: int, seconds: float | None, masked: bool) -> dict[str, Any]:
+        """What the rules record with the step about to be written (at `seconds`), e.g.
+        whether it joins the seconds chain (`Keeper.decisions`), so that a restart keeps
+        what this run kept, whatever the clock did (set back, say) in between. {}: none,
+        or the directory could not be listed (decided at the commit, as before)."""
         try:
             if self._keeper is None:
                 self._keeper = self._open(step, masked)
         except (_remote.StorageError, ConfigError, OSError):
-            return None
-        return self._keeper.would_chain(seconds)
+            return {}
+        return self._keeper.decisions(seconds)
 
     def _open(self, step: int, masked: bool) -> Keeper:
         """The keeper of the first commit (of `step`; `masked`: some of its members did
@@ -211,11 +208,10 @@ class Retention:
         if damaged:  # listed apart: never ranked or deleted, and said
             self._say_left_alone(damaged)
         self._recall_stuck(set(steps))
-        # Every step's meta when a rule ranks them, or when members of this step did not
-        # ask for it: each member's newest step is kept (`Keeper`), which needs the masks.
-        wanted = (
-            self.rules.keep_best is not None or self.rules.keep_every_seconds is not None or masked
-        )
+        # Every step's meta when a rule reads them (times, metrics), or when members of
+        # this step did not ask for it: each member's newest step is kept (`Keeper`),
+        # which needs the masks.
+        wanted = _reads_metas(self.rules) or masked
         metas = _steps.step_metas(self._storage, steps[-1:] if not wanted else steps)
         if wanted:  # a step whose meta cannot be read is neither ranked nor deleted
             unread = [s for s in steps if s not in metas]
@@ -232,7 +228,7 @@ class Retention:
     def _warn_changed(
         self,
         keeper: Keeper,
-        previous: Rules | None,
+        previous: AnyOf | None,
         steps: list[int],
         metas: dict[int, _format.StepMeta],
     ) -> None:
@@ -242,7 +238,7 @@ class Retention:
             kept_before = set(steps)  # no record: kept every step (or an older version)
             said = "keep all (no rules recorded)"
         else:
-            if previous.keep_best is not None or previous.keep_every_seconds is not None:
+            if _reads_metas(previous):
                 missing = [s for s in steps if s not in metas]
                 metas = {**metas, **_steps.step_metas(self._storage, missing)}
             old = Keeper(previous, [_policy.entry_of(s, metas.get(s), previous) for s in steps])
@@ -260,6 +256,11 @@ class Retention:
                 len(dropped),
                 shown,
             )
+
+
+def _reads_metas(rules: AnyOf) -> bool:
+    """Some rule reads the steps' records (times, metrics), not their numbers alone."""
+    return any(rule.reads_metas for rule in rules.rules)
 
 
 def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:

@@ -47,7 +47,7 @@ from .._handoff._items import SaveItem
 from .._handoff._shards import ShardedArray
 from .._handoff._stats import SaveRecord
 from .._layout import _format, _spec
-from .._layout._policy import Rules
+from .._layout._policy import AnyOf
 from .._storage import _places, _remote
 from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
@@ -74,7 +74,7 @@ class Writer:
         lock: DirectoryLock,
         directory: str,
         *,
-        rules: Rules | None,
+        rules: AnyOf | None,
         compression: bool,
         on_exit: Callable[[], None],
         group: Group | None = None,
@@ -222,7 +222,7 @@ class Writer:
         try:
             chain = None
             if self._retention is not None and self._group.primary:
-                chain = self._retention.chain_decision
+                chain = self._retention.decisions
             step = _Described(item, self._rules, chain)  # (built on first use, in the round)
             with self._storage.step_sync() as sync:  # before the step's files
                 if round_.primary:
@@ -439,7 +439,7 @@ class SaveLog:
         if self._said_at is None or now - self._said_at >= self.interval:
             self._say(now)
 
-    def deleted(self, steps: list[int], rules: Rules | None) -> None:
+    def deleted(self, steps: list[int], rules: AnyOf | None) -> None:
         for step in steps:
             logger.debug("retention (%s): step %d deleted", rules and rules.describe(), step)
         self._deleted += steps
@@ -496,12 +496,12 @@ class _Described:
     def __init__(
         self,
         item: SaveItem,
-        rules: Rules | None,
-        chain: Callable[[int, float | None, bool], bool | None] | None = None,
+        rules: AnyOf | None,
+        chain: Callable[[int, float | None, bool], dict[str, Any]] | None = None,
     ):
         self._item = item
         self._rules = rules
-        self._chain = chain  # the seconds chain's decision, recorded with the rules
+        self._chain = chain  # the rules' decisions (the seconds chain's), recorded with them
 
     @functools.cached_property
     def _built(
@@ -528,9 +528,7 @@ class _Described:
         )
         if self._chain is not None and meta.get("retention") is not None:
             seconds = _format.saved_seconds(meta["saved_at"])  # (as a later run reads it)
-            chained = self._chain(item.step, seconds, not item.members.all())
-            if chained is not None:
-                meta["retention"]["seconds_chain"] = chained
+            meta["retention"].update(self._chain(item.step, seconds, not item.members.all()))
         return _spec.stored_leaves(specs, hosts), meta
 
     @property
