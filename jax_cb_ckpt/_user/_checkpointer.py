@@ -45,7 +45,7 @@ from .._save import _route, _traced, _values
 from .._save._exchange import Closed, Exchange
 from .._save._host import HostSide, probe_callback_arrays
 from .._save._stats import Stats, StatsRecorder
-from .._storage import _places, _remote
+from .._storage import _faults, _places
 from .._write import _processes
 from .._write._writer import Writer
 from . import _loops, _options, _run, _scan
@@ -243,9 +243,9 @@ class Checkpointer:
                 self._group.close()
             if isinstance(e, CheckpointError):
                 raise
-            text = _remote.scrub(str(e))  # storage's answers may echo a credential
+            text = _faults.scrub(str(e))  # storage's answers may echo a credential
             raise SaveError(f"could not open {path!r} for checkpoints: {text}") from (
-                _remote.scrubbed(e)
+                _faults.scrubbed(e)
             )
         # Unclosed and garbage collected (a local of `main()`, `del ckpt`): the writer
         # still writes every save handed over, then stops; interpreter exit flushes it.

@@ -90,7 +90,7 @@ KvstoreSpec = Callable[[str], dict[str, Any]]  # a path -> its key-value store's
 
 def ocdbt_spec(plain: dict[str, Any]) -> dict[str, Any]:
     """An OCDBT database in the key-value store `plain` (where the steps live says how
-    it is written: `Local.kvstore_spec`, `Bucket.kvstore_spec`: `Storage.kvstore_spec`)."""
+    it is written: `ChunkStore.kvstore_spec`)."""
     return {
         "driver": "ocdbt",
         "base": plain,
