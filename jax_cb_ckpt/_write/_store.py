@@ -182,7 +182,9 @@ class StoreWriter:
     one per writer thread."""
 
     def __init__(self, *, compression: bool, kvstore_spec: KvstoreSpec) -> None:
-        """`kvstore_spec`: the key-value store of a path where the steps live."""
+        """`kvstore_spec`: the key-value store of a path where the steps live (the chunk
+        store's, `ChunkStore.kvstore_spec`: TensorStore is the default chunk store's
+        engine; a storage TensorStore cannot reach needs an array writer of its own)."""
         self.compression = compression
         self._kvstore_spec = kvstore_spec
         self._context = ts.Context(
