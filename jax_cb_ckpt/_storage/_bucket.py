@@ -39,13 +39,13 @@ from ._protocol import OpenedStep, StepIdentity
 if TYPE_CHECKING:
     import tensorstore
 
-# The OCDBT database's root, read once per step from a bucket (`Bucket.database`).
+# The OCDBT database's root, read once per step from a bucket (`BucketChunks.database`).
 _MANIFEST = _ocdbt.MANIFEST
 _MANIFEST_KEY = f"{STATE_ITEM}/{_MANIFEST}"  # under the step
 # A bucket's step of at most this many bytes in its database is read at once, its index
-# by `_ocdbt` (`Bucket.index`); a larger one by TensorStore, range by range.
+# by `_ocdbt` (`BucketChunks.index`); a larger one by TensorStore, range by range.
 HELD_BYTES = 8 << 20
-# Steps opened at a time (`open_steps`): each is one round trip.
+# Steps opened at a time (`Bucket.opened_at_once`): each is one round trip.
 _OPENED_AT_ONCE = 16
 
 

@@ -480,7 +480,7 @@ class LocalChunks:
         leaves: int = 1,
     ) -> tensorstore.KvStore:
         """The opened step's state item (its OCDBT database), opened for reading
-        (`leaves`: how many the read will ask for, for `Bucket.database`)."""
+        (`leaves`: how many the read will ask for, for `BucketChunks.database`)."""
         state = os.path.join(self.location(str(opened.step)), STATE_ITEM)
         spec = {
             "driver": "ocdbt",
