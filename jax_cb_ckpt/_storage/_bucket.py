@@ -394,10 +394,11 @@ class BucketChunks:
     def link(self, source: str, target: str) -> None:
         """The object `target` holds the bytes of the object `source` (both names
         under the prefix): a copy through this process, read whole, then written
-        (TensorStore's key-value stores offer no server-side copy: GCS's rewrite and
-        S3's CopyObject are requests of their own, with the credentials this package
-        never handles itself). `FileNotFoundError` when `source` is not there,
-        `FileExistsError` when `target` is (created only if absent, as `write`)."""
+        (TensorStore's key-value API copies no object server-side: GCS's rewrite
+        and S3's CopyObject are requests of their own, with the credentials this
+        package never handles itself; `_storage/README.md`). `FileNotFoundError`
+        when `source` is not there, `FileExistsError` when `target` is (created only
+        if absent, as `write`, where the server honours the precondition)."""
         data, _ = _remote.read(self.location(source))
         if data is None:
             raise FileNotFoundError(f"{self.location(source)} does not exist")
