@@ -172,11 +172,11 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     import tensorstore as ts
 
     from jax_cb_ckpt._read import _steps
-    from jax_cb_ckpt._storage import _places, _remote
+    from jax_cb_ckpt._storage import _faults, _places
 
     with pytest.raises(ValueError) as real:  # a real TensorStore error
         ts.open({"driver": "zarr", "kvstore": f"file://{tmp_path}/none/"}, open=True).result()
-    assert _remote.status(real.value) == "NOT_FOUND"
+    assert _faults.status(real.value) == "NOT_FOUND"
     with jax_cb_ckpt.Checkpointer(tmp_path / "c") as ckpt:
         ckpt.save({"w": np.arange(3.0)}, 1)
     storage = _places.at(str(tmp_path / "c"))
@@ -188,7 +188,7 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     try:
         raise RuntimeError("Orbax could not restore the item") from real.value
     except RuntimeError as wrapped:  # (Orbax re-raises TensorStore's errors)
-        assert _remote.status(wrapped) == "NOT_FOUND"
+        assert _faults.status(wrapped) == "NOT_FOUND"
         assert classified(wrapped) is jax_cb_ckpt.DamagedStepError
     for code in ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION"):
         reworded = ValueError(f"{code}: words no TensorStore release has used yet")
@@ -196,5 +196,5 @@ def test_tensorstore_errors_are_classified_by_status_code_not_by_their_words(tmp
     for code in ("PERMISSION_DENIED", "UNAVAILABLE", "INVALID_ARGUMENT", "INTERNAL"):
         wordy = ValueError(f"{code}: Error decoding: checksum DATA_LOSS NOT_FOUND OUT_OF_RANGE")
         assert classified(wordy) is jax_cb_ckpt.RestoreError, code
-    assert _remote.status(ValueError("no code here: DATA_LOSS")) is None
+    assert _faults.status(ValueError("no code here: DATA_LOSS")) is None
     assert classified(ValueError("Data corruption somewhere")) is jax_cb_ckpt.RestoreError

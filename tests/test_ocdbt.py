@@ -287,7 +287,7 @@ def test_a_small_bucket_step_is_read_through_its_held_index(remote, monkeypatch)
     def no_database(*args, **kwargs):
         raise AssertionError("TensorStore's database was opened")
 
-    monkeypatch.setattr(_places.Bucket, "database", no_database)
+    monkeypatch.setattr(_places.BucketChunks, "database", no_database)
     like = {k: np.zeros_like(v) for k, v in state.items()}
     assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like), state)
     assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(remote.url, like, step=1), state)
@@ -393,7 +393,7 @@ def test_many_small_bucket_steps_restore_through_the_held_index(remote, monkeypa
             states[step] = {k: v + step for k, v in _bucket_state().items()}
             ckpt.save(states[step], step)
     monkeypatch.setattr(
-        _places.Bucket, "database", lambda *a: pytest.fail("TensorStore's database opened")
+        _places.BucketChunks, "database", lambda *a: pytest.fail("TensorStore's database opened")
     )
     like = {k: np.zeros_like(v) for k, v in _bucket_state().items()}
     for step, state in states.items():
@@ -889,7 +889,7 @@ def test_an_inflated_data_file_table_is_refused_by_every_entry_point_within_64_m
 
 
 def test_a_bucket_step_s_index_read_is_bounded_by_what_a_small_step_holds(remote, monkeypatch):
-    """Bucket.index read bytes [0, root_end) of an object, root_end from the manifest and
+    """BucketChunks.index read bytes [0, root_end) of an object, root_end from the manifest and
     never compared with what a small step may hold: a manifest claiming its root at 1
     TiB into its data object made it fetch that prefix. Such a claim is not read at
     once (it is TensorStore's to read, range by range), and nothing is fetched on it."""
@@ -935,7 +935,7 @@ def test_an_inflated_bucket_step_is_refused_not_handed_to_tensorstore(remote, mo
     def no_database(*args, **kwargs):
         raise AssertionError("TensorStore's database was opened")
 
-    monkeypatch.setattr(_places.Bucket, "database", no_database)
+    monkeypatch.setattr(_places.BucketChunks, "database", no_database)
     like = {"w": np.zeros(3, np.float32)}
     for call in (
         lambda: jax_cb_ckpt.restore(remote.url, like, step=8),

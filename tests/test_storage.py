@@ -684,7 +684,7 @@ import jax.numpy as jnp
 import jax_cb_ckpt
 from jax_cb_ckpt._storage import _places
 
-write_meta = _places.Bucket.write_meta
+write_meta = _places.Storage.write_meta
 
 
 def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's files
@@ -694,7 +694,7 @@ def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's fi
     return write_meta(self, path, meta)
 
 
-_places.Bucket.write_meta = pause_in_step_2
+_places.Storage.write_meta = pause_in_step_2
 try:
     with jax_cb_ckpt.Checkpointer(sys.argv[1]) as ckpt:
         ckpt.save({"w": jnp.full(1000, 1.0)}, 1)

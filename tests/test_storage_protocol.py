@@ -1,11 +1,13 @@
-"""The storage protocol's contract (`_storage/_protocol.Storage`), one set of tests run
-against every kind: a local directory and a prefix on the local S3 and GCS servers
-(conftest.py). Each test says what a verb promises to every stage, whichever kind it
-holds; a new kind of storage passes these or is not a `Storage`. Then the protocol's
-shape: both kinds implement every verb with the protocol's signature and nothing more
-in public, and no module outside `_storage/` asks a storage anything else or names a
-kind. (The kinds' own refusals, conditional writes and links, are
-`test_storage_verbs.py`'s.)"""
+"""The storage protocols' contract (`_storage/_protocol`: a `StepStore` and a
+`ChunkStore`, asked through `Storage`), one set of tests run against every kind: a
+local directory, a prefix on the local S3 and GCS servers (conftest.py), and a
+throwaway kind written by following `_storage/README.md` ("How to add a storage":
+`inplace_storage.py`). Each test says what a verb promises to every stage, whichever
+kind it holds; a new kind of storage passes these or is not a storage. Then the
+protocols' shape: each kind implements every verb with the protocol's signature and
+nothing more in public, each protocol has at most 25 verbs, and no module outside
+`_storage/` asks a storage anything else, names a kind, or imports `_remote`. (The
+kinds' own refusals, conditional writes and links, are `test_storage_verbs.py`'s.)"""
 
 import ast
 import inspect
@@ -15,6 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
+from inplace_storage import CopyingChunks, InPlace
 
 from jax_cb_ckpt._base._errors import DirectoryLockedError
 from jax_cb_ckpt._layout import _format, _ocdbt
@@ -22,14 +25,34 @@ from jax_cb_ckpt._layout._policy import AnyOf
 from jax_cb_ckpt._layout._spec import ARRAY, LeafSpec
 from jax_cb_ckpt._read import _arrays
 from jax_cb_ckpt._storage import _places, _remote
-from jax_cb_ckpt._storage._bucket import Bucket
-from jax_cb_ckpt._storage._local import Local
-from jax_cb_ckpt._storage._protocol import OpenedStep, Storage
+from jax_cb_ckpt._storage._bucket import Bucket, BucketChunks
+from jax_cb_ckpt._storage._local import Local, LocalChunks
+from jax_cb_ckpt._storage._protocol import ChunkStore, OpenedStep, StepStore, Storage
 from jax_cb_ckpt._write import _store
 from jax_cb_ckpt._write._retention import Retention
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_cb_ckpt"
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
+THROWAWAY = "throwaway:"  # `where` of the kind added by following the README
+
+
+@pytest.fixture(params=["local", "gs", "s3", "throwaway"])
+def where(request, tmp_path, remote_on):
+    """A location of each kind: a directory, a prefix on a local GCS or S3 server, or a
+    directory of the throwaway kind (`inplace_storage.py`)."""
+    if request.param in ("gs", "s3"):
+        return remote_on(request.param).url
+    path = str(tmp_path / "ckpt")
+    os.makedirs(path)
+    return THROWAWAY + path if request.param == "throwaway" else path
+
+
+def _at(where: str) -> Storage:
+    """The storage of `where`: `_places.at`'s, or the throwaway kind's."""
+    if where.startswith(THROWAWAY):
+        path = where[len(THROWAWAY) :]
+        return Storage(InPlace(path), CopyingChunks(path))
+    return _places.at(where)
 
 
 def _begun(storage: Storage, step: int, token: str) -> tuple[str, _format.Sums]:
@@ -63,7 +86,7 @@ def _committed(storage: Storage, step: int, token: str = "") -> str:
 
 def _put(storage: Storage, name: str, data: bytes) -> None:
     """A file `name` (a path under the directory) written behind the storage's back."""
-    if isinstance(storage, Bucket):
+    if isinstance(storage.steps, Bucket):
         _remote.write(f"{storage.path}/{name}", data)
     else:
         path = os.path.join(storage.path, name)
@@ -72,7 +95,7 @@ def _put(storage: Storage, name: str, data: bytes) -> None:
 
 
 def _delete(storage: Storage, name: str) -> None:
-    if isinstance(storage, Bucket):
+    if isinstance(storage.steps, Bucket):
         _remote.delete(f"{storage.path}/{name}")
     else:
         os.unlink(os.path.join(storage.path, name))
@@ -87,7 +110,7 @@ def _relative(storage: Storage, path: str) -> str:
 
 
 def test_a_step_is_listed_only_once_committed(where):
-    storage = _places.at(where)
+    storage = _at(where)
     assert storage.list_steps() == [] and storage.examine_all() == {}
     token = uuid.uuid4().hex
     with storage.step_sync():
@@ -104,7 +127,7 @@ def test_a_step_is_listed_only_once_committed(where):
 
 
 def test_examine_tells_complete_damaged_and_foreign_apart(where):
-    storage = _places.at(where)
+    storage = _at(where)
     for step in (1, 2):
         _committed(storage, step)
     _delete(storage, f"2/{_format.META_ITEM}/{_format.META_FILE}")  # damaged
@@ -117,7 +140,7 @@ def test_examine_tells_complete_damaged_and_foreign_apart(where):
 
 
 def test_the_directory_s_own_facts(where):
-    storage = _places.at(where)
+    storage = _at(where)
     storage.make()  # (idempotent)
     assert storage.is_directory()
     identity = storage.identity()
@@ -138,7 +161,7 @@ def test_the_directory_s_own_facts(where):
 
 
 def test_open_step_returns_identity_and_meta_and_a_removed_step_is_no_longer_there(where):
-    storage = _places.at(where)
+    storage = _at(where)
     _committed(storage, 6)
     opened = storage.open_step(6)
     assert isinstance(opened, OpenedStep) and opened.step == 6
@@ -154,7 +177,7 @@ def test_open_step_returns_identity_and_meta_and_a_removed_step_is_no_longer_the
 
 
 def test_open_step_refuses_what_is_not_a_complete_step(where):
-    storage = _places.at(where)
+    storage = _at(where)
     with pytest.raises(FileNotFoundError):
         storage.open_step(1)  # nothing there
     _put(storage, "2/notes.txt", b"someone else's")
@@ -172,7 +195,7 @@ def test_open_step_refuses_what_is_not_a_complete_step(where):
 
 
 def test_open_steps_opens_each_and_returns_what_failed(where):
-    storage = _places.at(where)
+    storage = _at(where)
     for step in (1, 2, 3):
         _committed(storage, step)
     opened = storage.open_steps([3, 1, 9, 2])
@@ -189,7 +212,7 @@ def test_open_steps_opens_each_and_returns_what_failed(where):
 def test_the_arrays_are_read_from_what_open_step_returned(where, light):
     """`index` and `database` take the opened step: nothing of an earlier call is
     remembered, so two steps opened in turn are read in any order."""
-    storage = _places.at(where)
+    storage = _at(where)
     for step in (1, 2):
         _committed(storage, step)
     first, second = storage.open_step(1), storage.open_step(2)
@@ -207,7 +230,7 @@ def test_the_arrays_are_read_from_what_open_step_returned(where, light):
 
 
 def test_step_file_reads_a_small_file_of_a_step_within_its_limit(where):
-    storage = _places.at(where)
+    storage = _at(where)
     _committed(storage, 2)
     name = f"{_format.META_ITEM}/{_format.META_FILE}"
     text = storage.step_file(2, name, _format.META_MAX_BYTES)
@@ -222,7 +245,7 @@ def test_step_file_reads_a_small_file_of_a_step_within_its_limit(where):
 
 
 def test_a_fence_checks_the_lock_and_passes_for_the_step_s_writer(where):
-    storage = _places.at(where)
+    storage = _at(where)
     token = uuid.uuid4().hex
     with storage.step_sync():
         _begun(storage, 8, token)
@@ -239,22 +262,22 @@ def test_a_fence_checks_the_lock_and_passes_for_the_step_s_writer(where):
 
 
 def test_the_lock_is_exclusive_until_released(where):
-    storage = _places.at(where)
+    storage = _at(where)
     name = _format.LOCK_NAME
     lock = storage.lock(name)
     try:
         assert lock.still_ours()
         storage.check_directory(storage.identity(), lock)
         with pytest.raises(DirectoryLockedError):
-            _places.at(where).lock(name)
+            _at(where).lock(name)
     finally:
         lock.release()
-    again = _places.at(where).lock(name)
+    again = _at(where).lock(name)
     again.release()
 
 
 def test_a_failed_step_leaves_nothing_listed_and_its_files_go(where):
-    storage = _places.at(where)
+    storage = _at(where)
     token = uuid.uuid4().hex
     with storage.step_sync():
         temp, _ = _begun(storage, 5, token)
@@ -268,7 +291,7 @@ def test_a_failed_step_leaves_nothing_listed_and_its_files_go(where):
 
 
 def test_the_directory_s_small_files(where):
-    storage = _places.at(where)
+    storage = _at(where)
     storage.create_file(".jax_cb_ckpt.nonce-a", b"0123456789")
     storage.create_file(".jax_cb_ckpt.nonce-b", b"x")
     assert sorted(storage.names(".jax_cb_ckpt.nonce-")) == [
@@ -285,11 +308,27 @@ def test_the_directory_s_small_files(where):
     assert storage.read_file(".jax_cb_ckpt.nonce-a", 4) is None
 
 
+def test_link_gives_a_name_the_bytes_of_another_that_outlive_it(where):
+    """What a later save links instead of writing again (issue 57): the target holds the
+    source's bytes, and keeps them when the source's step goes."""
+    storage = _at(where)
+    _committed(storage, 1)
+    source = f"1/{_format.META_ITEM}/{_format.META_FILE}"
+    before = storage.step_file(1, f"{_format.META_ITEM}/{_format.META_FILE}", 1 << 20)
+    target = ".jax_cb_ckpt.linked/meta"
+    storage.link(source, target)
+    assert before is not None and storage.read_file(target, 1 << 20) == before
+    assert storage.remove_step(1)
+    assert storage.read_file(target, 1 << 20) == before
+    with pytest.raises(FileNotFoundError):
+        storage.link("1/no-such-file", ".jax_cb_ckpt.linked/none")
+
+
 # -- removing and setting aside
 
 
 def test_set_aside_unlists_a_step_and_remove_aside_deletes_it(where):
-    storage = _places.at(where)
+    storage = _at(where)
     for step in (1, 2):
         _committed(storage, step)
     assert storage.set_aside(9) is None  # not a checkpoint: nothing touched
@@ -302,7 +341,7 @@ def test_set_aside_unlists_a_step_and_remove_aside_deletes_it(where):
 
 
 def test_a_damaged_step_set_aside_is_kept_whole_under_another_name(where):
-    storage = _places.at(where)
+    storage = _at(where)
     _committed(storage, 3)
     _delete(storage, f"3/{_format.META_ITEM}/{_format.META_FILE}")
     assert storage.set_aside_damaged(9, "nothing there") is None
@@ -318,7 +357,7 @@ def test_a_damaged_step_set_aside_is_kept_whole_under_another_name(where):
 
 
 def test_clean_leftovers_removes_a_write_cut_short_and_keeps_committed_steps(where):
-    storage = _places.at(where)
+    storage = _at(where)
     _committed(storage, 1)
     token = uuid.uuid4().hex
     with storage.step_sync():
@@ -333,32 +372,47 @@ def test_clean_leftovers_removes_a_write_cut_short_and_keeps_committed_steps(whe
 # -- the protocol's shape
 
 
-def _verbs() -> dict[str, inspect.Signature]:
+def _verbs(protocol: type) -> dict[str, inspect.Signature]:
     return {
         name: inspect.signature(value)
-        for name, value in vars(Storage).items()
+        for name, value in vars(protocol).items()
         if inspect.isfunction(value) and not name.startswith("_")
     }
 
 
 # A kind may return a subtype of what the protocol says (its own lock, its own sync).
 _NARROWER = {"lock", "step_sync"}
+_KINDS = [
+    (StepStore, Local),
+    (StepStore, Bucket),
+    (StepStore, InPlace),
+    (ChunkStore, LocalChunks),
+    (ChunkStore, BucketChunks),
+    (ChunkStore, CopyingChunks),
+]
+_IDS = [kind.__name__ for _, kind in _KINDS]
 
 
-@pytest.mark.parametrize("kind", [Local, Bucket], ids=["Local", "Bucket"])
-def test_each_kind_implements_every_verb_with_the_protocol_s_signature(kind):
-    for name, wanted in _verbs().items():
+@pytest.mark.parametrize(("protocol", "kind"), _KINDS, ids=_IDS)
+def test_each_kind_implements_every_verb_with_the_protocol_s_signature(protocol, kind):
+    for name, wanted in _verbs(protocol).items():
         got = inspect.signature(getattr(kind, name))
         assert list(got.parameters.values()) == list(wanted.parameters.values()), name
         if name not in _NARROWER:
             assert got.return_annotation == wanted.return_annotation, name
-    assert "path" in Storage.__annotations__
+    assert "path" in protocol.__annotations__
 
 
-@pytest.mark.parametrize("kind", [Local, Bucket], ids=["Local", "Bucket"])
-def test_a_kind_has_no_public_verb_beyond_the_protocol(kind):
+@pytest.mark.parametrize(("protocol", "kind"), _KINDS, ids=_IDS)
+def test_a_kind_has_no_public_verb_beyond_the_protocol(protocol, kind):
     public = {name for name in dir(kind) if not name.startswith("_")}
-    assert public - set(_verbs()) == set()
+    assert public - set(_verbs(protocol)) - set(protocol.__annotations__) == set()
+
+
+@pytest.mark.parametrize("protocol", [StepStore, ChunkStore])
+def test_each_protocol_has_at_most_25_verbs(protocol):
+    """What a new kind of storage implements (issue 55: one class of 45 verbs before)."""
+    assert 5 <= len(_verbs(protocol)) <= 25
 
 
 def _modules_outside_storage():
@@ -374,10 +428,14 @@ def _storage_receiver(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr in ("storage", "_storage")
 
 
+_KIND_NAMES = {"Local", "LocalChunks", "Bucket", "BucketChunks"}
+
+
 def test_callers_ask_a_storage_only_the_protocol_s_verbs_and_never_name_a_kind():
     """Pyright checks the callers against `Storage` (they are typed with it, and
-    `_places.at` returns it); this also catches an untyped caller."""
-    verbs = set(_verbs()) | {"path"}
+    `_places.at` returns it); this also catches an untyped caller, and one that goes
+    round `Storage` to its step store or chunk store."""
+    verbs = set(_verbs(Storage)) | {"path"}
     asked, problems = set(), []
     for path, tree in _modules_outside_storage():
         where = path.relative_to(PACKAGE)
@@ -392,10 +450,29 @@ def test_callers_ask_a_storage_only_the_protocol_s_verbs_and_never_name_a_kind()
                     problems.append(f"{where}:{node.lineno}: imports {node.module}")
                 if node.module.endswith("_storage") and names & {"_local", "_bucket"}:
                     problems.append(f"{where}:{node.lineno}: imports a kind's module")
-                if names & {"Local", "Bucket"}:
+                if names & _KIND_NAMES:
                     problems.append(f"{where}:{node.lineno}: imports {names}")
     assert not problems, problems
     assert len(asked) > 30  # (the test sees the callers)
+
+
+def test_no_module_outside_storage_imports_remote():
+    """What an error of a storage means is asked of `_faults` (and whether a directory
+    is a URL of `_places`): `_remote` (URLs, TensorStore specs, object operations) is
+    the buckets' own, so a new kind of storage changes no stage outside `_storage/`."""
+    problems = []
+    for path, tree in _modules_outside_storage():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = {alias.name for alias in node.names}
+                if node.module.endswith("_storage._remote") or (
+                    node.module.endswith("_storage") and "_remote" in names
+                ):
+                    problems.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+            elif isinstance(node, ast.Import):
+                if any(alias.name.endswith("_storage._remote") for alias in node.names):
+                    problems.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert problems == []
 
 
 def test_retention_s_report_of_a_step_it_cannot_delete_goes_with_the_step(where):
@@ -403,7 +480,7 @@ def test_retention_s_report_of_a_step_it_cannot_delete_goes_with_the_step(where)
     that refuses to be set aside is recorded, and the record removed once the step
     could be deleted. In a bucket the record stayed forever: retention asked `exists`,
     which there tells a prefix (a folder, a step), never a file."""
-    storage = _places.at(where)
+    storage = _at(where)
     for step in (1, 2, 3, 4):
         _committed(storage, step)
     set_aside = storage.set_aside

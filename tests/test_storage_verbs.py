@@ -153,7 +153,7 @@ def test_bucket_a_step_is_begun_written_and_committed_once(where):
     token = uuid.uuid4().hex
     temp = storage.temp_path(5, "")
     storage.begin(temp, token)
-    assert storage._step_writer("5") == token
+    assert storage.steps._step_writer("5") == token
     with pytest.raises(FileExistsError, match="begun by another writer"):
         storage.begin(temp, uuid.uuid4().hex)
     storage.write_file(f"{temp}/x", b"1")

@@ -8,7 +8,7 @@ its `kvstore/ocdbt/index.rst`. TensorStore reads it, but importing TensorStore t
 it reads a bucket's index node by node. This module reads the index of the databases
 the writer writes (manifest and nodes uncompressed, `_store._OCDBT_CONFIG`) with the
 standard library alone, from a local folder (`Folder`) or from a bucket step's bytes
-read at once (`Held`, `_bucket.Bucket.index`).
+read at once (`Held`, `_bucket.BucketChunks.index`).
 
 What it does not read it says (`Unsupported`: a database whose nodes are compressed, as
 Orbax's are and this package's were before 2026-12-04, a numbered manifest, a node

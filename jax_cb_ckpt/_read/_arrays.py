@@ -6,7 +6,7 @@
 1. `StepArrays(storage, opened, leaves, light=True)` reads the state item's OCDBT index
    with the package's own reader where the storage gives one (`Storage.index`: a
    local step, a small bucket step read at once; `_ocdbt`), and opens TensorStore's
-   database only for what needs it (`Local.database`, `Bucket.database`), with a
+   database only for what needs it (`LocalChunks.database`, `BucketChunks.database`), with a
    context of its own (no data cached across reads: a step replaced under its name is
    never read from a cache).
 2. `check_layouts()` reads every stored leaf's `.zarray` at once (raw bytes, each
@@ -176,7 +176,7 @@ class StepArrays:
         `opened`: the step, as `storage.open_step` returned it.
         `light`: read its index with `_ocdbt` where that reader can (a local step the
         writer wrote; a small step in a bucket, read in one round trip:
-        `Bucket.index`), and TensorStore's database is opened only for what needs it (a
+        `BucketChunks.index`), and TensorStore's database is opened only for what needs it (a
         large or compressed leaf): `verify` then starts without TensorStore's import,
         and a small step from a bucket is read in one round trip after its opening."""
         self.leaves = {spec.name: spec for spec in leaves}
@@ -204,7 +204,7 @@ class StepArrays:
                 {
                     "cache_pool": {"total_bytes_limit": 0},
                     "cache_pool#nodes": {"total_bytes_limit": _NODE_CACHE_BYTES},
-                    # A bucket's manifest is held in memory (`Bucket.database`): in a
+                    # A bucket's manifest is held in memory (`BucketChunks.database`): in a
                     # store of this read's own, not the shared parent's, which another
                     # thread's read of another step would overwrite.
                     "memory_key_value_store": {},

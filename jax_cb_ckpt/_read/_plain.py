@@ -48,7 +48,7 @@ from .._base._errors import (
 )
 from .._layout import _format, _spec
 from .._layout._format import ORBAX_STEP_FILE, SMALL_FILE_MAX_BYTES, STATE_METADATA, Examined
-from .._storage import _remote
+from .._storage import _faults
 from .._storage._protocol import Storage
 
 if TYPE_CHECKING:  # (JAX's: imported where a step is read, `_restore`)
@@ -444,8 +444,8 @@ def _saved_spec(spec: _spec.LeafSpec, stored: dict[tuple[str, ...], Any]) -> Any
 def _failure(what: str, e: Exception) -> RestoreError:
     """Orbax's (or TensorStore's) failure to read `what`: damage when it says the files
     are not what they claim, else the error as it is (storage out of reach, ...)."""
-    text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
-    if isinstance(e, FileNotFoundError) or _remote.status(e) in _remote.DAMAGE_CODES:
+    text = _faults.scrub(str(e)).split(" [source locations=")[0].strip()
+    if isinstance(e, FileNotFoundError) or _faults.is_damage(e):
         return DamagedStepError(
             f"{where()}: cannot read {what}: {type(e).__name__}: {text[:500]}",
             f"cannot read {what} ({type(e).__name__})",

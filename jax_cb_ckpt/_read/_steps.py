@@ -46,7 +46,7 @@ from .._layout import _format, _ocdbt, _policy
 from .._layout._format import META_ITEM, STATE_ITEM
 from .._layout._keep_best import BestN
 from .._layout._spec import LeafSpec
-from .._storage import _places, _remote
+from .._storage import _faults, _places
 from .._storage._protocol import OpenedStep, StepIdentity, Storage
 from . import _arrays, _plain
 
@@ -241,9 +241,9 @@ def read_failure(
     if isinstance(e, _arrays.LayoutError):
         return DamagedStepError(f"{where()}: {e}. Fix: restore another step.", str(e))
     # A server's answer may echo credentials: scrubbed before it goes into an error.
-    text = _remote.scrub(str(e)).split(" [source locations=")[0].strip()
+    text = _faults.scrub(str(e)).split(" [source locations=")[0].strip()
     damaged = (_arrays.ChunkError, _ocdbt.Damaged, FileNotFoundError)
-    if isinstance(e, damaged) or _remote.status(e) in _remote.DAMAGE_CODES:
+    if isinstance(e, damaged) or _faults.is_damage(e):
         return DamagedStepError(
             f"{where()}: cannot read {what}: {text}. A file of the step was changed, cut or "
             "removed after it was written (bad disk or memory, a partial copy, a hand "
@@ -300,7 +300,7 @@ def _opened(storage: Storage, step: int, what: str | None) -> OpenedStep:
     try:
         return storage.open_step(step)
     except Exception as e:
-        if what is None or isinstance(e, _remote.StorageError):
+        if what is None or isinstance(e, _faults.StorageError):
             raise _open_failure(e, storage, step) from e
     # A named step that nothing listed before it was opened, and that could not be
     # opened: the directory's listing says what is wrong with it (`_listed_step`
@@ -320,11 +320,11 @@ def _out_of_reach(e: Exception) -> ConfigError:
 def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
     """The error for `storage.open_step(step)` raising `e` (`open_step`): the storage out
     of reach, the step removed meanwhile, or damaged."""
-    if isinstance(e, _remote.StorageError):
+    if isinstance(e, _faults.StorageError):
         return _out_of_reach(e)
     try:
         complete = storage.is_checkpoint(step)
-    except _remote.StorageError as later:
+    except _faults.StorageError as later:
         return _out_of_reach(later)
     if not complete:
         return removed(storage, step)

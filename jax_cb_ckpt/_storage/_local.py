@@ -1,4 +1,5 @@
-"""A checkpoint directory on a POSIX file system: `Local`, one kind of `Storage`.
+"""A checkpoint directory on a POSIX file system: its steps (`Local`, a `StepStore`)
+and its files (`LocalChunks`, a `ChunkStore`).
 
 A step is a real directory named by the step (`_format`'s module doc); a step being
 written has a temporary name of ours, renamed into place at its commit (the rename is
@@ -37,22 +38,24 @@ from .._layout._format import (
 )
 from ._durable import StepSync, Sync, fsync_dir
 from ._lock import DirectoryLock
-from ._protocol import OpenedStep, StepIdentity, StepsBase
+from ._protocol import OpenedStep, StepIdentity
 
 if TYPE_CHECKING:
     import tensorstore
 
 
-class Local(StepsBase):
-    """A checkpoint directory on a POSIX file system. A step is a real directory named
-    by the step (`_format`'s module doc); a step being written or deleted has a
-    temporary name of ours; every deletion checks with lstat that it removes a real
-    directory, and `shutil.rmtree` follows no link inside it."""
+class Local:
+    """The steps of a checkpoint directory on a POSIX file system (a `StepStore`). A
+    step is a real directory named by the step (`_format`'s module doc); a step being
+    written or deleted has a temporary name of ours; every deletion checks with lstat
+    that it removes a real directory, and `shutil.rmtree` follows no link inside it."""
+
+    opened_at_once = 1  # threads cost more than they save here (`Storage.open_steps`)
 
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def step_path(self, step: int | str) -> str:
+    def _step_path(self, step: int | str) -> str:
         return os.path.join(self.path, str(step))
 
     # -- what is there ------------------------------------------------------------------
@@ -83,7 +86,7 @@ class Local(StepsBase):
         the size and CRC-32 our record in the step file gives (steps written before the
         record: parsed whole, within `META_MAX_BYTES`). Remembered per file identity, so
         a step listed at every save's retention is read once."""
-        path = self.step_path(step)
+        path = self._step_path(step)
         try:  # every file is looked at through this descriptor: one directory throughout,
             # even if the step is renamed meanwhile (retention sets steps aside)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -100,9 +103,9 @@ class Local(StepsBase):
         finally:
             os.close(fd)
 
-    def exists(self, name: str) -> bool:
-        """Something (a file, directory or link) is at `name` in the directory."""
-        return os.path.lexists(os.path.join(self.path, name))
+    def is_checkpoint(self, step: int) -> bool:
+        """`step` is a complete checkpoint of ours (what `examine_all` says of it)."""
+        return self._examine(step).kind == "complete"
 
     def is_directory(self) -> bool:
         return os.path.isdir(self.path)
@@ -126,27 +129,6 @@ class Local(StepsBase):
                 found.append((int(match.group(1)), os.path.join(self.path, name)))
         return found
 
-    def entry_bytes(self, name: str) -> int | None:
-        """Bytes on disk under the entry `name`."""
-        total = 0
-        for root, _dirs, files in os.walk(os.path.join(self.path, name)):
-            for file in files:
-                try:
-                    total += os.lstat(os.path.join(root, file)).st_size
-                except OSError:  # removed meanwhile
-                    pass
-        return total
-
-    def entry_time(self, name: str) -> str | None:
-        """When the entry `name` was last changed (UTC, ISO 8601), or None."""
-        try:
-            seconds = os.stat(os.path.join(self.path, name)).st_mtime
-        except OSError:
-            return None
-        return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(
-            timespec="milliseconds"
-        )
-
     # -- one step, read -----------------------------------------------------------------
 
     def open_step(self, step: int) -> OpenedStep:
@@ -159,7 +141,7 @@ class Local(StepsBase):
         found = self._examine(step)
         if found.kind == "damaged":
             raise DamagedStep(found.why)
-        path = self.step_path(step)
+        path = self._step_path(step)
         if found.kind != "complete":
             raise FileNotFoundError(f"{path} is not a complete step")
         seen = self._step_identity(step)
@@ -169,15 +151,10 @@ class Local(StepsBase):
         text = _read_file(os.path.join(path, META_ITEM, META_FILE), META_MAX_BYTES)
         return OpenedStep(step, seen, _format.check_meta_bytes(text, step, record))
 
-    def open_steps(self, steps: list[int]) -> dict[int, OpenedStep | Exception]:
-        """{step: `open_step(step)`, or what it raised}, one by one (threads cost more
-        than they save here: 300 steps 42 ms one by one, 106 ms 16 at a time)."""
-        return {step: self._open_or_error(step) for step in steps}
-
     def _step_identity(self, step: int) -> StepIdentity:
         """(device, inode) of the step's directory: tells it from one re-created under
         its name (a replacing save)."""
-        st = os.stat(self.step_path(step))
+        st = os.stat(self._step_path(step))
         return st.st_dev, st.st_ino
 
     def still_there(self, step: int, seen: StepIdentity) -> bool:
@@ -187,38 +164,6 @@ class Local(StepsBase):
             return self.is_checkpoint(step) and self._step_identity(step) == seen
         except OSError:
             return False
-
-    def symlinks_inside(self, step: int) -> list[str]:
-        """Symlinks anywhere in the step (one of ours has none: reading one could read
-        outside the directory)."""
-        found = []
-        for root, dirs, files in os.walk(self.step_path(step)):
-            found += [
-                os.path.join(root, n) for n in dirs + files if os.path.islink(os.path.join(root, n))
-            ]
-        return found
-
-    def index(self, opened: OpenedStep) -> _ocdbt.Database:
-        """The opened step's state item's index, read without TensorStore (`_ocdbt`);
-        raises `_ocdbt.Unsupported` for a database that reader does not read."""
-        return _ocdbt.Database(os.path.join(self.step_path(opened.step), STATE_ITEM))
-
-    def database(
-        self,
-        opened: OpenedStep,
-        ts: ModuleType,
-        context: tensorstore.Context,
-        leaves: int = 1,
-    ) -> tensorstore.KvStore:
-        """The opened step's state item (its OCDBT database), opened for reading
-        (`leaves`: how many the read will ask for, for `Bucket.database`)."""
-        state = os.path.join(self.step_path(opened.step), STATE_ITEM)
-        spec = {
-            "driver": "ocdbt",
-            "base": {"driver": "file", "path": state + "/"},
-            "cache_pool": "cache_pool#nodes",
-        }
-        return ts.KvStore.open(spec, context=context).result()
 
     # -- a step written -----------------------------------------------------------------
 
@@ -234,16 +179,6 @@ class Local(StepsBase):
         """Where a step is written: a temporary name of ours, renamed at its commit."""
         return os.path.join(self.path, temp_name)
 
-    def kvstore_spec(self, path: str) -> dict[str, Any]:
-        """TensorStore's key-value store for writing under `path` (a step's item). Files
-        are written non-atomically: data files are named by a random hash and referenced
-        only once complete, and the whole step is a temporary directory."""
-        return {
-            "driver": "file",
-            "path": path.rstrip("/") + "/",
-            "file_io_locking": {"mode": "non_atomic"},
-        }
-
     def begin(self, temp: str, token: str = "") -> None:
         """Make the place a step is written to: its temporary directory and item folders
         (`token`, the lock's: for buckets only)."""
@@ -258,11 +193,6 @@ class Local(StepsBase):
             os.mkdir(os.path.join(temp, STATE_ITEM, part))
         except FileExistsError:  # an earlier try of this process at this attempt
             pass
-
-    def write_file(self, path: str, data: bytes) -> None:
-        """A small file of a step (not fsynced here: `commit` syncs the step)."""
-        with open(path, "wb") as f:
-            f.write(data)
 
     def fence(self, name: str, token: str, check: Callable[[], None]) -> None:
         """Nothing to check locally: the `flock` is held for the Checkpointer's life."""
@@ -300,45 +230,6 @@ class Local(StepsBase):
         self.remove_temp(name, token)
         return None
 
-    # -- small files of the directory ---------------------------------------------------
-
-    def names(self, prefix: str) -> list[str]:
-        """The entries of the directory whose names start with `prefix`."""
-        return [n for n in os.listdir(self.path) if n.startswith(prefix)]
-
-    def create_file(self, name: str, data: bytes) -> None:
-        """A new file `name` in the directory holding `data` (never through a link)."""
-        self._write_file(name, data, os.O_EXCL)
-
-    def put_file(self, name: str, data: bytes) -> None:
-        """The file `name` of the directory now holds `data` (never through a link; a
-        report, read by `jax-cb-ckpt ls`: a torn write is an unreadable report, not a
-        step)."""
-        self._write_file(name, data, os.O_TRUNC)
-
-    def _write_file(self, name: str, data: bytes, how: int) -> None:
-        """`data` into the file `name` opened with `how` (O_EXCL: new; O_TRUNC: anew)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | how
-        fd = os.open(os.path.join(self.path, name), flags, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-    def read_file(self, name: str, limit: int) -> bytes | None:
-        """Up to `limit` bytes of the file `name` (None when there is none)."""
-        try:
-            with open(os.path.join(self.path, name), "rb") as f:
-                return f.read(limit)
-        except FileNotFoundError:
-            return None
-
-    def remove_file(self, name: str) -> None:
-        """Remove the file `name`: a regular file only (lstat: never a link)."""
-        path = os.path.join(self.path, name)
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            os.unlink(path)
-
     # -- steps going away ---------------------------------------------------------------
 
     def set_aside(self, step: int) -> str | None:
@@ -350,13 +241,20 @@ class Local(StepsBase):
         if not self.is_checkpoint(step):
             return None
         aside = os.path.join(self.path, f"{step}.jax_cb_ckpt-deleting-{uuid.uuid4().hex}")
-        os.rename(self.step_path(step), aside)
+        os.rename(self._step_path(step), aside)
         # What is remembered of it goes with it: the memory holds the kept steps only.
-        _TAGS.pop(os.path.join(self.step_path(step), META_ITEM, META_FILE), None)
+        _TAGS.pop(os.path.join(self._step_path(step), META_ITEM, META_FILE), None)
         return aside
 
-    def _after_set_aside(self) -> None:
+    def remove_step(self, step: int) -> bool:
+        """Delete checkpoint `step`: unlisted first (atomic, made durable), then removed.
+        False (and nothing touched) when `step` is not a checkpoint of ours."""
+        aside = self.set_aside(step)
+        if aside is None:
+            return False
         fsync_dir(self.path)
+        self.remove_aside(aside)
+        return True
 
     def set_aside_damaged(self, step: int, why: str) -> str | None:
         """Move the damaged step `step` out of the steps, whole, under a name that is not
@@ -366,13 +264,14 @@ class Local(StepsBase):
         kill at any instant leaves the step where it was (set aside again by the next
         restart, its note rewritten) or moved with its reason. Only a real directory
         that is ours (complete or damaged)."""
-        path = self.step_path(step)
+        path = self._step_path(step)
         if not _is_real_dir(path) or self._examine(step).kind == "foreign":
             return None
         name = _format.set_aside_name(step)
         note = os.path.join(path, _format.SET_ASIDE_NOTE)
         try:  # (never through a link; one that cannot be written keeps nothing in the way)
-            self._write_file(
+            _write_in(
+                self.path,
                 os.path.join(str(step), _format.SET_ASIDE_NOTE),
                 _format.set_aside_note(step, why),
                 os.O_TRUNC,
@@ -388,30 +287,6 @@ class Local(StepsBase):
         fsync_dir(self.path)
         _TAGS.pop(os.path.join(path, META_ITEM, META_FILE), None)
         return name
-
-    def step_file(self, step: int, name: str, limit: int) -> bytes | None:
-        """The small file `name` (a path inside the step folder) of the step-named
-        entry `step`, whoever wrote it, read within `limit` bytes (`DamagedStep`
-        beyond); None when it is not there, or not a regular file reached without a
-        link."""
-        parts = [str(step), *name.split("/")]
-        flags = os.O_RDONLY | os.O_NOFOLLOW
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return None
-        try:
-            for part in parts[:-1]:  # every folder on the way: a real one, no link
-                inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
-                os.close(fd)
-                fd = inner
-            if not _is_in(fd, parts[-1], stat.S_ISREG):
-                return None
-            return _read_in(fd, parts[-1], limit)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     def set_aside_steps(self) -> list[tuple[int, str, str]]:
         """(step, name, why) of every damaged step set aside here, by step."""
@@ -466,6 +341,164 @@ class Local(StepsBase):
         for name in names:
             if marker in name and _format.OURS_PATTERN.fullmatch(name):
                 _remove_ours(os.path.join(self.path, name))
+
+
+class LocalChunks:
+    """The files of a checkpoint directory on a POSIX file system (a `ChunkStore`):
+    small files read and written never through a link, a link made as a hard link,
+    and TensorStore's `file` driver for the arrays."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def location(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def names(self, prefix: str) -> list[str]:
+        """The entries of the directory whose names start with `prefix`."""
+        return [n for n in os.listdir(self.path) if n.startswith(prefix)]
+
+    def exists(self, name: str) -> bool:
+        """Something (a file, directory or link) is at `name` in the directory."""
+        return os.path.lexists(os.path.join(self.path, name))
+
+    def size(self, name: str) -> int | None:
+        """Bytes on disk under the entry `name`."""
+        total = 0
+        for root, _dirs, files in os.walk(os.path.join(self.path, name)):
+            for file in files:
+                try:
+                    total += os.lstat(os.path.join(root, file)).st_size
+                except OSError:  # removed meanwhile
+                    pass
+        return total
+
+    def changed(self, name: str) -> str | None:
+        """When the entry `name` was last changed (UTC, ISO 8601), or None."""
+        try:
+            seconds = os.stat(os.path.join(self.path, name)).st_mtime
+        except OSError:
+            return None
+        return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(
+            timespec="milliseconds"
+        )
+
+    def links_under(self, name: str) -> list[str]:
+        """Symlinks anywhere under `name`, a step (one of ours has none: reading one
+        could read outside the directory)."""
+        found = []
+        for root, dirs, files in os.walk(self.location(name)):
+            found += [
+                os.path.join(root, n) for n in dirs + files if os.path.islink(os.path.join(root, n))
+            ]
+        return found
+
+    def get(self, name: str, limit: int) -> bytes | None:
+        """Up to `limit` bytes of the file `name` (None when there is none)."""
+        try:
+            with open(os.path.join(self.path, name), "rb") as f:
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
+    def get_within(self, name: str, limit: int) -> bytes | None:
+        """The small file `name` (a path in the directory: `<step>/meta/...`), whoever
+        wrote it, read within `limit` bytes (`DamagedStep` beyond); None when it is not
+        there, or not a regular file reached without a link."""
+        parts = name.split("/")
+        flags = os.O_RDONLY | os.O_NOFOLLOW
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            for part in parts[:-1]:  # every folder on the way: a real one, no link
+                inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+            if not _is_in(fd, parts[-1], stat.S_ISREG):
+                return None
+            return _read_in(fd, parts[-1], limit)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def put(self, name: str, data: bytes) -> None:
+        """The file `name` of the directory now holds `data` (never through a link; a
+        report, read by `jax-cb-ckpt ls`: a torn write is an unreadable report, not a
+        step)."""
+        _write_in(self.path, name, data, os.O_TRUNC)
+
+    def create(self, name: str, data: bytes) -> None:
+        """A new file `name` in the directory holding `data` (never through a link)."""
+        _write_in(self.path, name, data, os.O_EXCL)
+
+    def write(self, path: str, data: bytes) -> None:
+        """A small file of a step (not fsynced here: `commit` syncs the step)."""
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def link(self, source: str, target: str) -> None:
+        """The file `target` (a name in the directory, its folder made if missing) is a
+        hard link to the file `source`: the same bytes, none copied (`FileExistsError`
+        when `target` is there; never through a link: `source` must be a regular
+        file)."""
+        path = os.path.join(self.path, source)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise OSError(f"{path} is not a regular file: not linked")
+        target_path = os.path.join(self.path, target)
+        os.makedirs(os.path.dirname(target_path), exist_ok=True)
+        os.link(path, target_path, follow_symlinks=False)
+
+    def delete(self, name: str) -> None:
+        """Remove the file `name`: a regular file only (lstat: never a link)."""
+        path = os.path.join(self.path, name)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+
+    def kvstore_spec(self, path: str) -> dict[str, Any]:
+        """TensorStore's key-value store for writing under `path` (a step's item). Files
+        are written non-atomically: data files are named by a random hash and referenced
+        only once complete, and the whole step is a temporary directory."""
+        return {
+            "driver": "file",
+            "path": path.rstrip("/") + "/",
+            "file_io_locking": {"mode": "non_atomic"},
+        }
+
+    def index(self, opened: OpenedStep) -> _ocdbt.Database:
+        """The opened step's state item's index, read without TensorStore (`_ocdbt`);
+        raises `_ocdbt.Unsupported` for a database that reader does not read."""
+        return _ocdbt.Database(os.path.join(self.location(str(opened.step)), STATE_ITEM))
+
+    def database(
+        self,
+        opened: OpenedStep,
+        ts: ModuleType,
+        context: tensorstore.Context,
+        leaves: int = 1,
+    ) -> tensorstore.KvStore:
+        """The opened step's state item (its OCDBT database), opened for reading
+        (`leaves`: how many the read will ask for, for `BucketChunks.database`)."""
+        state = os.path.join(self.location(str(opened.step)), STATE_ITEM)
+        spec = {
+            "driver": "ocdbt",
+            "base": {"driver": "file", "path": state + "/"},
+            "cache_pool": "cache_pool#nodes",
+        }
+        return ts.KvStore.open(spec, context=context).result()
+
+
+def _write_in(directory: str, name: str, data: bytes, how: int) -> None:
+    """`data` into the file `name` of `directory` opened with `how` (O_EXCL: new;
+    O_TRUNC: anew), never through a link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | how
+    fd = os.open(os.path.join(directory, name), flags, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _is_real_dir(path: str) -> bool:

@@ -1,9 +1,10 @@
 """Where checkpoints live, chosen once: a local directory or a prefix in a bucket.
 
 `resolve` makes a directory argument an absolute path or a canonical URL; `at` gives
-the one object that knows where its steps are, a `Storage` (`_protocol.py`): `Local`
-(`_local.py`) or `Bucket` (`_bucket.py`). `at` picks the kind of a
-location; every stage then calls the protocol's verbs, and reads no flag of the kind.
+the one object that knows where its steps are, a `Storage` (`_protocol.py`) of a step
+store and a chunk store: `Local` and `LocalChunks` (`_local.py`) or `Bucket` and
+`BucketChunks` (`_bucket.py`). `at` picks the kind of a location; every stage then
+calls `Storage`'s verbs, and reads no flag of the kind.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import re
 
 from .._base._errors import ConfigError, where
 from . import _remote
-from ._bucket import Bucket
-from ._local import Local
+from ._bucket import Bucket, BucketChunks
+from ._local import Local, LocalChunks
 from ._protocol import Storage
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # gs://, s3://, file://, ...
@@ -60,5 +61,13 @@ def resolve(directory: object) -> str:
 
 
 def at(directory: str) -> Storage:
-    """The storage of a checkpoint directory (canonical: `resolve`)."""
-    return Bucket(directory) if _remote.is_url(directory) else Local(directory)
+    """The storage of a checkpoint directory (canonical: `resolve`): its step store and
+    its chunk store."""
+    if _remote.is_url(directory):
+        return Storage(Bucket(directory), BucketChunks(directory))
+    return Storage(Local(directory), LocalChunks(directory))
+
+
+def is_url(directory: str) -> bool:
+    """`directory` (canonical: `resolve`) is in object storage, not a local path."""
+    return _remote.is_url(directory)

@@ -32,7 +32,7 @@ from .._layout._keep_latest import LatestN
 from .._layout._policy import AnyOf
 from .._layout._rule import Rule
 from .._read._resume import check_on_damaged
-from .._storage import _places, _remote
+from .._storage import _places
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
@@ -55,7 +55,7 @@ class Where:
     def __post_init__(self) -> None:
         with calling("Checkpointer(directory=...)"):
             path = _places.resolve(self.directory)
-        if not _remote.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
+        if not _places.is_url(path) and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(
                 f"Checkpointer(directory={path!r}): that path is an existing file, not "
                 "a directory. Fix: pass a directory path (it is created if missing)."

@@ -34,7 +34,7 @@ from .._layout import _format
 from .._read import _steps
 from .._save import _route, _traced
 from .._save._host import HostSide, probe_callback_arrays
-from .._storage import _places, _remote
+from .._storage import _faults, _places
 from .._write import _processes
 from .._write._writer import Writer
 from . import _scan
@@ -87,9 +87,9 @@ def wire(options: Options, owner: object) -> Parts:
             group.close()
         if isinstance(e, CheckpointError):
             raise
-        text = _remote.scrub(str(e))  # storage's answers may echo a credential
+        text = _faults.scrub(str(e))  # storage's answers may echo a credential
         raise SaveError(f"could not open {path!r} for checkpoints: {text}") from (
-            _remote.scrubbed(e)
+            _faults.scrubbed(e)
         )
     # Unclosed and garbage collected (a local of `main()`, `del ckpt`): the writer
     # still writes every save handed over, then stops; interpreter exit flushes it.

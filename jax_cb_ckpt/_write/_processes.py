@@ -50,7 +50,7 @@ import jax
 from .._base._errors import CheckpointError, ConfigError, SaveError
 from .._base._heartbeat import Heartbeat
 from .._layout import _format
-from .._storage import _places, _remote
+from .._storage import _faults, _places
 from .._storage._protocol import Storage
 
 OK = "ok"
@@ -527,7 +527,7 @@ Processes = Group | Solo  # the processes writing a directory together
 
 def _reason(e: BaseException) -> str:
     """What a process tells the others of its failure (it ends up in their errors)."""
-    return _remote.scrub(f"{type(e).__name__}: {e}")
+    return _faults.scrub(f"{type(e).__name__}: {e}")
 
 
 def _write_nonce(storage: Storage, run: str) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ from .._base._errors import CheckpointWarning, ConfigError, DamagedStepWarning
 from .._layout import _format, _policy
 from .._layout._policy import AnyOf, Entry, Keeper
 from .._read import _steps
-from .._storage import _remote
+from .._storage import _faults
 from .._storage._protocol import Storage
 
 logger = logging.getLogger("jax_cb_ckpt")
@@ -78,7 +78,7 @@ class Retention:
             if changed is not None:
                 self._warn_changed(self._keeper, *changed)
             going = sorted(set(self._put_off) | set(self._keeper.settle()))
-        except (_remote.StorageError, ConfigError, OSError) as e:
+        except (_faults.StorageError, ConfigError, OSError) as e:
             self._put_off_warning(e)
             return []
         except Exception as e:  # a fault of ours: said, and nothing deleted
@@ -96,8 +96,8 @@ class Retention:
                 continue
             try:
                 aside = self._storage.set_aside(old)
-            except (_remote.StorageError, ConfigError, OSError) as e:
-                if isinstance(e, ConfigError) or _remote.out_of_reach(e):
+            except (_faults.StorageError, ConfigError, OSError) as e:
+                if isinstance(e, ConfigError) or _faults.out_of_reach(e):
                     self._put_off = going[index:]  # the storage, not the step: all wait
                     self._put_off_warning(e)
                     break
@@ -117,7 +117,7 @@ class Retention:
         its path and the error) and recorded where `jax-cb-ckpt ls` finds it."""
         if step in self._stuck:
             return
-        self._stuck[step] = f"{type(e).__name__}: {_remote.scrub(str(e))}"
+        self._stuck[step] = f"{type(e).__name__}: {_faults.scrub(str(e))}"
         self._note(
             CheckpointWarning,
             f"jax_cb_ckpt: retention cannot delete step {step} "
@@ -181,7 +181,7 @@ class Retention:
         logger.warning(
             "retention in %s put off to the next save: %s",
             self._storage.path,
-            _remote.scrub(str(e)),
+            _faults.scrub(str(e)),
         )
 
     def decisions(self, step: int, seconds: float | None, masked: bool) -> dict[str, Any]:
@@ -192,7 +192,7 @@ class Retention:
         try:
             if self._keeper is None:
                 self._keeper = self._open(step, masked)
-        except (_remote.StorageError, ConfigError, OSError):
+        except (_faults.StorageError, ConfigError, OSError):
             return {}
         return self._keeper.decisions(seconds)
 

@@ -77,7 +77,7 @@ KvstoreSpec = Callable[[str], dict[str, Any]]  # a path -> its key-value store's
 
 def ocdbt_spec(plain: dict[str, Any]) -> dict[str, Any]:
     """An OCDBT database in the key-value store `plain` (where the steps live says how
-    it is written: `Local.kvstore_spec`, `Bucket.kvstore_spec`: `Storage.kvstore_spec`)."""
+    it is written: `ChunkStore.kvstore_spec`)."""
     return {
         "driver": "ocdbt",
         "base": plain,
@@ -169,7 +169,9 @@ class StoreWriter:
     one per writer thread."""
 
     def __init__(self, *, compression: bool, kvstore_spec: KvstoreSpec) -> None:
-        """`kvstore_spec`: the key-value store of a path where the steps live."""
+        """`kvstore_spec`: the key-value store of a path where the steps live (the chunk
+        store's, `ChunkStore.kvstore_spec`: TensorStore is the default chunk store's
+        engine; a storage TensorStore cannot reach needs an array writer of its own)."""
         self.compression = compression
         self._kvstore_spec = kvstore_spec
         self._context = ts.Context(

@@ -48,7 +48,7 @@ from .._handoff._shards import ShardedArray
 from .._handoff._stats import SaveRecord
 from .._layout import _format, _spec
 from .._layout._policy import AnyOf
-from .._storage import _places, _remote
+from .._storage import _faults, _places
 from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
 from .._version import version
@@ -207,9 +207,9 @@ class Writer:
         # which may echo a credential: scrubbed, and the cause too (a traceback prints it).
         error = SaveError(
             f"saving step {step} to {self.directory!r} {outcome}: {type(e).__name__}: "
-            f"{_remote.scrub(str(e)).rstrip('.')}.{kept}"
+            f"{_faults.scrub(str(e)).rstrip('.')}.{kept}"
         )
-        error.__cause__ = _remote.scrubbed(e)
+        error.__cause__ = _faults.scrubbed(e)
         logger.debug("%s", error)  # reported to the user by wait()/close()/exit
         return error
 
