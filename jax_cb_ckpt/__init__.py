@@ -41,6 +41,7 @@ if _TYPE_CHECKING:
     from ._read._steps import metadata as metadata
     from ._read._steps import metrics as metrics
     from ._read._steps import metrics_table as metrics_table
+    from ._read._steps import restore_extra as restore_extra
     from ._read._steps import verify as verify
     from ._save._stats import SaveRecord as SaveRecord
     from ._save._stats import Stats as Stats
@@ -58,6 +59,7 @@ _LAZY = {
     "metrics": "_read._steps",
     "metrics_table": "_read._steps",
     "restore": "_read._restore",
+    "restore_extra": "_read._steps",
     "verify": "_read._steps",
     "SaveRecord": "_save._stats",
     "Stats": "_save._stats",

@@ -39,6 +39,7 @@ PUBLIC = [
     "metrics",
     "metrics_table",
     "restore",
+    "restore_extra",
     "same_bits",
     "verify",
 ]

@@ -21,6 +21,7 @@ from .._base import _dtypes
 
 if TYPE_CHECKING:
     from .._save._shards import ShardedArray
+    from ._extra import Extra
 
 # The key data of JAX's built-in PRNG implementations (jax.random.key_data's trailing
 # shape), known without importing JAX; a user-registered implementation asks JAX.
@@ -156,6 +157,9 @@ class Signature:
     # The names of `metrics=` (`_describe.describe_metrics`): its leaves follow the state's
     # in `specs` and cross with them; the writer records them in the step's meta.
     metrics: tuple[str, ...] = ()
+    # The save's `extra=` (`_extra.Extra`): JSON the writer stores beside the state; the
+    # host side turns it into bytes when the save fires (`SaveItem.extra`). Never traced.
+    extra: Extra | None = None
 
     @property
     def state_leaves(self) -> int:

@@ -29,7 +29,7 @@ from jax.sharding import AbstractMesh, Mesh, Sharding
 
 from .._base._errors import ConfigError, InvalidStateError, where
 from .._base._types import Gather, PyTree
-from .._layout import _describe
+from .._layout import _describe, _extra
 from .._layout._spec import Signature
 from . import _shards, _values
 
@@ -55,6 +55,9 @@ class Request:
     # Scalars recorded with the step (None: none); from the façade also a function of the
     # state, which `Checkpointer._cross` computes before `plan` sees the request.
     metrics: PyTree = None
+    # JSON stored beside the state (`_layout/_extra`): a dict, or a function of the step
+    # called on the host when the save fires; checked by `plan`, never traced.
+    extra: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
     state, step, step_value = request.state, request.step, request.step_value
     axis_name, gather, condition = request.axis_name, request.gather, request.condition
     _check_arguments(axis_name, gather, request.shardings, request.metrics, processes)
+    extra = _extra.of(request.extra, where())  # (a dict: encoded now, as it is now)
     per_leaf = _per_leaf_shardings(request.shardings, state)
     specs, leaves, names, n_state = _describe.describe_save(state, request.metrics)
     if per_leaf is not None and len(per_leaf) != n_state:
@@ -124,10 +128,10 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
             )
         hosts = _values.eager_values(specs, leaves)
         ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
-        return Eager(Signature(specs, ndims, metrics=names), step_value, hosts)
+        return Eager(Signature(specs, ndims, metrics=names, extra=extra), step_value, hosts)
     split = _values.split(specs, leaves, gather, axis_name)
     traced_step = _values.traced_step(step, step_value)
-    signature = Signature(specs, split.ndims, split.constants, metrics=names)
+    signature = Signature(specs, split.ndims, split.constants, metrics=names, extra=extra)
     chosen = None
     if axis_name is None and split.payload:
         chosen = _shards.chosen(per_leaf, leaves, split.crossing, n_state)

@@ -260,7 +260,11 @@ class Local(StepsBase):
             pass
 
     def write_file(self, path: str, data: bytes) -> None:
-        """A small file of a step (not fsynced here: `commit` syncs the step)."""
+        """A small file of a step (not fsynced here: `commit` syncs the step), in its
+        item's folder (made here for an item `begin` did not make: `extra`)."""
+        folder = os.path.dirname(path)
+        if not os.path.isdir(folder):
+            os.mkdir(folder)
         with open(path, "wb") as f:
             f.write(data)
 

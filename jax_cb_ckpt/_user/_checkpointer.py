@@ -33,6 +33,7 @@ from .._base._types import (
     BestMode,
     Crossing,
     Gather,
+    JsonExtra,
     OnDamaged,
     OnError,
     OnExisting,
@@ -48,7 +49,7 @@ from .._save._stats import Stats, StatsRecorder
 from .._storage import _places, _remote
 from .._write import _processes
 from .._write._writer import Writer
-from . import _loops, _options, _run, _scan
+from . import _loops, _options, _run, _scan, _with_extra
 from ._clock import SaveClock
 from ._preempt import StopFlag
 
@@ -296,6 +297,7 @@ class Checkpointer:
         shardings: PyTree = None,
         metrics: PyTree = None,
         last_step: ArrayLike | None = None,
+        extra: JsonExtra = None,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`,
         or `every_seconds` passed since the last save, asked every `check_every` steps),
@@ -369,6 +371,14 @@ class Checkpointer:
                 whose length is not a multiple of `every` (or one saving by the clock)
                 ends with an older checkpoint: `close()` warns when it can tell (with
                 `every_seconds`, from the steps the clock was asked at).
+            extra: host data stored beside the state as an Orbax JSON item (Orbax's
+                `Composite(extra=JsonSave(...))`): a dict of JSON values (a config, a
+                git hash), taken as it is at this call (inside `jit`: when it is
+                traced), or a function of the step, `extra=lambda step: {"data_position":
+                loader.position}`, called on the host with the step (an int) each time
+                a save fires, never while tracing. At most 1 MiB as JSON; read back by
+                `restore_extra(step)` and `metadata(step)["extra"]`
+                ([usage.md](usage.md#json-beside-the-state-extra)).
         """
         self._check_usable()
         step_value = _traced.check_step(step)
@@ -387,7 +397,7 @@ class Checkpointer:
         wanted, condition, step, step_value = _traced.only_live(wanted, condition, step, step_value)
         self._cross(
             _route.Request(
-                state, step, step_value, condition, axis_name, gather, shardings, metrics
+                state, step, step_value, condition, axis_name, gather, shardings, metrics, extra
             ),
             wanted=wanted,
         )
@@ -430,11 +440,12 @@ class Checkpointer:
         gather: Gather = "stack",
         shardings: PyTree = None,
         metrics: PyTree = None,
+        extra: JsonExtra = None,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
         Same hand-off, blocking behaviour and arguments (`metrics=` included, a
-        function of the state too) as `maybe_save`.
+        function of the state too, and `extra=`) as `maybe_save`.
         """
         self._check_usable()
         step_value = _traced.check_step(step)
@@ -444,7 +455,7 @@ class Checkpointer:
         _, condition, step, step_value = _traced.only_live(True, None, step, step_value)
         self._cross(
             _route.Request(
-                state, step, step_value, condition, axis_name, gather, shardings, metrics
+                state, step, step_value, condition, axis_name, gather, shardings, metrics, extra
             )
         )
 
@@ -679,6 +690,7 @@ class Checkpointer:
         progress: bool = False,
         metrics: Callable[[PyTree], PyTree] | None = None,
         quiet: bool = False,
+        extra: JsonExtra = None,
     ) -> PyTree:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
@@ -722,6 +734,9 @@ class Checkpointer:
                 ("jax_cb_ckpt: run resumed from step N of DIR", or "starting fresh at
                 step 0 in DIR"): a mistyped directory trains from step 0 again, and
                 this line shows it.
+            extra: JSON stored with each save, as `maybe_save`'s (a function of the
+                step is called at each save; a resumed run reads its step's back with
+                `restore_extra(latest_step())` before calling `run`).
 
         With `every_seconds`, the loop also saves when that long has passed since the
         last save, asked at the stop-flag reads (every `check_every` steps, default
@@ -750,6 +765,7 @@ class Checkpointer:
                 loops=self._run_loops,
                 metrics=metrics,
                 quiet=quiet,
+                extra=extra,
                 resume=lambda like: self._resume(lambda: like),
             )
         except jax.errors.JaxRuntimeError as failure:
@@ -769,6 +785,7 @@ class Checkpointer:
         start: ArrayLike = 0,
         shardings: PyTree = None,
         metrics: Callable[[PyTree], PyTree] | None = None,
+        extra: JsonExtra = None,
     ) -> tuple[PyTree, PyTree]:
         """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, saving the carry every
         `every` iterations (default: the Checkpointer's `every`), with no conditional
@@ -788,7 +805,8 @@ class Checkpointer:
         on the Checkpointer, the chunks are `check_every` iterations long and a save
         is made between two of them when that long has passed since the last save (one
         host query per chunk); with both, at every `every`-th iteration as well. With
-        `initial_save`, `init` is saved at `start` first.
+        `initial_save`, `init` is saved at `start` first. `extra=`: JSON stored with
+        each save, as `maybe_save`'s.
 
         Example:
             ```python
@@ -803,7 +821,7 @@ class Checkpointer:
             )
         try:
             return _scan.scan(
-                self,
+                _with_extra.with_extra(self, extra, "scan"),
                 self._options.when,
                 f,
                 init,
@@ -833,6 +851,7 @@ class Checkpointer:
         save_last: bool = False,
         shardings: PyTree = None,
         metrics: Callable[[PyTree], PyTree] | None = None,
+        extra: JsonExtra = None,
     ) -> PyTree:
         """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`, bit for bit, in two
         forms.
@@ -867,6 +886,8 @@ class Checkpointer:
             save_last: save after the last iteration too (checkpoint `upper`).
             shardings: as `maybe_save`.
             metrics: as `maybe_save`, a function of the carry (computed at saves only).
+            extra: as `maybe_save`, stored with each save the loop makes (with `every=`
+                or `check_every=`).
 
         Example:
             ```python
@@ -875,8 +896,14 @@ class Checkpointer:
                 return ckpt.fori_loop(start, 10_000, lambda i, s: update(s), state, every=100)
             ```
         """
+        if extra is not None and every is None and check_every is None:
+            raise ConfigError(
+                "fori_loop(extra=...): extra is an option of a loop that saves its carry "
+                "itself, and this one saves nothing itself (no every= or check_every=). "
+                "Fix: pass every=N, or pass extra= to the saves in its body."
+            )
         return _loops.checkpointed_fori_loop(
-            self,
+            _with_extra.with_extra(self, extra, "fori_loop"),
             self._options.when,
             lower,
             upper,
@@ -977,10 +1004,17 @@ class Checkpointer:
         Keys: `step`, `leaves` (path, stored dtype and shape, key impl of each leaf),
         `library_version`, and for saves made under `vmap`: `batch_shape` and `members`
         (which batch members' predicate held). A plain Orbax step says `format`
-        "orbax" and `checksums` None (`jax_cb_ckpt.metadata`). Does not wait for
-        pending saves.
+        "orbax" and `checksums` None (`jax_cb_ckpt.metadata`). A step saved with
+        `extra=` has its JSON under `extra`. Does not wait for pending saves.
         """
         return _steps.metadata(self.directory, step=step)
+
+    def restore_extra(self, step: int | None = None) -> dict[str, Any] | None:
+        """The JSON saved with `step` (default: the latest) by `extra=`, or None when it
+        was saved without (`jax_cb_ckpt.restore_extra`); checked against its CRC-32.
+        Pair it with `restore(like, step=step)` for the state of the same step. Does not
+        wait for pending saves."""
+        return _steps.restore_extra(self.directory, step=step)
 
     def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
         """The step with the best value of the metric `best` (the Checkpointer's, with
