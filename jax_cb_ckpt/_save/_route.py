@@ -104,12 +104,7 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
     extra = _extra.of(request.extra, where())  # (a dict: encoded now, as it is now)
     per_leaf = _per_leaf_shardings(request.shardings, state)
     specs, leaves, names, n_state = _describe.describe_save(state, request.metrics)
-    if per_leaf is not None and len(per_leaf) != n_state:
-        raise InvalidStateError(
-            f"{where()}(shardings=...): got {len(per_leaf)} shardings for the state's "
-            f"{n_state} leaves. Fix: give one NamedSharding per leaf (or a prefix of the "
-            "state)."
-        )
+    _check_count(per_leaf, n_state)
     if not wanted:
         return Skip(names)
     if axis_name is None and step_value is not None and not _values.is_tracing(leaves, condition):
@@ -152,6 +147,16 @@ def plan(request: Request, *, processes: int, wanted: bool = True) -> Eager | Tr
             "supported there (docs/multiprocess.md)."
         )
     return Traced(signature, traced_step, split.payload)
+
+
+def _check_count(per_leaf: list[Sharding] | None, n_state: int) -> None:
+    """One sharding per leaf of the state as described (`shardings=`, where given)."""
+    if per_leaf is not None and len(per_leaf) != n_state:
+        raise InvalidStateError(
+            f"{where()}(shardings=...): got {len(per_leaf)} shardings for the state's "
+            f"{n_state} leaves. Fix: give one NamedSharding per leaf (or a prefix of the "
+            "state)."
+        )
 
 
 def _check_arguments(

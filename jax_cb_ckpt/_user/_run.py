@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._base._errors import ConfigError
 from .._base._types import JsonExtra, PyTree, Saver
 from .._layout import _extra
-from .._layout._extra import Extra
 from ._options import When
 from ._preempt import Preempted, StopFlag
 from ._scan import check_metrics, metrics_at_save
@@ -68,13 +67,13 @@ def run(
     loops = {} if loops is None else loops
     every, by_clock = when.every, when.every_seconds is not None
     check = _checked_arguments(when, num_steps, metrics, check_every, progress, quiet)
-    saved_extra = _extra.of(extra, "run")  # checked before anything runs; hashable
+    extra = _extra.of(extra, "run")  # checked before anything runs; hashable (the key)
     bar_type = _progress_bar_type() if progress else None
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
     resumed = resume(init)
-    state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, saved_extra)
+    state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, extra)
     if not quiet:
         _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
     if start == num_steps:
@@ -101,7 +100,7 @@ def run(
         by_clock,
         shardings,
         metrics,
-        saved_extra,
+        extra,
     )
     # Committed to their devices, as a restored state's arrays are: a fresh state's
     # uncommitted arrays would make the resumed call another entry of jit's cache, and
@@ -192,7 +191,7 @@ def _start(
     num_steps: int,
     metrics: Callable[[PyTree], PyTree] | None,
     batched: bool,
-    extra: Extra | None = None,
+    extra: JsonExtra = None,
 ) -> tuple[PyTree, int]:
     """The state and step the loop starts from: `init` at 0 (saved first with
     `initial_save`), or what the restart found, checked against the loop's one step and
@@ -329,7 +328,7 @@ def _jitted_loop(
     by_clock: bool,
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None = None,
-    extra: Extra | None = None,
+    extra: JsonExtra = None,
 ) -> Loop:
     """`jax.jit(make_loop(...))`, made once per Checkpointer and loop: `loops` is the
     Checkpointer's {what the loop is made of: the jitted loop}, so that a fresh run and
@@ -380,7 +379,7 @@ def make_loop(
     *,
     read_due: Callable[[jax.Array], jax.Array] | None = None,
     metrics: Callable[[PyTree], PyTree] | None = None,
-    extra: Extra | None = None,
+    extra: JsonExtra = None,
 ) -> Loop:
     """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit.
     `read_due` (every_seconds): has the time for a save come, asked with the stop flag;
@@ -440,7 +439,7 @@ def _save_initial(
     init: PyTree,
     metrics: Callable[[PyTree], PyTree] | None,
     batched: bool,
-    extra: Extra | None = None,
+    extra: JsonExtra = None,
 ) -> None:
     """`initial_save`: a fresh run saves its starting state as step 0 first."""
     if metrics is None:
