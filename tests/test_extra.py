@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import needs, run_child
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, DamagedStepError
@@ -241,3 +242,38 @@ def test_show_prints_the_extra(tmp_path, capsys):
     assert "(1012 characters; --json shows all)" in capsys.readouterr().out
     assert main(["show", str(d), "--step", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["extra"] == CONFIG
+
+
+def test_a_bucket_step_holds_the_extra_item_with_its_commit_marker(remote):
+    from jax_cb_ckpt._storage import _remote
+
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save({"w": np.zeros(2)}, 5, extra=CONFIG)
+        ckpt.save({"w": np.zeros(2)}, 6)
+        assert ckpt.restore_extra(5) == CONFIG and ckpt.restore_extra(6) is None
+    keys = _remote.list_keys(remote.url + "/5")
+    assert {"extra/metadata", "extra/commit_success.txt"} <= set(keys), keys
+    assert not [k for k in _remote.list_keys(remote.url + "/6") if k.startswith("extra")]
+    assert jax_cb_ckpt.verify(remote.url) == [5, 6]
+
+
+@pytest.mark.slow  # (gcsfs, which Orbax needs for gs://, comes with the slow extra)
+@needs("gcsfs", "slow")
+@pytest.mark.parametrize("remote", ["gs"], indirect=True)
+def test_plain_orbax_reads_the_extra_item_of_a_gs_step(remote):
+    with jax_cb_ckpt.Checkpointer(remote.url) as ckpt:
+        ckpt.save({"w": np.zeros(2)}, 5, extra=CONFIG)
+    code = f"""
+import json, orbax.checkpoint as ocp
+manager = ocp.CheckpointManager("{remote.url}")
+got = manager.restore(5, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+print(json.dumps(got["extra"]))
+"""
+    env = dict(
+        remote.env,
+        TENSORSTORE_GCS_HTTP_URL=remote.env["STORAGE_EMULATOR_HOST"],
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",  # (see test_storage.py)
+    )
+    result = run_child(["python", "-c", code], env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == CONFIG

@@ -50,6 +50,9 @@ HELD_BYTES = 8 << 20
 _OPENED_AT_ONCE = 16
 
 
+_COMMITTED = b"Checkpoint commit was successful."  # Orbax's commit marker's text
+
+
 class Bucket(StepsBase):
     """A checkpoint directory that is a prefix in a GCS or S3 bucket (`_remote`). A
     step's objects are written under its final name, our marker first and Orbax's
@@ -287,6 +290,13 @@ class Bucket(StepsBase):
         if _remote.write(path, data, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{path} was written by another writer meanwhile")
 
+    def write_meta(self, temp: str, meta: dict[str, Any], extra: bytes | None = None) -> None:
+        """`StepsBase.write_meta`, and an `extra` item's own commit marker, which `commit`
+        writes for the other items (Orbax on GCS marks each item it finalizes)."""
+        super().write_meta(temp, meta, extra)
+        if extra is not None:
+            self.write_file(f"{temp}/{_format.EXTRA_ITEM}/{COMMIT_NAME}", _COMMITTED)
+
     def fence(self, name: str, token: str, check: Callable[[], None]) -> None:
         """Before a step's files and its commit: this writer still holds the lock
         (`check()`), and the step is still the one it began. A writer paused longer
@@ -313,7 +323,7 @@ class Bucket(StepsBase):
         """Its commit marker written (last), after the items' own markers: Orbax on GCS
         reads a directory only with its marker, so plain Orbax restores `<step>/state`
         as it does on a local disk (docs/storage.md)."""
-        marker = b"Checkpoint commit was successful."
+        marker = _COMMITTED
         _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
         if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{final} was committed by another writer meanwhile")

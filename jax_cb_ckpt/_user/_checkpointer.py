@@ -1012,8 +1012,9 @@ class Checkpointer:
     def restore_extra(self, step: int | None = None) -> dict[str, Any] | None:
         """The JSON saved with `step` (default: the latest) by `extra=`, or None when it
         was saved without (`jax_cb_ckpt.restore_extra`); checked against its CRC-32.
-        Pair it with `restore(like, step=step)` for the state of the same step. Does not
-        wait for pending saves."""
+        Waits for pending saves first, as `restore` does; pair it with `restore(like,
+        step=step)` for the state of the same step."""
+        self.wait()
         return _steps.restore_extra(self.directory, step=step)
 
     def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
