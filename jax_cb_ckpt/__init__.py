@@ -47,6 +47,7 @@ if _TYPE_CHECKING:
     from ._read._steps import metadata as metadata
     from ._read._steps import metrics as metrics
     from ._read._steps import metrics_table as metrics_table
+    from ._read._steps import restore_extra as restore_extra
     from ._read._steps import verify as verify
     from ._user._checkpointer import Checkpointer as Checkpointer
     from ._user._preempt import Preempted as Preempted
@@ -66,6 +67,7 @@ _LAZY = {
     "metrics": "_read._steps",
     "metrics_table": "_read._steps",
     "restore": "_read._restore",
+    "restore_extra": "_read._steps",
     "verify": "_read._steps",
     "SaveRecord": "_handoff._stats",
     "Stats": "_handoff._stats",

@@ -54,6 +54,7 @@ class InPlace:
     """The steps of a folder, written in place and committed by a marker written last."""
 
     opened_at_once = 1
+    marks_items = False
 
     def __init__(self, path: str) -> None:
         self.path = path

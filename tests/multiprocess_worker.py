@@ -82,11 +82,11 @@ def update(s, i, collective=True):
     return {"w": s["w"] * 0.999 + top * 1e-9, "b": s["b"] + i, "n": s["n"] + 1}
 
 
-def train_fn(ckpt, shardings, steps, start=0, collective=True):
+def train_fn(ckpt, shardings, steps, start=0, collective=True, extra=None):
     def body(s, i):
         s = update(s, i, collective)
         if ckpt is not None:
-            ckpt.maybe_save(s, i + 1, shardings=shardings)
+            ckpt.maybe_save(s, i + 1, shardings=shardings, extra=extra)
         return s, None
 
     return jax.jit(
@@ -526,10 +526,13 @@ def main():
 
     ckpt = jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT)
     start = time.perf_counter()
-    final = jax.block_until_ready(train_fn(ckpt, shardings, 4)(state))
+    # (extra=: called in every process; the primary's value is the one written)
+    extra = lambda step: {"process": jax.process_index(), "step": step}  # noqa: E731
+    final = jax.block_until_ready(train_fn(ckpt, shardings, 4, extra=extra)(state))
     ckpt.wait()
     findings["train_and_save_s"] = time.perf_counter() - start
     findings["steps"] = ckpt.all_steps()
+    findings["extra"] = ckpt.restore_extra(4)
     if PID == 0:  # one process alone reads (no barrier with the others: they go on)
         findings["metadata_step"] = ckpt.metadata()["step"]
         alone = jax_cb_ckpt.restore(DIRECTORY, place(host_initial(), shardings), step=2)

@@ -112,6 +112,7 @@ def test_each_process_writes_its_shards_and_both_restore_exactly(trained):
         assert 0.4 * MIB <= found["restore_read_mib"] <= 0.6 * MIB, found
         assert found["plain_orbax_exact"] is True, found
         assert found["plain_orbax_sharding"] == ["d"], found
+        assert found["extra"] == {"process": 0, "step": 4}, found  # the primary's
     # Process 0 read metadata and a step alone, while process 1 went on.
     assert findings[0]["metadata_step"] == 4 and findings[0]["restored_alone"] == 2
     assert jax_cb_ckpt.all_steps(directory) == [2, 4]

@@ -43,6 +43,7 @@ PUBLIC = [
     "metrics",
     "metrics_table",
     "restore",
+    "restore_extra",
     "same_bits",
     "verify",
 ]

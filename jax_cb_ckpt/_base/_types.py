@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import jax
     from jax.typing import ArrayLike
 
@@ -26,6 +28,9 @@ OnExisting = Literal["raise", "replace"]  # another run's steps at or above a sa
 OnDamaged = Literal["fall_back", "raise"]  # a restart that finds its newest step damaged
 Crossing = Literal["auto", "buffer", "callback"]  # how traced arrays reach the host
 Gather = Literal["stack", "concat", "replicated"]  # a state gathered over an axis
+# A save's `extra=` (`_layout/_extra`): a JSON object, or a function of the step (an int)
+# returning one, called on the host when the save fires; None: no extra item.
+JsonExtra: TypeAlias = "dict[str, Any] | Callable[[int], dict[str, Any]] | None"
 BestMode = Literal["max", "min"]  # keep_best: is a higher metric better, or a lower one
 
 
@@ -48,7 +53,13 @@ class Saver(Protocol):
     def latest_step(self) -> int | None: ...
     def restore(self, like: PyTree, *, step: int | None = None) -> PyTree: ...
     def save(
-        self, state: PyTree, step: ArrayLike, *, shardings: PyTree = None, metrics: PyTree = None
+        self,
+        state: PyTree,
+        step: ArrayLike,
+        *,
+        shardings: PyTree = None,
+        metrics: PyTree = None,
+        extra: JsonExtra = None,
     ) -> None: ...
     def maybe_save(
         self,
@@ -58,6 +69,7 @@ class Saver(Protocol):
         when: ArrayLike | None = None,
         shardings: PyTree = None,
         metrics: PyTree = None,
+        extra: JsonExtra = None,
     ) -> None: ...
     def wait(self) -> None: ...
     @property

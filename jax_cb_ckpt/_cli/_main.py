@@ -15,6 +15,7 @@ terminal escape code reaches the terminal.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from .._base._errors import (
     RestoreError,
     calling,
 )
-from .._layout import _format, _policy, _spec
+from .._layout import _extra, _format, _policy, _spec
 from .._layout._keep_best import BestN
 from .._layout._policy import AnyOf
 from .._read import _plain
@@ -481,7 +482,8 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
     if plain is not None:
         return _show_plain(storage, plain, args)
     if args.json:
-        _print_json({"directory": directory, **_meta(storage, args.step)[0]})
+        found = _meta(storage, args.step)[0]
+        _print_json({"directory": directory, **found, **_extra_of(storage, found["step"])})
         return 0
     meta = _meta(storage, args.step)[1]
     _say(f"step {meta.step} of {directory}")
@@ -517,6 +519,7 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
             _say(f"  retention     {AnyOf.from_json(meta.retention).describe()}")
         except ValueError as e:
             _say(f"  retention     unreadable record ({e})")
+    _show_extra(_extra_of(storage, meta.step))
     _say(f"  {len(meta.leaves)} leaves:")
     rows = [
         (
@@ -532,6 +535,31 @@ def _show(storage: Storage, args: argparse.Namespace) -> int:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         _say(("    " + "  ".join([*cells, row[3]])).rstrip())
     return 0
+
+
+def _extra_of(storage: Storage, step: int) -> dict[str, Any]:
+    """{"extra": the JSON saved with `step` by `extra=`} (`_layout/_extra.read`: bounded
+    and checked against its CRC-32 before it is parsed), {} for a step saved without,
+    {"extra_damaged": what is wrong} when it is not what was written."""
+    try:
+        value = _extra.read(functools.partial(storage.step_file, step))
+    except _format.DamagedStep as e:
+        return {"extra_damaged": str(e)}
+    return {} if value is None else {"extra": value}
+
+
+_EXTRA_SHOWN = 300  # characters of a step's extra that `show` prints (--json: all)
+
+
+def _show_extra(found: dict[str, Any]) -> None:
+    """`show`'s line of a step's `extra` (`_extra_of`), if any."""
+    if "extra_damaged" in found:
+        _say(f"  extra         damaged: {found['extra_damaged']}")
+    elif "extra" in found:
+        text = json.dumps(found["extra"])
+        if len(text) > _EXTRA_SHOWN:
+            text = f"{text[:_EXTRA_SHOWN]}... ({len(text)} characters; --json shows all)"
+        _say(f"  extra         {text}")
 
 
 def _show_plain(storage: Storage, found: _plain.PlainStep, args: argparse.Namespace) -> int:

@@ -55,6 +55,8 @@ class SaveItem:
     member_steps: np.ndarray | None = None
     # Under vmap in a ckpt.while_loop: the members that had left it, where some had.
     left: np.ndarray | None = None
+    # The `extra` item's bytes (`_layout/_extra`), made when the save fired; None: none.
+    extra: bytes | None = None
 
     @property
     def step(self) -> int:

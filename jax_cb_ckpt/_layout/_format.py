@@ -65,6 +65,10 @@ STATE_ITEM = "state"  # Orbax item holding the arrays, as a nested dict
 META_ITEM = "meta"  # Orbax item holding the JSON description of the leaves
 ITEMS = (STATE_ITEM, META_ITEM)
 META_FILE = "metadata"  # the file Orbax's JsonCheckpointHandler writes in META_ITEM
+# The user's JSON beside the state (`extra=`, `_extra.py`): an Orbax JSON item, written
+# only by a save given one (a step without it has neither the item nor its record).
+EXTRA_ITEM = "extra"
+EXTRA_MAX_BYTES = 1 << 20  # its bound, at the save and at every read
 ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"  # written by Orbax when a save is finalized
 STATE_METADATA = "_METADATA"  # Orbax's description of the state item's tree
 PROCESS_PREFIX = "ocdbt.process_"  # the state item's database of process i > 0
@@ -74,6 +78,7 @@ LOCK_NAME = ".jax_cb_ckpt.lock"  # held (flock) by the one live writer of a dire
 # listed from then on).
 OURS_NAME = ".jax_cb_ckpt"
 COMMIT_NAME = "commit_success.txt"
+COMMITTED = b"Checkpoint commit was successful."  # its text (Orbax's)
 COMPLETE_KEYS = frozenset(
     {
         OURS_NAME,
@@ -667,12 +672,13 @@ def _check_sums(name: str, sums: object, shape: tuple[int, ...] | None) -> None:
             )
 
 
-def meta_files(meta: dict[str, Any]) -> dict[str, bytes]:
+def meta_files(meta: dict[str, Any], extra: bytes | None = None) -> dict[str, bytes]:
     """{path in the step: bytes}: the `meta` item (the JSON file Orbax's
-    JsonCheckpointHandler reads), then Orbax's step file holding our record of it (its
-    size, CRC-32 and step: `check_meta_bytes`), in that order: listing and restore check
-    the item against the record, so a cut or edited item, or a folder renamed to
-    another step, is found damaged instead of restored."""
+    JsonCheckpointHandler reads), the `extra` item where the save has one (its bytes,
+    `_extra.encode`), then Orbax's step file holding our record of them (sizes, CRC-32s
+    and step: `check_meta_bytes`, `_extra.check_bytes`), in that order: listing and
+    restore check the items against the record, so a cut or edited item, or a folder
+    renamed to another step, is found damaged instead of restored."""
     text = json.dumps(meta).encode()
     if len(text) > META_MAX_BYTES:
         raise ValueError(
@@ -681,7 +687,12 @@ def meta_files(meta: dict[str, Any]) -> dict[str, bytes]:
             "leaves): save fewer, larger leaves (e.g. stack them)"
         )
     record = {"step": meta["step"], "meta_bytes": len(text), "meta_crc32": zlib.crc32(text)}
-    return {f"{META_ITEM}/{META_FILE}": text, ORBAX_STEP_FILE: step_file(record)}
+    files = {f"{META_ITEM}/{META_FILE}": text}
+    if extra is not None:  # (its size and CRC-32 in the record: `_extra.check_bytes`)
+        record.update(extra_bytes=len(extra), extra_crc32=zlib.crc32(extra))
+        files[f"{EXTRA_ITEM}/{META_FILE}"] = extra
+    files[ORBAX_STEP_FILE] = step_file(record)
+    return files
 
 
 # Orbax's handlers of the two items, by the names Orbax records (tests/test_format.py
@@ -700,10 +711,14 @@ def step_file(record: dict[str, Any]) -> bytes:
     """The file Orbax's Checkpointer writes when it finalizes a save: which handler
     wrote each item (so a CheckpointManager reads them without being told), and when;
     in its `custom_metadata`, our `record` of the step ({step, meta_bytes,
-    meta_crc32}: `meta_files`)."""
+    meta_crc32}, and extra_bytes, extra_crc32 where it has an `extra` item:
+    `meta_files`)."""
     now = time.time_ns()
+    handlers = dict(HANDLERS)
+    if "extra_bytes" in record:  # (Orbax lists a Composite's items in the order saved)
+        handlers[EXTRA_ITEM] = HANDLERS[META_ITEM]
     content = {
-        "item_handlers": dict(HANDLERS),
+        "item_handlers": handlers,
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": now,

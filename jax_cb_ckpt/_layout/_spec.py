@@ -13,11 +13,14 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 
 from .._base import _dtypes
+
+if TYPE_CHECKING:
+    from ._extra import Extra
 
 # The key data of JAX's built-in PRNG implementations (jax.random.key_data's trailing
 # shape), known without importing JAX; a user-registered implementation asks JAX.
@@ -169,6 +172,9 @@ class Signature:
     # The names of `metrics=` (`_describe.describe_metrics`): its leaves follow the state's
     # in `specs` and cross with them; the writer records them in the step's meta.
     metrics: tuple[str, ...] = ()
+    # The save's `extra=` (`_extra.Extra`): JSON the writer stores beside the state; the
+    # host side turns it into bytes when the save fires (`SaveItem.extra`). Never traced.
+    extra: Extra | None = None
 
     @property
     def state_leaves(self) -> int:

@@ -42,7 +42,7 @@ from .._base._errors import (
     where,
 )
 from .._base._types import BestMode
-from .._layout import _format, _ocdbt, _policy
+from .._layout import _extra, _format, _ocdbt, _policy
 from .._layout._format import META_ITEM, STATE_ITEM
 from .._layout._keep_best import BestN
 from .._layout._spec import LeafSpec
@@ -340,11 +340,52 @@ def _open_failure(e: Exception, storage: Storage, step: int) -> CheckpointError:
 @entry("metadata")
 @step_by_keyword
 def metadata(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`.
-    For a plain Orbax step (listed by `all_steps`), what it says of itself, marked as
-    Orbax's: `{"format": "orbax", "checksums": None, ...}` (it is read unverified; see
-    [usage.md](usage.md#coming-from-orbaxs-checkpointmanager))."""
+    """The JSON `meta` item of checkpoint `step` (default: the latest) in `directory`,
+    with the step's `extra=` JSON under "extra" where it was saved with one
+    (`restore_extra`). For a plain Orbax step (listed by `all_steps`), what it says of
+    itself, marked as Orbax's: `{"format": "orbax", "checksums": None, ...}` (it is read
+    unverified; see [usage.md](usage.md#coming-from-orbaxs-checkpointmanager))."""
     return _metadata(directory, step)[0]
+
+
+@entry("restore_extra")
+@step_by_keyword
+def restore_extra(
+    directory: str | os.PathLike[str], *, step: int | None = None
+) -> dict[str, Any] | None:
+    """The JSON saved with checkpoint `step` (default: the latest) by `extra=`, or None
+    when it was saved without; checked against the size and CRC-32 recorded when it was
+    written (a `DamagedStepError` when it does not match). Plain Orbax reads it too:
+    `CheckpointManager(directory).restore(step, args=Composite(extra=JsonRestore()))`."""
+    storage = _places.at(_places.resolve(directory))
+    named = check_step_arg(step, "restore_extra")
+    step = pick_step(storage, named, "restore_extra")
+    with calling(f"restore_extra(step={step}) from {storage.path!r}"):
+        try:
+            opened = open_step(storage, step, None if named is None else "restore_extra")
+        except NoCheckpointError as e:
+            plain_instead(storage, step, e)  # (raises unless it is a plain Orbax step)
+            return None
+        return read_extra(storage, opened)
+
+
+def read_extra(storage: Storage, opened: OpenedStep) -> dict[str, Any] | None:
+    """The opened step's `extra` item (`_layout/_extra`), or None: read within its bound,
+    checked against our record in Orbax's step file before it is parsed (hostile
+    input); a `DamagedStepError` saying what is wrong, a `NoCheckpointError` when the
+    step was removed meanwhile."""
+    step = opened.step
+    try:
+        return _extra.read(functools.partial(storage.step_file, step))
+    except _format.DamagedStep as e:
+        if not storage.still_there(step, opened.identity):
+            raise removed(storage, step) from None
+        raise DamagedStepError(
+            f"{where()}: the step's '{_format.EXTRA_ITEM}' item is damaged: {e}. Its arrays "
+            "may be intact (restore reads them, checked). Fix: read another step's extra "
+            "(all_steps()), or restore the folder from a good copy.",
+            f"its '{_format.EXTRA_ITEM}' item is damaged: {e}",
+        ) from None
 
 
 @entry("metrics")
@@ -556,7 +597,8 @@ def step_metas(
 def _metadata(
     directory: str | os.PathLike[str], step: int | None, what: str = "metadata"
 ) -> tuple[dict[str, Any], str]:
-    """A step's `meta` item, or what a plain Orbax step says of itself
+    """A step's `meta` item (for `metadata`, with its `extra` item's value under
+    "extra", where it has one), or what a plain Orbax step says of itself
     (`_plain.describe`), and the call's name for messages."""
     storage = _places.at(_places.resolve(directory))
     named = check_step_arg(step, what)
@@ -564,9 +606,13 @@ def _metadata(
     call = f"{what}(step={step}) from {storage.path!r}"
     with calling(call):
         try:
-            return open_step(storage, step, None if named is None else what).meta, call
+            opened = open_step(storage, step, None if named is None else what)
         except NoCheckpointError as e:
             return _plain.describe(storage, plain_instead(storage, step, e)), call
+        if what != "metadata":
+            return opened.meta, call
+        extra = read_extra(storage, opened)  # (returned with the meta, never stored in it)
+        return opened.meta if extra is None else dict(opened.meta, extra=extra), call
 
 
 def parsed(meta: dict[str, Any]) -> _format.StepMeta:
@@ -790,6 +836,7 @@ def _verify_one(storage: Storage, step: int, what: str | None) -> None:
     opened = open_step(storage, step, what)
     seen, meta = opened.identity, parsed(opened.meta)
     check_orbax_description(storage, opened, meta)
+    read_extra(storage, opened)  # (checked against its CRC-32, where the step has one)
     stored = [saved for saved in meta.leaves if 0 not in saved.stored_shape]
     # Without checksums (an older version's step) every byte is still read: a cut
     # or missing file fails here, where it would fail a restore.

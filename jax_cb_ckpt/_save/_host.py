@@ -382,7 +382,12 @@ class HostSide:
         writer takes them (`Signature.assemble`). The device waited `blocking_s`, or
         from `start` until now. `member_steps`: each member's own step, where some
         differ from the save's; `left`: the members that had left their
-        `ckpt.while_loop`, where some had."""
+        `ckpt.while_loop`, where some had. The `extra` item's bytes are made first
+        (`Extra.bytes_at`: a function's `ConfigError` fails the save, reported as the
+        callback's other failures are)."""
+        # The save's extra= first (a function of the step: called here, on the host, as
+        # the save fires), so that a refusal leaves nothing copied to give back.
+        extra = None if signature.extra is None else signature.extra.bytes_at(claim.step)
         copying = time.perf_counter()
         crossed, release, ready = copy_out()
         hosts = signature.assemble(crossed, members.shape)
@@ -405,6 +410,7 @@ class HostSide:
             ready,
             member_steps,
             left,
+            extra,
         )
 
 

@@ -33,7 +33,8 @@ from .._base._errors import ConfigError, InvalidStateError, where
 from .._base._types import Crossing as CrossingName
 from .._base._types import Gather, PyTree
 from .._handoff import _shards
-from .._layout import _describe
+from .._layout import _describe, _extra
+from .._layout._extra import Extra
 from .._layout._spec import LeafSpec, Signature
 from . import _cuda, _values
 from ._buffer import CpuBuffer
@@ -62,6 +63,9 @@ class Request:
     # Scalars recorded with the step (None: none); from the façade also a function of the
     # state, which `Parts.cross` (`_user/_wiring.py`) computes before `plan` sees it.
     metrics: PyTree = None
+    # JSON stored beside the state (`_layout/_extra`): a dict, or a function of the step
+    # called on the host when the save fires; checked by `plan`, never traced.
+    extra: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,22 +116,19 @@ def plan(
     state, step_value = request.state, request.step_value
     axis_name, gather, condition = request.axis_name, request.gather, request.condition
     _check_arguments(axis_name, gather, request.shardings, request.metrics, processes)
+    extra = _extra.of(request.extra, where())  # (a dict: encoded now, as it is now)
     per_leaf = _per_leaf_shardings(request.shardings, state)
     described = _describe.describe_save(state, request.metrics)
     specs, leaves, names, n_state = described
-    if per_leaf is not None and len(per_leaf) != n_state:
-        raise InvalidStateError(
-            f"{where()}(shardings=...): got {len(per_leaf)} shardings for the state's "
-            f"{n_state} leaves. Fix: give one NamedSharding per leaf (or a prefix of the "
-            "state)."
-        )
+    _check_count(per_leaf, n_state)
     if not wanted:
         return Skip(names)
     if axis_name is None and step_value is not None and not _values.is_tracing(leaves, condition):
         if condition is not None and not bool(condition):
             return Skip(names)
-        return _eager_route(specs, leaves, names, step_value, processes)
-    return _traced_route(request, described, per_leaf, processes, chosen_crossing(crossing))
+        return _eager_route(specs, leaves, names, step_value, processes, extra)
+    crossing_ = chosen_crossing(crossing)
+    return _traced_route(request, described, per_leaf, processes, crossing_, extra)
 
 
 def _eager_route(
@@ -136,6 +137,7 @@ def _eager_route(
     names: tuple[str, ...],
     step: int,
     processes: int,
+    extra: Extra | None,
 ) -> Eager:
     if processes > 1:
         raise InvalidStateError(
@@ -150,7 +152,7 @@ def _eager_route(
         )
     hosts = _values.eager_values(specs, leaves)
     ndims = tuple(h.ndim for h in hosts)  # arrays all (eager_value)
-    return Eager(Signature(specs, ndims, metrics=names), step, hosts)
+    return Eager(Signature(specs, ndims, metrics=names, extra=extra), step, hosts)
 
 
 def _traced_route(
@@ -159,13 +161,14 @@ def _traced_route(
     per_leaf: list[Sharding] | None,
     processes: int,
     crossing: Crossing,
+    extra: Extra | None,
 ) -> Traced:
     """A traced save's route: its leaves split (constants, payload), then gathered or,
     with a layout, device by device."""
     specs, leaves, names, n_state = described
     axis_name, gather = request.axis_name, request.gather
     split = _values.split(specs, leaves, gather, axis_name)
-    signature = Signature(specs, split.ndims, split.constants, metrics=names)
+    signature = Signature(specs, split.ndims, split.constants, metrics=names, extra=extra)
     step = _values.traced_step(request.step, request.step_value)
     traced = functools.partial(
         Traced, signature, step, split.payload, crossing, request.condition, axis_name, gather
@@ -216,6 +219,16 @@ def buffer_by_default() -> bool:
         return False
     version = getattr(jax.devices()[0].client, "platform_version", "")
     return "rocm" not in str(version).lower()
+
+
+def _check_count(per_leaf: list[Sharding] | None, n_state: int) -> None:
+    """One sharding per leaf of the state as described (`shardings=`, where given)."""
+    if per_leaf is not None and len(per_leaf) != n_state:
+        raise InvalidStateError(
+            f"{where()}(shardings=...): got {len(per_leaf)} shardings for the state's "
+            f"{n_state} leaves. Fix: give one NamedSharding per leaf (or a prefix of the "
+            "state)."
+        )
 
 
 def _check_arguments(

@@ -57,6 +57,7 @@ class Bucket:
     (unlisted at once), our marker last (`_format`'s module doc)."""
 
     opened_at_once = _OPENED_AT_ONCE  # each is one round trip (`Storage.open_steps`)
+    marks_items = True  # each item its own commit marker, as Orbax on GCS writes them
 
     def __init__(self, url: str) -> None:
         self.path = url
@@ -204,7 +205,7 @@ class Bucket:
         """Its commit marker written (last), after the items' own markers: Orbax on GCS
         reads a directory only with its marker, so plain Orbax restores `<step>/state`
         as it does on a local disk (docs/storage.md)."""
-        marker = b"Checkpoint commit was successful."
+        marker = _format.COMMITTED
         _remote.write_many({f"{final}/{item}/{COMMIT_NAME}": marker for item in ITEMS})
         if _remote.write(f"{final}/{COMMIT_NAME}", marker, if_equal=_remote.ABSENT) is None:
             raise FileExistsError(f"{final} was committed by another writer meanwhile")

@@ -51,6 +51,7 @@ class Local:
     that it removes a real directory, and `shutil.rmtree` follows no link inside it."""
 
     opened_at_once = 1  # threads cost more than they save here (`Storage.open_steps`)
+    marks_items = False  # a step's rename commits its items
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -435,7 +436,11 @@ class LocalChunks:
         _write_in(self.path, name, data, os.O_EXCL)
 
     def write(self, path: str, data: bytes) -> None:
-        """A small file of a step (not fsynced here: `commit` syncs the step)."""
+        """A small file of a step (not fsynced here: `commit` syncs the step), in its
+        item's folder (made here for an item `begin` did not make: `extra`)."""
+        folder = os.path.dirname(path)
+        if not os.path.isdir(folder):
+            os.mkdir(folder)
         with open(path, "wb") as f:
             f.write(data)
 

@@ -66,6 +66,7 @@ class StepStore(Protocol):
 
     path: str  # the directory: an absolute path or a canonical URL (`_places.resolve`)
     opened_at_once: int  # steps `Storage.open_steps` opens at a time (threads)
+    marks_items: bool  # each item of a step gets its own commit marker (a bucket)
 
     # -- what is there (readers, the CLI, retention, the writer's checks) --------------
 
@@ -281,11 +282,17 @@ class Storage:
     def write_file(self, path: str, data: bytes) -> None:
         self.chunks.write(path, data)
 
-    def write_meta(self, temp: str, meta: dict[str, Any]) -> None:
-        """A step's `meta` item, then Orbax's step file holding our record of it
-        (`_format.meta_files`), into the step being written at `temp`."""
-        for name, data in _format.meta_files(meta).items():
+    def write_meta(self, temp: str, meta: dict[str, Any], extra: bytes | None = None) -> None:
+        """A step's `meta` item (and `extra` item, where it has one), then Orbax's step
+        file holding our record of them (`_format.meta_files`), into the step being
+        written at `temp`; where the step store marks each item (`marks_items`: Orbax
+        on GCS does), the `extra` item's own commit marker, which `commit` writes for
+        the other items."""
+        for name, data in _format.meta_files(meta, extra).items():
             self.chunks.write(os.path.join(temp, name), data)
+        if extra is not None and self.steps.marks_items:
+            marker = os.path.join(temp, _format.EXTRA_ITEM, _format.COMMIT_NAME)
+            self.chunks.write(marker, _format.COMMITTED)
 
     def commit(self, temp: str, final: str, nbytes: int, sync: Sync) -> None:
         self.steps.commit(temp, final, nbytes, sync)

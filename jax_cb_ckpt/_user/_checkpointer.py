@@ -17,6 +17,7 @@ from .._base._types import (
     BestMode,
     Crossing,
     Gather,
+    JsonExtra,
     OnDamaged,
     OnError,
     OnExisting,
@@ -26,7 +27,7 @@ from .._base._types import (
 from .._handoff._stats import Stats
 from .._layout._rule import Rule
 from .._read import _steps
-from . import _loops, _options, _restart, _run, _scan, _when, _wiring
+from . import _loops, _options, _restart, _run, _scan, _when, _wiring, _with_extra
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
@@ -161,6 +162,7 @@ class Checkpointer:
         shardings: PyTree = None,
         metrics: PyTree = None,
         last_step: ArrayLike | None = None,
+        extra: JsonExtra = None,
     ) -> None:
         """Save `state` as checkpoint `step` if `when` holds (default: `step % every == 0`,
         or `every_seconds` passed), or `step` is `last_step`. Checkpoint `k` holds the
@@ -184,9 +186,22 @@ class Checkpointer:
             metrics: scalars recorded with the step, or a function of the state
                 computed only where it saves ([usage.md](usage.md#metrics-with-a-step)).
             last_step: the loop's last step, saved whatever `every` or `when` say.
+            extra: JSON stored beside the state as an Orbax JSON item: a dict (taken at
+                this call; in `jit`, when traced) or a function of the step called on
+                the host at each save, never traced; read back by `restore_extra`
+                ([usage.md](usage.md#json-beside-the-state-extra)).
         """
         return _when.maybe_save(
-            self._parts, state, step, when, axis_name, gather, shardings, metrics, last_step
+            self._parts,
+            state,
+            step,
+            when,
+            axis_name,
+            gather,
+            shardings,
+            metrics,
+            last_step,
+            extra,
         )
 
     @entry("save")
@@ -199,12 +214,13 @@ class Checkpointer:
         gather: Gather = "stack",
         shardings: PyTree = None,
         metrics: PyTree = None,
+        extra: JsonExtra = None,
     ) -> None:
         """Save `state` as checkpoint `step` unconditionally (traced code or eagerly).
 
         Same hand-off, blocking behaviour and arguments as `maybe_save`.
         """
-        return _when.save(self._parts, state, step, axis_name, gather, shardings, metrics)
+        return _when.save(self._parts, state, step, axis_name, gather, shardings, metrics, extra)
 
     # -- waiting and closing --------------------------------------------------------
 
@@ -246,6 +262,7 @@ class Checkpointer:
         progress: bool = False,
         metrics: Callable[[PyTree], PyTree] | None = None,
         quiet: bool = False,
+        extra: JsonExtra = None,
     ) -> PyTree:
         """Run `num_steps` of `state = body(state, step)`, resuming from the latest checkpoint.
 
@@ -260,7 +277,8 @@ class Checkpointer:
         also restore's `like`; `batched`: `init` has a leading axis, `body` is written
         for one member; `check_every`: read the stop request every this many steps
         (default: `every`); `progress`: a tqdm bar; `metrics(state)`: recorded with each
-        save; `quiet`: no line on stderr saying where the run starts.
+        save; `quiet`: no line on stderr saying where the run starts; `extra`: JSON
+        stored with each save, as `maybe_save`'s.
         Example: `final = ckpt.run(update, init_state, num_steps=1000)`.
         """
         return _run.run(
@@ -275,6 +293,7 @@ class Checkpointer:
             progress=progress,
             metrics=metrics,
             quiet=quiet,
+            extra=extra,
         )
 
     def scan(
@@ -290,14 +309,15 @@ class Checkpointer:
         start: ArrayLike = 0,
         shardings: PyTree = None,
         metrics: Callable[[PyTree], PyTree] | None = None,
+        extra: JsonExtra = None,
     ) -> tuple[PyTree, PyTree]:
         """`jax.lax.scan(f, init, xs, length, reverse, unroll)`, bit for bit, saving the
         carry as checkpoint `start + k` after every `every`-th iteration `k` (default:
         the Checkpointer's `every`) with no conditional in the loop; `metrics(carry)` is
-        recorded with each save. What blocks: as `maybe_save`
+        recorded with each save, `extra=` as `maybe_save`'s. What blocks: as `maybe_save`
         ([usage.md](usage.md#choosing-when-to-save))."""
         return _scan.scan(
-            self,
+            _with_extra.with_extra(self, extra, "scan"),
             self._parts,
             f,
             init,
@@ -324,6 +344,7 @@ class Checkpointer:
         save_last: bool = False,
         shardings: PyTree = None,
         metrics: Callable[[PyTree], PyTree] | None = None,
+        extra: JsonExtra = None,
     ) -> PyTree:
         """`jax.lax.fori_loop(lower, upper, body_fun, init_val)`, bit for bit.
 
@@ -333,11 +354,13 @@ class Checkpointer:
         `lower` and `upper` may be traced (one program for a fresh run and a resume).
         `check_every`: with `every_seconds` or `stoppable`, ask the host every this many
         iterations; `stoppable`: save and end the loop when a stop was requested;
-        `save_last`: save checkpoint `upper` too. What blocks: as `maybe_save`.
+        `save_last`: save checkpoint `upper` too; `extra`: as `maybe_save`'s, with
+        `every=` or `check_every=`. What blocks: as `maybe_save`.
         Example: `ckpt.fori_loop(start, 10_000, lambda i, s: update(s), s, every=100)`.
         """
+        _with_extra.refuse_without_saves(extra, every, check_every)
         return _loops.checkpointed_fori_loop(
-            self,
+            _with_extra.with_extra(self, extra, "fori_loop"),
             self._options.when,
             lower,
             upper,
@@ -401,8 +424,14 @@ class Checkpointer:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON description saved with `step` (default: the latest), as
-        `jax_cb_ckpt.metadata` gives it."""
+        `jax_cb_ckpt.metadata` gives it (with `extra=`'s JSON under `extra`)."""
         return _steps.metadata(self.directory, step=step)
+
+    def restore_extra(self, step: int | None = None) -> dict[str, Any] | None:
+        """The JSON saved with `step` (default: the latest) by `extra=`, or None; checked
+        against its CRC-32. Waits for pending saves first, as `restore` does."""
+        self.wait()
+        return _steps.restore_extra(self.directory, step=step)
 
     def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
         """The step with the best value of the metric `best` (by `mode`) on disk, or

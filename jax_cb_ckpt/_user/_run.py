@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base._errors import ConfigError
-from .._base._types import PyTree, Saver
+from .._base._types import JsonExtra, PyTree, Saver
+from .._layout import _extra
 from . import _restart
 from ._options import When
 from ._preempt import Preempted, StopFlag
@@ -57,6 +58,7 @@ def run(
     progress: bool,
     metrics: Callable[[PyTree], PyTree] | None,
     quiet: bool,
+    extra: JsonExtra = None,
 ) -> PyTree:
     """`Checkpointer.run` (its docstring): `ckpt` saves, `parts` holds the Checkpointer's
     options, stop flag and cache of jitted loops (`_jitted_loop`). A failure of the
@@ -75,6 +77,7 @@ def run(
             progress=progress,
             metrics=metrics,
             quiet=quiet,
+            extra=extra,
         )
     )
 
@@ -92,17 +95,19 @@ def _run(
     progress: bool,
     metrics: Callable[[PyTree], PyTree] | None,
     quiet: bool,
+    extra: JsonExtra = None,
 ) -> PyTree:
     """The arguments checked, the run resumed (or started fresh), then the loop."""
     when = parts.options.when
     every, by_clock = when.every, when.every_seconds is not None
     check = _checked_arguments(when, num_steps, metrics, check_every, progress, quiet)
+    extra = _extra.of(extra, "run")  # checked before anything runs; hashable (the key)
     bar_type = _progress_bar_type() if progress else None
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
     resumed = _restart.resume(parts, lambda: init)
-    state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched)
+    state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, extra)
     if not quiet:
         _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
     if start == num_steps:
@@ -129,6 +134,7 @@ def _run(
         by_clock,
         shardings,
         metrics,
+        extra,
     )
     return _until_done(ckpt, parts.stop, loop, state, start, num_steps, sigint, bar_type)
 
@@ -233,13 +239,14 @@ def _start(
     num_steps: int,
     metrics: Callable[[PyTree], PyTree] | None,
     batched: bool,
+    extra: JsonExtra = None,
 ) -> tuple[PyTree, int]:
     """The state and step the loop starts from: `init` at 0 (saved first with
     `initial_save`), or what the restart found, checked against the loop's one step and
     `num_steps`."""
     if resumed is None:
         if when.initial_save:
-            _save_initial(ckpt, init, metrics, batched)
+            _save_initial(ckpt, init, metrics, batched, extra)
         return init, 0
     state, start = resumed
     if not isinstance(start, int):
@@ -369,13 +376,14 @@ def _jitted_loop(
     by_clock: bool,
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None = None,
+    extra: JsonExtra = None,
 ) -> Loop:
     """`jax.jit(make_loop(...))`, made once per Checkpointer and loop: `loops` is the
     Checkpointer's {what the loop is made of: the jitted loop}, so that a fresh run and
     a resumed one (after a stop request, say) call the same jitted function, and the
     resumed one runs the executable compiled for the fresh one without compiling again."""
     leaves, treedef = jax.tree_util.tree_flatten(shardings)
-    key = (body, batched, num_steps, every, check, tuple(leaves), treedef, metrics)
+    key = (body, batched, num_steps, every, check, tuple(leaves), treedef, metrics, extra)
     try:
         hash(key)
     except TypeError:  # a body that cannot be a dict key: a loop of its own every time
@@ -399,6 +407,7 @@ def _jitted_loop(
                 shardings,
                 read_due=reads[1] if len(reads) > 1 else None,
                 metrics=per_member,
+                extra=extra,
             )
         )
         if key is None:
@@ -418,17 +427,19 @@ def make_loop(
     *,
     read_due: Callable[[jax.Array], jax.Array] | None = None,
     metrics: Callable[[PyTree], PyTree] | None = None,
+    extra: JsonExtra = None,
 ) -> Loop:
     """The run's loop, `loop(state, start) -> (state, steps done, stopped)`, to jit.
     `read_due` (every_seconds): has the time for a save come, asked with the stop flag;
-    `metrics(state)`: recorded with each save, computed only at the steps that save."""
+    `metrics(state)`: recorded with each save, computed only at the steps that save;
+    `extra`: stored with each save (`_layout/_extra`)."""
     # Steps run in chunks of `chunk` steps (it divides both `every` and `check`), each a
     # scan with no conditional inside: the save and the stop read sit between chunks, so
     # a step costs no predicate (on a GPU, each is a copy the host waits for). Steps
     # before the first chunk boundary (a resume from a step saved with other settings)
     # and after the last full chunk run one at a time, deciding after each step.
     chunk = check if every is None else math.gcd(every, check)
-    after = _after(ckpt, num_steps, every, check, read_stop, shardings, read_due, metrics)
+    after = _after(ckpt, num_steps, every, check, read_stop, shardings, read_due, metrics, extra)
 
     def loop(state: PyTree, start: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
         def one_step(carry):
@@ -463,6 +474,7 @@ def _after(
     shardings: PyTree,
     read_due: Callable[[jax.Array], jax.Array] | None,
     metrics: Callable[[PyTree], PyTree] | None,
+    extra: JsonExtra = None,
 ) -> Callable[[jax.Array, PyTree], jax.Array]:
     """`after(i, state)`, what follows step `i` in `make_loop`'s loop: read the stop
     flag (and with every_seconds, the clock) every `check` steps, save at every `every`
@@ -480,14 +492,18 @@ def _after(
         if read_due is not None:
             save = save | jax.lax.cond(i % check == 0, read_due, no, i)
         recorded = metrics_at_save(metrics, state, save)  # only where a save is made
-        ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded)
+        ckpt.maybe_save(state, i, when=save, shardings=shardings, metrics=recorded, extra=extra)
         return stop
 
     return after
 
 
 def _save_initial(
-    ckpt: Saver, init: PyTree, metrics: Callable[[PyTree], PyTree] | None, batched: bool
+    ckpt: Saver,
+    init: PyTree,
+    metrics: Callable[[PyTree], PyTree] | None,
+    batched: bool,
+    extra: JsonExtra = None,
 ) -> None:
     """`initial_save`: a fresh run saves its starting state as step 0 first."""
     if metrics is None:
@@ -496,9 +512,9 @@ def _save_initial(
         recorded = (jax.vmap(metrics) if batched else metrics)(init)
     if jax.process_count() > 1:  # a state across processes is saved inside jit
         shardings = _process_shardings(init)
-        jax.jit(lambda s: ckpt.save(s, 0, shardings=shardings))(init)
+        jax.jit(lambda s: ckpt.save(s, 0, shardings=shardings, extra=extra))(init)
     else:
-        ckpt.save(init, 0, metrics=recorded)
+        ckpt.save(init, 0, metrics=recorded, extra=extra)
     ckpt.wait()  # on disk before the loop (or an early return: num_steps=0)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .._base._errors import ConfigError, calling, where
-from .._base._types import Gather, PyTree
+from .._base._types import Gather, JsonExtra, PyTree
 from .._save import _route, _traced, _values
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ def maybe_save(
     shardings: PyTree,
     metrics: PyTree,
     last_step: ArrayLike | None,
+    extra: JsonExtra = None,
 ) -> None:
     """`Checkpointer.maybe_save` (its docstring)."""
     parts.check_usable()
@@ -51,7 +52,9 @@ def maybe_save(
     # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
     wanted, condition, step, step_value = _traced.only_live(wanted, condition, step, step_value)
     parts.cross(
-        _route.Request(state, step, step_value, condition, axis_name, gather, shardings, metrics),
+        _route.Request(
+            state, step, step_value, condition, axis_name, gather, shardings, metrics, extra
+        ),
         wanted=wanted,
     )
 
@@ -64,6 +67,7 @@ def save(
     gather: Gather,
     shardings: PyTree,
     metrics: PyTree,
+    extra: JsonExtra = None,
 ) -> None:
     """`Checkpointer.save` (its docstring)."""
     parts.check_usable()
@@ -73,7 +77,9 @@ def save(
     # In a ckpt.while_loop's body: only the members still in the loop (_loops.py).
     _, condition, step, step_value = _traced.only_live(True, None, step, step_value)
     parts.cross(
-        _route.Request(state, step, step_value, condition, axis_name, gather, shardings, metrics)
+        _route.Request(
+            state, step, step_value, condition, axis_name, gather, shardings, metrics, extra
+        )
     )
 
 

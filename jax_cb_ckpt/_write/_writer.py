@@ -267,7 +267,7 @@ class Writer:
             def during_commit(sums: _format.Sums) -> None:
                 self._write_descriptions(temp, step)
                 if alone:
-                    self._storage.write_meta(temp, dict(step.meta, checksums=sums))
+                    self._storage.write_meta(temp, dict(step.meta, checksums=sums), item.extra)
 
             sums, checksum_s = self._write_part(
                 item, step, round_, temp, sync, during_commit if described_during_commit else None
@@ -278,7 +278,7 @@ class Writer:
             if not described_during_commit:
                 self._write_descriptions(temp, step)
             if not (described_during_commit and alone):
-                self._storage.write_meta(temp, dict(step.meta, checksums=sums))
+                self._storage.write_meta(temp, dict(step.meta, checksums=sums), item.extra)
             self._commit(temp, final, item.nbytes, sync)
             round_.committed(self._storage)
             self._retain(item, step)  # before the decision: every process lists the same
