@@ -27,7 +27,7 @@ from .._base._types import (
 from .._handoff._stats import Stats
 from .._layout._rule import Rule
 from .._read import _steps
-from . import _loops, _options, _restart, _run, _scan, _when, _wiring, _with_extra
+from . import _loops, _options, _restart, _run, _scan, _when, _wiring
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
@@ -81,17 +81,12 @@ class Checkpointer:
             ([usage.md](usage.md#choosing-when-to-save)).
         check_every: how often (in steps) a bare `maybe_save` asks the clock (100).
         initial_save: `run()`, `restore_or_init` and `ckpt.scan` save a fresh start.
-        keep_every: retention ([usage.md](usage.md#what-is-kept)): keep every step that
-            is a multiple of this, forever; with rules, a step any rule keeps is kept,
-            and the newest always is.
-        keep_every_seconds: retention: keep one step per this many seconds.
-        keep_best: retention: keep this many best steps by the metric `best`.
-        best: the metric `keep_best` ranks by (a name given in `metrics=`).
-        mode: `"max"` (default) or `"min"`.
-        keep: the retention rules as objects, instead of the keywords above (not with
-            them): `keep=[ckpt.LatestN(3), ckpt.BestN("loss", 2, "min")]` is
-            `max_to_keep=3, keep_best=2, best="loss", mode="min"`; also
-            `ckpt.EveryNSteps(k)`, `ckpt.EveryNSeconds(t)`.
+        keep_every, keep_every_seconds, keep_best, best, mode: retention rules
+            ([usage.md](usage.md#what-is-kept)): every multiple of `keep_every`, one step
+            per `keep_every_seconds`, the `keep_best` best by the metric `best` (`mode`
+            "max" or "min"); a step any rule keeps is kept, and the newest always is.
+        keep: the rules as objects instead of keywords: `keep=[ckpt.LatestN(3),
+            ckpt.BestN("loss", 2, "min")]`; also `ckpt.EveryNSteps`, `ckpt.EveryNSeconds`.
         on_damaged: a restart whose newest step is damaged: `"fall_back"` to the newest
             step that passes its checks, the newer ones set aside, or `"raise"`
             (`DamagedStepError`) ([resume.md](resume.md#the-restarts-rules)).
@@ -192,16 +187,7 @@ class Checkpointer:
                 ([usage.md](usage.md#json-beside-the-state-extra)).
         """
         return _when.maybe_save(
-            self._parts,
-            state,
-            step,
-            when,
-            axis_name,
-            gather,
-            shardings,
-            metrics,
-            last_step,
-            extra,
+            self._parts, state, step, when, axis_name, gather, shardings, metrics, last_step, extra
         )
 
     @entry("save")
@@ -281,20 +267,7 @@ class Checkpointer:
         stored with each save, as `maybe_save`'s.
         Example: `final = ckpt.run(update, init_state, num_steps=1000)`.
         """
-        return _run.run(
-            self,
-            self._parts,
-            body,
-            init,
-            num_steps,
-            batched=batched,
-            sigint=sigint,
-            check_every=check_every,
-            progress=progress,
-            metrics=metrics,
-            quiet=quiet,
-            extra=extra,
-        )
+        return _run.run(self, self._parts, **_given(locals()))
 
     def scan(
         self,
@@ -316,20 +289,7 @@ class Checkpointer:
         the Checkpointer's `every`) with no conditional in the loop; `metrics(carry)` is
         recorded with each save, `extra=` as `maybe_save`'s. What blocks: as `maybe_save`
         ([usage.md](usage.md#choosing-when-to-save))."""
-        return _scan.scan(
-            _with_extra.with_extra(self, extra, "scan"),
-            self._parts,
-            f,
-            init,
-            xs,
-            length,
-            reverse,
-            unroll,
-            every=every,
-            start=start,
-            shardings=shardings,
-            metrics=metrics,
-        )
+        return _scan.scan(self, self._parts, **_given(locals()))
 
     def fori_loop(
         self,
@@ -358,21 +318,7 @@ class Checkpointer:
         `every=` or `check_every=`. What blocks: as `maybe_save`.
         Example: `ckpt.fori_loop(start, 10_000, lambda i, s: update(s), s, every=100)`.
         """
-        _with_extra.refuse_without_saves(extra, every, check_every)
-        return _loops.checkpointed_fori_loop(
-            _with_extra.with_extra(self, extra, "fori_loop"),
-            self._options.when,
-            lower,
-            upper,
-            body_fun,
-            init_val,
-            every=every,
-            check_every=check_every,
-            stoppable=stoppable,
-            save_last=save_last,
-            shardings=shardings,
-            metrics=metrics,
-        )
+        return _loops.checkpointed_fori_loop(self, self._options.when, **_given(locals()))
 
     def while_loop(
         self,
@@ -430,8 +376,7 @@ class Checkpointer:
     def restore_extra(self, step: int | None = None) -> dict[str, Any] | None:
         """The JSON saved with `step` (default: the latest) by `extra=`, or None; checked
         against its CRC-32. Waits for pending saves first, as `restore` does."""
-        self.wait()
-        return _steps.restore_extra(self.directory, step=step)
+        return _restart.restore_extra(self._parts, step)
 
     def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
         """The step with the best value of the metric `best` (by `mode`) on disk, or
@@ -468,14 +413,7 @@ class Checkpointer:
         Without `step=`, a restart (`on_damaged`). `partial_restore=True`: `like` holds
         only some of the saved leaves (a TrainState's `{"params": ...}`); only they are
         read and checked. See `jax_cb_ckpt.restore`."""
-        return _restart.restore(
-            self._parts,
-            like,
-            step=step,
-            verify=verify,
-            member=member,
-            partial_restore=partial_restore,
-        )
+        return _restart.restore(self._parts, like, step, verify, member, partial_restore)
 
     @entry("restore_or_init")
     def restore_or_init(
@@ -493,3 +431,9 @@ class Checkpointer:
         Example: `state, start = ckpt.restore_or_init(jax.jit(init), key)`.
         """
         return _restart.restore_or_init(self, self._parts, init_fn, args, like)
+
+
+def _given(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A method's arguments by name (its `locals()` on entry), less `self`: the loops'
+    façades pass them on whole, so their signatures are the only list."""
+    return {name: value for name, value in arguments.items() if name != "self"}

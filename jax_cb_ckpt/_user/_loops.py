@@ -42,8 +42,9 @@ import jax.numpy as jnp
 from jax.core import Tracer
 
 from .._base._errors import ConfigError
-from .._base._types import PyTree, Saver
+from .._base._types import JsonExtra, PyTree, Saver
 from .._save import _traced
+from . import _with_extra
 from ._options import When
 from ._scan import check_metrics, metrics_at_save
 
@@ -111,8 +112,12 @@ def checkpointed_fori_loop(
     save_last: bool,
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None,
+    extra: JsonExtra = None,
 ) -> PyTree:
-    """`Checkpointer.fori_loop` (its docstring); `when`: the Checkpointer's options."""
+    """`Checkpointer.fori_loop` (its docstring); `when`: the Checkpointer's options;
+    `ckpt`'s saves given `extra`."""
+    _with_extra.refuse_without_saves(extra, every, check_every)
+    ckpt = _with_extra.with_extra(ckpt, extra, "fori_loop")
     if every is None and check_every is None:  # the loop saves nothing itself
         _check_nothing_to_save_by(stoppable, save_last, shardings, metrics)
         return fori_loop(lower, upper, body_fun, init_val)

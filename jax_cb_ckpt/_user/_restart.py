@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -30,11 +30,10 @@ Resumed = tuple[PyTree, int | np.ndarray]
 def restore(
     parts: Parts,
     like: PyTree,
-    *,
     step: int | None,
     verify: bool,
     member: int | tuple[int, ...] | None,
-    partial_restore: bool = False,
+    partial_restore: bool,
 ) -> PyTree:
     """`Checkpointer.restore` (its docstring)."""
     parts.wait()
@@ -56,6 +55,12 @@ def restore(
     )
     parts.continue_from(step)
     return restored
+
+
+def restore_extra(parts: Parts, step: int | None) -> dict[str, Any] | None:
+    """`Checkpointer.restore_extra` (its docstring): waits for pending saves first."""
+    parts.wait()
+    return _steps.restore_extra(parts.directory, step=step)
 
 
 def restore_or_init(

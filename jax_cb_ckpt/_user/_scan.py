@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from .._base._errors import ConfigError
-from .._base._types import PyTree, Saver
+from .._base._types import JsonExtra, PyTree, Saver
+from . import _with_extra
 from ._options import When
 
 if TYPE_CHECKING:
@@ -50,10 +51,12 @@ def scan(
     start: ArrayLike,
     shardings: PyTree,
     metrics: Callable[[PyTree], PyTree] | None,
+    extra: JsonExtra = None,
 ) -> tuple[PyTree, PyTree]:
-    """`Checkpointer.scan` (its docstring): `ckpt` saves, `every` defaults to the
-    Checkpointer's; run eagerly, a failure that a callback of ours caused is raised as
-    ours (`Parts.running`)."""
+    """`Checkpointer.scan` (its docstring): `ckpt` saves (each save given `extra`),
+    `every` defaults to the Checkpointer's; run eagerly, a failure that a callback of
+    ours caused is raised as ours (`Parts.running`)."""
+    ckpt = _with_extra.with_extra(ckpt, extra, "scan")
     when = parts.options.when
     every = when.every if every is None else every
     if every is None and parts.clock is None:
