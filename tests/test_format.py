@@ -179,6 +179,15 @@ def test_an_edited_step_meta_is_refused_naming_the_field(changes, words):
     assert words in str(caught.value)
 
 
+def test_a_batch_shape_no_description_can_hold_is_refused_before_its_mask_is_made():
+    """Hostile input: a `meta` item without `members` whose `batch_shape` names 10**12
+    members made a mask of that many booleans (np.ones) before anything refused it."""
+    meta = _meta(batch_shape=[10**6, 10**6])
+    meta.pop("members", None)
+    with pytest.raises(ValueError, match="more members than a step's description can name"):
+        fmt.StepMeta.parse(meta)
+
+
 def _bare_step(step, n):
     """A step folder as an older version wrote it (no record in the step file): its
     items, Orbax's files, and a meta item with our tag and its step."""

@@ -166,3 +166,25 @@ def test_the_stages_import_only_what_is_below_them():
         f"a stage folder is not in _MAY_IMPORT: {folders ^ set(_MAY_IMPORT)}"
     )
     assert wrong == [], "imports against the stages' order:\n" + "\n".join(wrong)
+
+
+def test_no_function_of_the_package_is_over_60_lines():
+    """Structure round 4: a function a reader takes in at once (from `def` to the last
+    line of its body, docstring included), so each does one thing and says it."""
+    import ast
+
+    package = os.path.join(os.path.dirname(__file__), "..", "jax_cb_ckpt")
+    long = []
+    for folder, _, names in os.walk(package):
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    assert node.end_lineno is not None
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 60:
+                        where = os.path.relpath(path, os.path.dirname(package))
+                        long.append(f"{where}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)

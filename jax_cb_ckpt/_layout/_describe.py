@@ -132,6 +132,12 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool)
         np_dtype = _check_dtype(leaf.dtype, path, leaf)
         weak = bool(getattr(leaf, "weak_type", False))
         return LeafSpec(path, name, ARRAY, _numeric(np_dtype) or np_dtype.name, shape, weak=weak)
+    raise _not_a_leaf(path, leaf)
+
+
+def _not_a_leaf(path: str, leaf: Any) -> InvalidStateError:
+    """What `leaf_spec` says of a leaf that is neither an array nor a number: what it
+    is, and how to fix the state (or `like`) for its kind."""
     kind = type(leaf).__name__
     shown = repr(leaf)
     if len(shown) > 60:
@@ -174,7 +180,7 @@ def leaf_spec(path: str, name: tuple[str, ...], leaf: Any, *, abstract_ok: bool)
             "state (a Flax TrainState keeps them in static fields), or convert numbers "
             "to arrays with jnp.asarray."
         )
-    raise InvalidStateError(f"{where()}: leaf {path} is a {kind} ({shown}), which {what}. {fix}")
+    return InvalidStateError(f"{where()}: leaf {path} is a {kind} ({shown}), which {what}. {fix}")
 
 
 def _abstract_impl(leaf: Any) -> str | None:

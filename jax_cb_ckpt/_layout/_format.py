@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import threading
@@ -157,6 +158,8 @@ UNFINISHED = Examined("foreign", "a step of ours being written, or left by a kil
 # beyond them. A meta item is ~150 B per leaf and ~30 B per checksummed chunk: 64 MiB
 # is ~400,000 leaves. The writer refuses to write more (`meta_files`).
 META_MAX_BYTES = 64 << 20
+# A batch's members are one JSON boolean each (4 bytes or more) in the description.
+_MAX_MEMBERS = META_MAX_BYTES // 4
 SMALL_FILE_MAX_BYTES = 1 << 20  # Orbax's step file, `state/_METADATA` is per leaf: see below
 
 
@@ -392,6 +395,32 @@ def run_temp_name(step: int, run: str, attempt: int) -> str:
     return f"{step}.jax_cb_ckpt-tmp-{run[:24]}{attempt:08x}"
 
 
+# The `meta` item's schema (`meta_record`):
+# - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
+#   `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
+# - `step`, `saved_at` (UTC, ISO 8601, ms; `saved_at`: when it was handed over, in
+#   seconds since the epoch, else now); `saved_ns`: the order the saves were made in,
+#   as nanoseconds since the epoch when the writer described it, strictly increasing
+#   within a process (`save_order_ns`): steps saved in one millisecond are told
+#   apart by it (`ls --best`'s ties, retention's order of a directory's steps);
+# - `leaves`: one `LeafSpec.to_json()` per leaf, in the state's order;
+# - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
+#   "spec": [[mesh axes] per dimension]}};
+# - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
+#   members asked for the save; `member_steps` (only where a batched step differs
+#   between members): each member's own step, in the batch's shape. A member that
+#   did not ask holds what its state was at its own step, which under vmap of a
+#   `while_loop` may be a state it never had (a finished member's body still runs);
+#   a restart resumes each member from the newest step it asked at; `left` (only
+#   where some member had left its `ckpt.while_loop`): which members had, in the
+#   batch's shape: what the step holds for them is their body's leftover, never a
+#   state they had (they did not ask for the step);
+# - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
+#   numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
+# - `retention` (only with retention rules): the rules in force when it was saved
+#   (`_policy.AnyOf.to_json`): a later run with other rules says what they change;
+# - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_arrays.py`).
+# (`extra=`'s JSON is an item of its own, `_extra`; `metadata()` adds it as `extra`.)
 def meta_record(
     step: int,
     leaves: list[dict[str, Any]],
@@ -408,33 +437,7 @@ def meta_record(
 ) -> dict[str, Any]:
     """The `meta` item of a step (written by the host side, completed with `checksums`
     by the writer; read back as a `StepMeta` by restore, `verify` and the CLI, and
-    returned as it is by `metadata()`), the schema in one place:
-
-    - `format` (FORMAT), `library_version`, `jax_version`, `jaxlib_version`,
-      `orbax_version`, `tensorstore_version`: what wrote it (`versions`);
-    - `step`, `saved_at` (UTC, ISO 8601, ms; `saved_at`: when it was handed over, in
-      seconds since the epoch, else now); `saved_ns`: the order the saves were made in,
-      as nanoseconds since the epoch when the writer described it, strictly increasing
-      within a process (`save_order_ns`): steps saved in one millisecond are told
-      apart by it (`ls --best`'s ties, retention's order of a directory's steps);
-    - `leaves`: one `LeafSpec.to_json()` per leaf, in the state's order;
-    - `shardings` (only leaves saved per device): {leaf path: {"mesh": {axis: size},
-      "spec": [[mesh axes] per dimension]}};
-    - `batch_shape`, `members` (only saves under vmap): the batch axes, and which
-      members asked for the save; `member_steps` (only where a batched step differs
-      between members): each member's own step, in the batch's shape. A member that
-      did not ask holds what its state was at its own step, which under vmap of a
-      `while_loop` may be a state it never had (a finished member's body still runs);
-      a restart resumes each member from the newest step it asked at; `left` (only
-      where some member had left its `ckpt.while_loop`): which members had, in the
-      batch's shape: what the step holds for them is their body's leftover, never a
-      state they had (they did not ask for the step);
-    - `metrics` (only saves given `metrics=`): {name: number, or nested lists of
-      numbers in the batch's shape under vmap}; NaN and inf as Python's json writes them;
-    - `retention` (only with retention rules): the rules in force when it was saved
-      (`_policy.AnyOf.to_json`): a later run with other rules says what they change;
-    - `checksums`: {leaf name: {region: CRC-32}} (`_store.py`, `_arrays.py`).
-    """
+    returned as it is by `metadata()`); its schema, in one place: the comment above."""
     meta: dict[str, Any] = dict(
         versions,
         format=FORMAT,
@@ -507,30 +510,7 @@ class StepMeta:
         leaves = meta.get("leaves")
         if not isinstance(leaves, list):
             raise TypeError(f"'leaves' is a {type(leaves).__name__}, not a list")
-        batch = meta.get("batch_shape", [])
-        if not isinstance(batch, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in batch
-        ):
-            raise ValueError(f"'batch_shape' {batch!r} is not a list of non-negative ints")
-        members = np.asarray(meta.get("members", np.ones(batch, bool)), dtype=bool)
-        if members.shape != tuple(batch):
-            raise ValueError(f"'members' has shape {members.shape}, not the batch's {tuple(batch)}")
-        member_steps = meta.get("member_steps")
-        if member_steps is not None:
-            member_steps = np.asarray(member_steps)
-            ok = member_steps.shape == tuple(batch) and member_steps.dtype.kind in "iu"
-            if not ok or (member_steps.size and member_steps.min() < 0):
-                raise ValueError(
-                    f"'member_steps' is not the batch's {tuple(batch)} non-negative step numbers"
-                )
-            member_steps = member_steps.astype(np.int64)
-        left = meta.get("left")
-        if left is not None:
-            left = np.asarray(left)
-            if left.shape != tuple(batch) or left.dtype != np.bool_ or (left & members).any():
-                raise ValueError(
-                    f"'left' is not the batch's {tuple(batch)} booleans of members that did not ask"
-                )
+        batch, members, member_steps, left = _batch_fields(meta)
         for field in ("checksums", "shardings"):
             if meta.get(field) is not None and not isinstance(meta[field], dict):
                 raise TypeError(f"{field!r} is a {type(meta[field]).__name__}, not an object")
@@ -624,6 +604,43 @@ def saved_seconds(saved_at: object) -> float | None:
 MAX_METRICS = 64
 MAX_METRIC_NAME = 200
 _MAX_METRIC_VALUES = 1 << 20  # one per member: a batch of a million members at most
+
+
+def _batch_fields(
+    meta: dict[str, Any],
+) -> tuple[list[int], np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """A `meta` item's batch fields, checked (`StepMeta.parse`): the batch shape, which
+    members asked, each member's step (or None) and which had left (or None)."""
+    batch = meta.get("batch_shape", [])
+    if not isinstance(batch, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in batch
+    ):
+        raise ValueError(f"'batch_shape' {batch!r} is not a list of non-negative ints")
+    if len(batch) > 32 or math.prod(batch) > _MAX_MEMBERS:  # (before any is allocated)
+        raise ValueError(
+            f"'batch_shape' {batch!r} has more members than a step's description can "
+            f"name ({_MAX_MEMBERS})"
+        )
+    members = np.asarray(meta.get("members", np.ones(batch, bool)), dtype=bool)
+    if members.shape != tuple(batch):
+        raise ValueError(f"'members' has shape {members.shape}, not the batch's {tuple(batch)}")
+    member_steps = meta.get("member_steps")
+    if member_steps is not None:
+        member_steps = np.asarray(member_steps)
+        ok = member_steps.shape == tuple(batch) and member_steps.dtype.kind in "iu"
+        if not ok or (member_steps.size and member_steps.min() < 0):
+            raise ValueError(
+                f"'member_steps' is not the batch's {tuple(batch)} non-negative step numbers"
+            )
+        member_steps = member_steps.astype(np.int64)
+    left = meta.get("left")
+    if left is not None:
+        left = np.asarray(left)
+        if left.shape != tuple(batch) or left.dtype != np.bool_ or (left & members).any():
+            raise ValueError(
+                f"'left' is not the batch's {tuple(batch)} booleans of members that did not ask"
+            )
+    return batch, members, member_steps, left
 
 
 def parse_metrics(record: object) -> dict[str, np.ndarray]:

@@ -216,51 +216,51 @@ class StoreWriter:
         large, small = [], []
         for path, leaf in flat.items():
             name = param_name(path)
-            pieces, shape, dtype, chunks = _pieces(leaf)
-            nbytes = dtype.itemsize * math.prod(shape)
-            is_small = nbytes <= SMALL_BYTES
-            compress = self.compression and not is_small
-            if zarrays:
-                meta = _zarray_json(tuple(shape), dtype, tuple(chunks), compress)
-                staged.append(kvt.write(f"{name}/.zarray", meta))
-            if is_small:  # raw chunk bytes: no zarr driver to open
-                for region, block in pieces:
-                    data = _padded(block, chunks).tobytes()
-                    staged.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
-                small.append((name, pieces))
-                continue
-            store = ts.open(
-                {"driver": "zarr", "metadata": zarray(shape, dtype, chunks, compress)},
-                kvstore=kv / f"{name}/",
-                context=self._context,
-                transaction=txn,
-                open=True,
-                assume_metadata=True,
-            ).result()
-            for region, block in pieces:
-                target = store[tuple(slice(a, b) for a, b in region)] if region else store
-                pending.append(target.write(block, can_reference_source_data_indefinitely=True))
-            large.append((name, pieces))
+            is_small, pieces = self._stage(kv, kvt, txn, name, leaf, zarrays, staged, pending)
+            (small if is_small else large).append((name, pieces))
         checksum_s = _checksums(large, sums)  # while TensorStore copies and compresses
         for future in pending:
             future.copy.result()
-        committed = txn.commit_async()
+        return _finisher(txn.commit_async(), staged, small, sums, checksum_s)
 
-        def finish(
-            during_commit: Callable[[dict[str, dict[str, int]]], None] | None = None,
-        ) -> tuple[dict[str, dict[str, int]], float]:
-            try:  # while the transaction commits:
-                seconds = checksum_s + _checksums(small, sums)
-                if during_commit is not None:
-                    during_commit(sums)
-            finally:
-                committed.result()  # ended, whatever happened
-            for future in staged:  # staged in the transaction (done by now): any failure?
-                if future.exception() is not None:
-                    raise future.exception()  # type: ignore[misc]
-            return sums, seconds
-
-        return finish
+    def _stage(
+        self,
+        kv: ts.KvStore,
+        kvt: ts.KvStore,
+        txn: ts.Transaction,
+        name: str,
+        leaf: np.ndarray | ShardedArray,
+        zarrays: bool,
+        staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]],
+        pending: list[ts.WriteFutures],
+    ) -> tuple[bool, list[tuple[Region, np.ndarray]]]:
+        """One leaf's writes started in the transaction (`staged`: key-value writes of
+        small leaves' raw chunks and `.zarray`s; `pending`: writes through the zarr
+        driver): (whether it is small, its pieces)."""
+        pieces, shape, dtype, chunks = _pieces(leaf)
+        nbytes = dtype.itemsize * math.prod(shape)
+        is_small = nbytes <= SMALL_BYTES
+        compress = self.compression and not is_small
+        if zarrays:
+            meta = _zarray_json(tuple(shape), dtype, tuple(chunks), compress)
+            staged.append(kvt.write(f"{name}/.zarray", meta))
+        if is_small:  # raw chunk bytes: no zarr driver to open
+            for region, block in pieces:
+                data = _padded(block, chunks).tobytes()
+                staged.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
+            return True, pieces
+        store = ts.open(
+            {"driver": "zarr", "metadata": zarray(shape, dtype, chunks, compress)},
+            kvstore=kv / f"{name}/",
+            context=self._context,
+            transaction=txn,
+            open=True,
+            assume_metadata=True,
+        ).result()
+        for region, block in pieces:
+            target = store[tuple(slice(a, b) for a, b in region)] if region else store
+            pending.append(target.write(block, can_reference_source_data_indefinitely=True))
+        return False, pieces
 
     def merge(self, state_dir: str, count: int) -> None:
         """The primary, once every process wrote: copy processes 1..count-1's database
@@ -328,3 +328,29 @@ def state_metadata(paths: tuple[tuple[str, ...], ...]) -> str:
             "custom_metadata": None,
         }
     )
+
+
+def _finisher(
+    committed: ts.Future[None],
+    staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]],
+    small: list[tuple[str, Any]],
+    sums: dict[str, dict[str, int]],
+    checksum_s: float,
+) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
+    """`StoreWriter.write`'s `finish(during_commit)`, for a transaction `committed`."""
+
+    def finish(
+        during_commit: Callable[[dict[str, dict[str, int]]], None] | None = None,
+    ) -> tuple[dict[str, dict[str, int]], float]:
+        try:  # while the transaction commits:
+            seconds = checksum_s + _checksums(small, sums)
+            if during_commit is not None:
+                during_commit(sums)
+        finally:
+            committed.result()  # ended, whatever happened
+        for future in staged:  # staged in the transaction (done by now): any failure?
+            if future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        return sums, seconds
+
+    return finish
