@@ -13,14 +13,11 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
 from .._base import _dtypes
-
-if TYPE_CHECKING:
-    from ._extra import Extra
 
 # The key data of JAX's built-in PRNG implementations (jax.random.key_data's trailing
 # shape), known without importing JAX; a user-registered implementation asks JAX.
@@ -153,6 +150,13 @@ def key_data_shape(impl: str | None) -> tuple[int, ...]:
     return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
 
 
+class ExtraItem(Protocol):
+    """A save's `extra=` as the host side sees it (`_extra.Extra`): the item's bytes for
+    the save of `step`."""
+
+    def bytes_at(self, step: int) -> bytes: ...
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Signature:
     """What the callback needs to know about a traced state, fixed at trace time.
@@ -174,7 +178,7 @@ class Signature:
     metrics: tuple[str, ...] = ()
     # The save's `extra=` (`_extra.Extra`): JSON the writer stores beside the state; the
     # host side turns it into bytes when the save fires (`SaveItem.extra`). Never traced.
-    extra: Extra | None = None
+    extra: ExtraItem | None = None
 
     @property
     def state_leaves(self) -> int:

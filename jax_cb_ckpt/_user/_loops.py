@@ -45,8 +45,8 @@ from .._base._errors import ConfigError
 from .._base._types import JsonExtra, PyTree, Saver
 from .._save import _traced
 from . import _with_extra
+from ._metrics import check_metrics, metrics_at_save
 from ._options import When
-from ._scan import check_metrics, metrics_at_save
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike

@@ -27,9 +27,9 @@ from .._base._errors import ConfigError
 from .._base._types import JsonExtra, PyTree, Saver
 from .._layout import _extra
 from . import _restart
+from ._metrics import check_metrics, metrics_at_save
 from ._options import When
 from ._preempt import Preempted, StopFlag
-from ._scan import check_metrics, metrics_at_save
 
 if TYPE_CHECKING:
     from tqdm.auto import tqdm

@@ -37,7 +37,7 @@ from .._save._host import HostSide, probe_callback_arrays
 from .._storage import _faults, _places
 from .._write import _processes
 from .._write._writer import Writer
-from . import _scan
+from . import _metrics
 from ._clock import SaveClock
 from ._options import Options
 from ._preempt import StopFlag
@@ -370,7 +370,9 @@ class Parts:
         if callable(request.metrics):
             metrics = None
             if wanted:
-                metrics = _scan.metrics_at_save(request.metrics, request.state, request.condition)
+                metrics = _metrics.metrics_at_save(
+                    request.metrics, request.state, request.condition
+                )
             request = dataclasses.replace(request, metrics=metrics)
         processes = 1 if self.group is None else self.group.count
         route = _route.plan(
