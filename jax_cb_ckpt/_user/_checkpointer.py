@@ -81,10 +81,12 @@ class Checkpointer:
             ([usage.md](usage.md#choosing-when-to-save)).
         check_every: how often (in steps) a bare `maybe_save` asks the clock (100).
         initial_save: `run()`, `restore_or_init` and `ckpt.scan` save a fresh start.
-        keep_every, keep_every_seconds, keep_best, best, mode: retention rules
-            ([usage.md](usage.md#what-is-kept)): every multiple of `keep_every`, one step
-            per `keep_every_seconds`, the `keep_best` best by the metric `best` (`mode`
-            "max" or "min"); a step any rule keeps is kept, and the newest always is.
+        keep_every: retention ([usage.md](usage.md#what-is-kept)): every multiple of this
+            (a step any rule keeps is kept, and the newest always is).
+        keep_every_seconds: retention: one step per this many seconds.
+        keep_best: retention: this many best steps by the metric `best`.
+        best: the metric `keep_best` ranks by (a name given in `metrics=`).
+        mode: whether a higher (`"max"`) or lower (`"min"`) `best` is better.
         keep: the rules as objects instead of keywords: `keep=[ckpt.LatestN(3),
             ckpt.BestN("loss", 2, "min")]`; also `ckpt.EveryNSteps`, `ckpt.EveryNSeconds`.
         on_damaged: a restart whose newest step is damaged: `"fall_back"` to the newest
