@@ -227,6 +227,22 @@ def test_buckets_as_the_persistent_tier(tmp_path, remote):
     assert_values(restored, state(6))
 
 
+def test_another_runs_persistent_steps_count_for_on_existing(tmp_path):
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    save_steps(str(tmp_path / "other"), persistent, range(1, 7))  # another run's: 3, 6
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        with pytest.raises(ckpt.StepExistsError):
+            c.save(state(3), 3)
+    assert ckpt.all_steps(persistent) == [3, 6]  # untouched
+    shutil.rmtree(local)
+    with ckpt.Checkpointer(
+        local, persistent=persistent, persistent_every=3, on_existing="replace"
+    ) as c:
+        c.save(state(3), 3)
+    assert ckpt.all_steps(persistent) == [3]  # the other run's 3 and 6 replaced
+    assert_values(ckpt.restore(persistent, like(), step=3), state(3))
+
+
 # -- crashes ----------------------------------------------------------------------------
 
 
