@@ -99,9 +99,13 @@ def test_a_url_as_the_local_tier_is_refused(tmp_path):
 
 def test_every_nth_step_is_copied_with_the_same_bytes_and_own_retention(tmp_path):
     local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
-    save_steps(local, persistent, range(1, 10), max_to_keep=2, persistent_keep=[ckpt.LatestN(2)])
+    rules = [ckpt.LatestN(1), ckpt.EveryNSteps(6)]
+    save_steps(local, persistent, range(1, 10), max_to_keep=2, persistent_keep=rules)
     assert ckpt.all_steps(local) == [8, 9]
-    assert ckpt.all_steps(persistent) == [6, 9]  # its own retention: the newest 2 copies
+    assert ckpt.all_steps(persistent) == [6, 9]  # its own retention: 3 went, 6 kept
+    # Each step records the rules of the tier that keeps it (a later run reads them).
+    assert ckpt.metadata(local, step=9)["retention"] == {"max_to_keep": 2}
+    assert ckpt.metadata(persistent, step=9)["retention"] == {"max_to_keep": 1, "keep_every": 6}
     assert files(os.path.join(local, "9")) == files(os.path.join(persistent, "9"))
     assert (
         ckpt.metadata(persistent, step=9)["checksums"] == ckpt.metadata(local, step=9)["checksums"]
@@ -252,31 +256,40 @@ def uninterrupted(tmp_path_factory):
         return crash_worker.train(tmp_path_factory.mktemp("reference") / "ckpt")
 
 
+def kill_and_resume(local, persistent, uninterrupted, rng, lose_local, env=None):
+    """A run with both tiers SIGKILLed at a random point; the restart (the local
+    directory kept, or lost) ends bit for bit as the uninterrupted run."""
+    worker = os.path.join(HERE, "crash_worker.py")
+    child = start_process(
+        [sys.executable, worker, str(local), f"--persistent={persistent}"], env=env
+    )
+    wait_for_step(local, crash_worker.PERSISTENT_EVERY, child)
+    time.sleep(rng.uniform(0.0, 1.5))
+    kill_group(child)
+    assert child.returncode == -signal.SIGKILL
+    newest = ckpt.latest_step(local)
+    if lose_local:
+        shutil.rmtree(local)
+        kept = ckpt.latest_step(persistent)
+        # At most persistent_every steps lost (the writer copies a step before it
+        # writes the next one).
+        assert kept is not None and newest - kept <= crash_worker.PERSISTENT_EVERY
+    with jax.default_device(jax.devices("cpu")[0]):
+        resumed = crash_worker.train(local, persistent=persistent)
+    assert_same_state(resumed, uninterrupted)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lose_local", [False, True])
 def test_sigkill_then_resume_is_exact(tmp_path, uninterrupted, lose_local):
-    """SIGKILL at random points of a run with both tiers; the restart (the local
-    directory kept, or lost) ends bit for bit as the uninterrupted run."""
     rng = random.Random(56 + lose_local)
     for point in range(2):
         local, persistent = tmp_path / f"local{point}", str(tmp_path / f"p{point}")
-        child = start_process(
-            [
-                sys.executable,
-                os.path.join(HERE, "crash_worker.py"),
-                str(local),
-                f"--persistent={persistent}",
-            ]
-        )
-        wait_for_step(local, crash_worker.PERSISTENT_EVERY, child)
-        time.sleep(rng.uniform(0.0, 1.5))
-        kill_group(child)
-        assert child.returncode == -signal.SIGKILL
-        newest = ckpt.latest_step(local)
-        if lose_local:
-            shutil.rmtree(local)
-            kept = ckpt.latest_step(persistent)
-            assert kept is not None and newest - kept <= crash_worker.PERSISTENT_EVERY
-        with jax.default_device(jax.devices("cpu")[0]):
-            resumed = crash_worker.train(local, persistent=persistent)
-        assert_same_state(resumed, uninterrupted)
+        kill_and_resume(local, persistent, uninterrupted, rng, lose_local)
+
+
+@pytest.mark.slow
+def test_sigkill_with_a_bucket_as_the_persistent_tier(tmp_path, uninterrupted, remote):
+    kill_and_resume(
+        tmp_path / "local", remote.url, uninterrupted, random.Random(7), True, remote.env
+    )
