@@ -14,7 +14,15 @@ import crash_worker
 import jax
 import numpy as np
 import pytest
-from helpers import assert_same_state, data_files, kill_group, start_process, wait_for_step
+from helpers import (
+    assert_same_state,
+    data_files,
+    kill_group,
+    needs,
+    run_child,
+    start_process,
+    wait_for_step,
+)
 
 import jax_cb_ckpt as ckpt
 from jax_cb_ckpt import ConfigError
@@ -142,6 +150,26 @@ def test_plain_orbax_restores_a_persistent_step(tmp_path):
     np.testing.assert_array_equal(got["state"]["w"], state(3)["w"])
 
 
+@pytest.mark.slow  # (gcsfs, which Orbax needs for gs://, comes with the slow extra)
+@needs("gcsfs", "slow")
+@pytest.mark.parametrize("remote", ["gs"], indirect=True)
+def test_plain_orbax_restores_a_step_copied_to_a_bucket(tmp_path, remote):
+    save_steps(str(tmp_path / "local"), remote.url, [3])
+    code = f"""
+import orbax.checkpoint as ocp
+tree = ocp.StandardCheckpointer().restore("{remote.url}/3/state")
+print(tree["w"].sum(), tree["n"])
+"""
+    env = dict(
+        remote.env,
+        TENSORSTORE_GCS_HTTP_URL=remote.env["STORAGE_EMULATOR_HOST"],
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",  # (see test_storage.py)
+    )
+    result = run_child([sys.executable, "-c", code], env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1536.0", "3"]
+
+
 def test_a_failed_copy_follows_on_error_and_keeps_the_local_step(tmp_path):
     local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
     os.makedirs(os.path.join(persistent, "3"))  # a user's folder where the copy goes
@@ -219,8 +247,13 @@ def test_a_damaged_local_step_without_a_copy_falls_back_locally(tmp_path):
 
 def test_buckets_as_the_persistent_tier(tmp_path, remote):
     local = str(tmp_path / "local")
-    save_steps(local, remote.url, range(1, 7), persistent_keep=[ckpt.LatestN(1)])
-    assert ckpt.all_steps(remote.url) == [6]
+    save_steps(local, remote.url, range(1, 6), persistent_keep=[ckpt.LatestN(1)])
+    with ckpt.Checkpointer(local, persistent=remote.url, persistent_every=3) as c:
+        c.restore(like())
+        c.save(state(6), 6, extra={"config": "a", "step": 6})  # the extra item copied too
+    assert ckpt.all_steps(remote.url) == [3, 6]  # (this Checkpointer keeps every copy)
+    assert ckpt.restore_extra(remote.url, step=6) == {"config": "a", "step": 6}
+    assert ckpt.verify(remote.url) == [3, 6]
     assert (
         ckpt.metadata(remote.url, step=6)["checksums"] == ckpt.metadata(local, step=6)["checksums"]
     )

@@ -124,6 +124,7 @@ class Persistent:
                     self.storage.remove_temp(later, token)
                 raise
         self._last = time.monotonic()
+        logger.debug("copied step %d to the persistent tier %s", step, self.directory)
         if self._retention is not None:
             self._aside += self._retention.committed(step, meta)
 

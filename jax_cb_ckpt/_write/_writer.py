@@ -159,9 +159,9 @@ class Writer:
                     item.release()
                     if error is None and self._persistent is not None:
                         late = self._copy(item)
+                    if late is not None:  # before the save is done: wait() raises it
+                        self._exchange.record(late)  # (the local step stays: claim kept)
                     self._exchange.finished(item.claim, error)
-                    if late is not None:  # (the local step stays: its claim is kept)
-                        self._exchange.record(late)
                 self._sweep()
         finally:
             self._sweep()
