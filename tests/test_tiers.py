@@ -124,6 +124,24 @@ def test_every_nth_step_is_copied_with_the_same_bytes_and_own_retention(tmp_path
     assert os.path.exists(os.path.join(persistent, ".jax_cb_ckpt.lock"))  # its own lock
 
 
+def test_the_persistent_directory_has_its_own_lock_and_is_a_normal_directory(tmp_path, capsys):
+    import json
+
+    from jax_cb_ckpt._cli._main import main
+
+    persistent = str(tmp_path / "p")
+    with ckpt.Checkpointer(tmp_path / "a", persistent=persistent, persistent_every=3) as c:
+        with pytest.raises(ckpt.DirectoryLockedError):  # a second writer of the tier
+            ckpt.Checkpointer(tmp_path / "b", persistent=persistent, persistent_every=3)
+        ckpt.Checkpointer(tmp_path / "b").close()  # its local lock was given back
+        c.save(state(3), 3)
+    assert ckpt.all_steps(tmp_path / "b") == []  # (refused before anything was saved)
+    capsys.readouterr()
+    assert main(["ls", persistent, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert [(s["step"], s["complete"]) for s in listed] == [(3, True)]
+
+
 def test_without_persistent_nothing_changes(tmp_path):
     save_steps(str(tmp_path / "local"), None, [3], persistent_every=None)
     assert sorted(os.listdir(tmp_path)) == ["local"]
