@@ -1,6 +1,6 @@
 """A training process for the crash and preemption tests (run as a script).
 
-    python tests/crash_worker.py DIR [--sigint]
+    python tests/crash_worker.py DIR [--sigint] [--persistent=DIR2]
 
 Trains NUM_STEPS steps with Checkpointer.run, saving every EVERY steps: the writer is
 busy all the time, so a kill lands with writes in flight. Exits 0 when done; on
@@ -32,13 +32,24 @@ def body(state, step):
     return {"x": x, "key": key, "count": state["count"] + step}
 
 
-def train(directory, *, sigint=False, num_steps=NUM_STEPS):
-    ckpt = jax_cb_ckpt.Checkpointer(directory, every=EVERY, max_to_keep=3)
+PERSISTENT_EVERY = 4 * EVERY  # with --persistent: every 4th saved step is copied there
+
+
+def train(directory, *, sigint=False, num_steps=NUM_STEPS, persistent=None):
+    tier = {}
+    if persistent is not None:
+        tier = dict(
+            persistent=persistent,
+            persistent_every=PERSISTENT_EVERY,
+            persistent_keep=[jax_cb_ckpt.LatestN(2)],
+        )
+    ckpt = jax_cb_ckpt.Checkpointer(directory, every=EVERY, max_to_keep=3, **tier)
     with ckpt:
         return ckpt.run(body, init(), num_steps, sigint=sigint)
 
 
 if __name__ == "__main__":
     print("started", flush=True)
-    train(sys.argv[1], sigint="--sigint" in sys.argv)
+    tiers = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--persistent=")]
+    train(sys.argv[1], sigint="--sigint" in sys.argv, persistent=(tiers or [None])[0])
     print("done", flush=True)

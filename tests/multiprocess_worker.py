@@ -214,6 +214,8 @@ def refusals(state, shardings):
         found[name] = error_of(fn) or "accepted"
 
     attempt("on_full_skip", lambda: jax_cb_ckpt.Checkpointer(DIRECTORY, on_full="skip"))
+    tier = dict(persistent=DIRECTORY + "-persistent", persistent_every=2)
+    attempt("persistent", lambda: jax_cb_ckpt.Checkpointer(DIRECTORY, **tier))
     with jax_cb_ckpt.Checkpointer(DIRECTORY, every=2, peer_timeout=TIMEOUT) as ckpt:
         attempt("eager_save", lambda: ckpt.save(state, 1))
         attempt("gathered", lambda: jax.jit(lambda s: ckpt.save(s, 2))(state))

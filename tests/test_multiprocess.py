@@ -210,6 +210,8 @@ def test_what_a_multi_process_run_refuses(tmp_path):
         assert rc == 0 and found is not None, results
         assert found["on_full_skip"].startswith("ConfigError"), found
         assert "on_full='block'" in found["on_full_skip"], found
+        assert found["persistent"].startswith("ConfigError"), found
+        assert "multi-process run cannot keep a persistent tier" in found["persistent"], found
         assert found["eager_save"].startswith("InvalidStateError"), found
         assert "shardings=" in found["eager_save"], found
         assert found["gathered"].startswith("ConfigError"), found

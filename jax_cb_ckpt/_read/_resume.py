@@ -144,15 +144,22 @@ def newest(
     return Resumed(None, None, None, tuple(passed), first)
 
 
-def report(storage: Storage, resumed: Resumed[T], *, set_aside: bool) -> Resumed[T]:
+def report(
+    storage: Storage,
+    resumed: Resumed[T],
+    *,
+    set_aside: bool,
+    instead: tuple[int, str] | None = None,
+) -> Resumed[T]:
     """Say what a restart passed over (one `DamagedStepWarning`), each step of ours set
     aside first when asked (a plain Orbax step never is): `resumed`, with where each
-    step went."""
+    step went. `instead`: the step read from another directory, (step, its path) (a
+    Checkpointer's persistent tier), which the warning names as the one read."""
     if not resumed.passed and not resumed.older:
         return resumed
     passed = _aside(storage, list(resumed.passed)) if set_aside else resumed.passed
     resumed = dataclasses.replace(resumed, passed=passed)
-    _say(storage, resumed, set_aside)
+    _say(storage, resumed, set_aside, instead)
     return resumed
 
 
@@ -172,7 +179,9 @@ def _aside(storage: Storage, passed: list[Passed]) -> tuple[Passed, ...]:
     return tuple(done)
 
 
-def _say(storage: Storage, result: Resumed[T], set_aside: bool) -> None:
+def _say(
+    storage: Storage, result: Resumed[T], set_aside: bool, instead: tuple[int, str] | None
+) -> None:
     """One `DamagedStepWarning` naming every step passed over, why, and what became of it."""
     parts = []
     for one in result.passed:
@@ -183,7 +192,12 @@ def _say(storage: Storage, result: Resumed[T], set_aside: bool) -> None:
         else:
             fate = "left in place"
         parts.append(f"step {one.step}: {one.why} ({fate})")
-    if result.step is None:
+    if instead is not None:
+        said = (
+            f"read step {instead[0]} of {instead[1]!r} (the persistent tier), newer than "
+            f"every step of {storage.path!r} that passes its checks"
+        )
+    elif result.step is None:
         said = (
             f"no step of {storage.path!r} passes its checks, so the run starts from its "
             "initial state"

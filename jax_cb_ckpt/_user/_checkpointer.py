@@ -92,6 +92,11 @@ class Checkpointer:
         on_damaged: a restart whose newest step is damaged: `"fall_back"` to the newest
             step that passes its checks, the newer ones set aside, or `"raise"`
             (`DamagedStepError`) ([resume.md](resume.md#the-restarts-rules)).
+        persistent: a second, persistent tier (a bucket URL or a directory): every
+            `persistent_every`-th step (or one per `persistent_every_seconds`) saved in
+            `directory`, the fast local tier, is also copied there by the writer, kept
+            by `persistent_keep` (rule objects; None: all); a restart takes the newest
+            intact step of either ([usage.md](usage.md#two-tiers-local-and-persistent)).
     """
 
     @_options.orbax_names
@@ -118,6 +123,10 @@ class Checkpointer:
         mode: BestMode = "max",
         keep: Sequence[Rule] | None = None,
         on_damaged: OnDamaged = "fall_back",
+        persistent: str | os.PathLike[str] | None = None,
+        persistent_every: int | None = None,
+        persistent_every_seconds: float | None = None,
+        persistent_keep: Sequence[Rule] | None = None,
     ) -> None:
         # The parameters by name (`locals()` holds nothing else yet: no `super()` or
         # `__class__` in this method, which would add `__class__` to it): each goes to

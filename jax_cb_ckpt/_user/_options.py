@@ -164,9 +164,9 @@ class Keep:
         return None if latest is None else latest.n
 
 
-def _rule_objects(keep: object, short: list[str]) -> AnyOf:
-    """`keep=[...]` combined, or a `ConfigError` naming `keep` (and the keywords that
-    `keep` cannot be given with)."""
+def _rule_objects(keep: object, short: list[str], name: str = "keep") -> AnyOf:
+    """`keep=[...]` combined, or a `ConfigError` naming `keep` (`name`: the keyword it
+    was given as) and the keywords that `keep` cannot be given with."""
     if short:
         names, plain = ", ".join(f"{n}=..." for n in short), ", ".join(short)
         raise ConfigError(
@@ -177,7 +177,7 @@ def _rule_objects(keep: object, short: list[str]) -> AnyOf:
         )
     if isinstance(keep, str | bytes | dict) or not isinstance(keep, Iterable):
         raise ConfigError(
-            f"Checkpointer(keep={shown(keep)}): keep must be a list of retention rules, "
+            f"Checkpointer({name}={shown(keep)}): {name} must be a list of retention rules, "
             f"got a {type(keep).__name__}. Fix: e.g. keep=[ckpt.LatestN(3)]."
         )
     rules = tuple(keep)
@@ -185,13 +185,13 @@ def _rule_objects(keep: object, short: list[str]) -> AnyOf:
         if not isinstance(rule, _policy.RULES):
             what = "the class itself" if isinstance(rule, type) else type(rule).__name__
             raise ConfigError(
-                f"Checkpointer(keep=[...]): keep[{index}] is {shown(rule)} ({what}), not a "
+                f"Checkpointer({name}=[...]): {name}[{index}] is {shown(rule)} ({what}), not a "
                 f"retention rule. Fix: one of {', '.join(k.__name__ for k in _policy.RULES)}"
                 ", made with its arguments, e.g. ckpt.LatestN(3)."
             )
     problem = AnyOf.problem(rules)
     if problem is not None:
-        raise ConfigError(f"Checkpointer(keep=[...]): {problem}")
+        raise ConfigError(f"Checkpointer({name}=[...]): {problem}")
     return AnyOf(rules)
 
 
@@ -263,6 +263,54 @@ class Failures:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tiers:
+    """The persistent tier (Orbax's emergency checkpointing): a second checkpoint
+    directory that every `persistent_every`-th step (or one step per
+    `persistent_every_seconds`) is copied to, with its own retention."""
+
+    persistent: str | None = None  # given: a str or PathLike; kept: as `directory`
+    persistent_every: int | None = None
+    persistent_every_seconds: float | None = None
+    persistent_keep: Sequence[Rule] | None = None
+    rules: AnyOf | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("persistent_every", "persistent_every_seconds", "persistent_keep")
+            if getattr(self, name) is not None
+        ]
+        if self.persistent is None:
+            if given:
+                raise ConfigError(
+                    f"Checkpointer({given[0]}=...): {given[0]} is an option of the "
+                    "persistent tier, and there is no persistent=. Fix: pass persistent="
+                    "a second directory or a gs:// / s3:// URL, or drop "
+                    f"{', '.join(given)}."
+                )
+            return
+        with calling("Checkpointer(persistent=...)"):
+            object.__setattr__(self, "persistent", _places.resolve(self.persistent))
+        _positive_int(
+            self.persistent_every, "persistent_every", "copy every N-th step", optional=True
+        )
+        seconds = _positive_seconds(
+            self.persistent_every_seconds, "persistent_every_seconds", "copy one step per T s"
+        )
+        object.__setattr__(self, "persistent_every_seconds", seconds)
+        if self.persistent_every is None and seconds is None:
+            raise ConfigError(
+                f"Checkpointer(persistent={self.persistent!r}): say which steps go to the "
+                "persistent tier. Fix: pass persistent_every=N (every N-th step saved) "
+                "and/or persistent_every_seconds=T (one step per T seconds)."
+            )
+        if self.persistent_keep is not None:
+            rules = _rule_objects(self.persistent_keep, [], "persistent_keep")
+            object.__setattr__(self, "persistent_keep", rules.rules)
+            object.__setattr__(self, "rules", rules if rules.any else None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """Every option of a Checkpointer, checked, by what it is about."""
 
@@ -271,10 +319,38 @@ class Options:
     keep: Keep
     queue: Queue
     failures: Failures
+    tiers: Tiers = Tiers()
+
+    def __post_init__(self) -> None:
+        persistent = self.tiers.persistent
+        if persistent is not None:
+            _check_tiers(self.where.directory, persistent)
 
 
-Group = Where | When | Keep | Queue | Failures
-_G = typing.TypeVar("_G", Where, When, Keep, Queue, Failures)
+def _check_tiers(directory: str, persistent: str) -> None:
+    """The two tiers: two different places, the local one a local directory, one
+    process (a `ConfigError` naming `persistent=` otherwise)."""
+    why = fix = ""
+    if persistent == directory:
+        why = "it is the local directory itself"
+        fix = "pass another directory or a bucket URL"
+    elif _places.is_url(directory):
+        why = f"the local tier, directory={directory!r}, is a URL"
+        fix = "pass a local directory as directory= (the fast tier)"
+    elif not _places.is_url(persistent) and (
+        persistent.startswith(directory + os.sep) or directory.startswith(persistent + os.sep)
+    ):
+        why = "one directory is inside the other"
+        fix = "pass two separate directories"
+    elif jax.process_count() > 1:
+        why = "a multi-process run cannot keep a persistent tier yet"
+        fix = "drop persistent= in multi-process runs (docs/usage.md, emergency checkpointing)"
+    if fix:
+        raise ConfigError(f"Checkpointer(persistent={persistent!r}): {why}. Fix: {fix}.")
+
+
+Group = Where | When | Keep | Queue | Failures | Tiers
+_G = typing.TypeVar("_G", Where, When, Keep, Queue, Failures, Tiers)
 
 # Each group under its name in `Options`; a keyword of `Checkpointer(...)` belongs to
 # the group with a field of its name.
@@ -302,7 +378,7 @@ def checked(directory: object, **given: Any) -> Options:
         chosen = {k: given[k] for k in keywords(group) if k in given}
         return Keep.given(**chosen) if group is Keep else group(**chosen)  # type: ignore[return-value]
 
-    return Options(made(Where), made(When), made(Keep), made(Queue), made(Failures))
+    return Options(made(Where), made(When), made(Keep), made(Queue), made(Failures), made(Tiers))
 
 
 def _positive_seconds(value: object, name: str, meaning: str) -> float | None:

@@ -19,6 +19,7 @@ from .._base._types import PyTree, Saver
 from .._read import _rebuild, _restore, _resume, _steps
 
 if TYPE_CHECKING:
+    from .._storage._protocol import Storage
     from ._wiring import Parts
 
 logger = logging.getLogger("jax_cb_ckpt")
@@ -117,9 +118,12 @@ def resume(
     `fresh` they keep what the step holds, said in a `MemberStateWarning`. Waits for
     pending saves first."""
     parts.wait()
-    storage = parts.storage
     on_damaged = parts.options.failures.on_damaged
-    resumed = _restore.resume(storage, like, verify=verify, member=member, on_damaged=on_damaged)
+
+    def read(storage: Storage) -> _resume.Resumed[_restore.Restart]:
+        return _restore.resume(storage, like, verify=verify, member=member, on_damaged=on_damaged)
+
+    storage, resumed = _newest_of_tiers(parts, read)
     if resumed.step is None:
         if resumed.error is not None and where() == "restore":
             raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
@@ -131,20 +135,47 @@ def resume(
     assert step is not None  # (report keeps the step read)
     parts.continue_from(step)
     why = "the newest step that passes its checks"
+    if storage is parts.persistent:
+        why += " (of the persistent tier)"
     if resumed.passed:
         why += ", passing over " + ", ".join(str(p.step) for p in resumed.passed)
     if resumed.source == "orbax":
         why += "; a plain Orbax checkpoint, read unverified (Orbax keeps no checksums)"
     restart = resumed.value
     assert restart is not None
-    state, start, more = _members(parts, restart, step, fresh)
+    state, start, more = _members(storage, restart, step, fresh)
     verb = "restored step" if where() == "restore" else "resumed from step"
-    logger.info("%s: %s %d of %s (%s)", where(), verb, step, parts.directory, why + more)
+    logger.info("%s: %s %d of %s (%s)", where(), verb, step, storage.path, why + more)
     return state, start
 
 
+def _newest_of_tiers(
+    parts: Parts, read: Callable[[Storage], _resume.Resumed[_restore.Restart]]
+) -> tuple[Storage, _resume.Resumed[_restore.Restart]]:
+    """The newest step that passes its checks in either tier (with persistent=), and
+    its tier's storage: the local tier is read first; the persistent one only where it
+    lists a newer step than the one read (a lost local directory, a damaged newest
+    local step: its persistent copy). The local steps passed over are set aside and
+    said in a warning (`_resume.report`) when the persistent tier gives the step."""
+    local = parts.storage
+    resumed = read(local)
+    tier = parts.persistent
+    if tier is None:
+        return local, resumed
+    newest = max(tier.list_steps(), default=None)
+    if newest is None or (resumed.step is not None and newest <= resumed.step):
+        return local, resumed
+    other = read(tier)
+    if other.step is None or (resumed.step is not None and other.step <= resumed.step):
+        _resume.report(tier, other, set_aside=True)  # (its damaged steps, said)
+        return local, resumed
+    if resumed.passed:  # the damaged local steps newer than the one read: set aside
+        _resume.report(local, resumed, set_aside=True, instead=(other.step, tier.path))
+    return tier, other
+
+
 def _members(
-    parts: Parts, restart: _restore.Restart, step: int, fresh: Callable[[], PyTree] | None
+    storage: Storage, restart: _restore.Restart, step: int, fresh: Callable[[], PyTree] | None
 ) -> tuple[PyTree, int | np.ndarray, str]:
     """The state and step a batch's members resume from, and what the INFO line says
     of them: each member from its own newest step; one that asked for no step keeps
@@ -156,7 +187,7 @@ def _members(
     elif restart.unowned and fresh is not None:
         # Asked for no step: they start again, as a fresh run does.
         assert restart.member_steps is not None  # (set wherever members are unowned)
-        state = _restore.members_from(parts.storage, step, state, fresh(), restart.unowned)
+        state = _restore.members_from(storage, step, state, fresh(), restart.unowned)
         for index in restart.unowned:
             restart.member_steps[index] = 0
     if restart.member_steps is not None:  # members of a batch resume from their own

@@ -36,6 +36,7 @@ from .._save import _route, _traced
 from .._save._host import HostSide, probe_callback_arrays
 from .._storage import _faults, _places
 from .._write import _processes
+from .._write._persistent import Persistent
 from .._write._writer import Writer
 from . import _metrics
 from ._clock import SaveClock
@@ -64,10 +65,13 @@ def wire(options: Options, owner: object) -> Parts:
     clock = None if seconds is None else SaveClock(seconds, stats)
     # refuses a second live writer of this directory (one per process of a run)
     lock = storage.lock(_lock_name())
-    group = None
+    group = tier = None
     try:
         group = _processes.current(path, options.failures.peer_timeout, storage.list_steps)
         old_steps = _steps_on_disk(storage) if group is None else group.old_steps
+        tier = _tier(options, storage)  # (its steps a save must not mix with either)
+        if tier is not None:
+            old_steps = sorted({*old_steps, *_steps_on_disk(tier.storage)})
         exchange = Exchange(
             path,
             queue_size=options.queue.slots,
@@ -80,9 +84,13 @@ def wire(options: Options, owner: object) -> Parts:
         host = HostSide(exchange, options.queue.queue_size)
         if group is not None:
             host.on_step = group.hand_over
-        writer = _writer(options, exchange, lock, group)
+        if tier is not None:
+            tier.note = exchange.note
+        writer = _writer(options, exchange, lock, group, tier)
     except BaseException as e:
         lock.release()
+        if tier is not None:
+            tier.close()
         if group is not None:
             group.close()
         if isinstance(e, CheckpointError):
@@ -95,17 +103,42 @@ def wire(options: Options, owner: object) -> Parts:
     # still writes every save handed over, then stops; interpreter exit flushes it.
     finalizer = weakref.finalize(owner, _collected, exchange, writer)
     finalizer.atexit = False
-    return Parts(
+    parts = Parts(
         options, storage, stats, clock, StopFlag(), group, exchange, host, writer, finalizer
     )
+    parts.persistent = None if tier is None else tier.storage
+    return parts
 
 
-def _make(storage: Storage, path: str) -> None:
+def _tier(options: Options, local: Storage) -> Persistent | None:
+    """The persistent tier of `persistent=` (`_write/_persistent.py`): its directory
+    made and its own writer lock taken; None without one."""
+    tiers = options.tiers
+    if tiers.persistent is None:
+        return None
+    storage = _places.at(tiers.persistent)
+    _make(storage, tiers.persistent, "persistent")
+    lock = storage.lock(_format.LOCK_NAME)  # (one process: `Options` refuses more)
+    try:
+        return Persistent(
+            local,
+            tiers.persistent,
+            lock,
+            rules=tiers.rules,
+            every=tiers.persistent_every,
+            every_seconds=tiers.persistent_every_seconds,
+        )
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _make(storage: Storage, path: str, name: str = "directory") -> None:
     try:
         storage.make()
     except OSError as e:
         raise ConfigError(
-            f"Checkpointer(directory={path!r}): cannot create the directory: {e}. "
+            f"Checkpointer({name}={path!r}): cannot create the directory: {e}. "
             "Fix: check the path (a parent that is a file, permissions, a read-only "
             "mount), or pass a directory this process can create."
         ) from e
@@ -116,6 +149,7 @@ def _writer(
     exchange: Exchange,
     lock: DirectoryLock,
     group: _processes.Group | None,
+    tier: Persistent | None,
 ) -> Writer:
     return Writer(
         exchange,
@@ -126,6 +160,7 @@ def _writer(
         # Not a bound method: the writer must not keep the Checkpointer alive.
         on_exit=functools.partial(exchange.close, Closed.AT_EXIT),
         group=group,
+        persistent=tier,
     )
 
 
@@ -162,6 +197,7 @@ class Parts:
     writer: Writer
     finalizer: weakref.finalize[Any, Any]
     closed: bool = False
+    persistent: Storage | None = None  # the persistent tier's, with persistent=
     run_loops: dict[Hashable, Any] = dataclasses.field(default_factory=dict)  # run()'s, reused
     told_best: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # (cross)
 
@@ -247,7 +283,11 @@ class Parts:
     # -- the steps on disk, as the exchange sees them ----------------------------------
 
     def steps_on_disk(self) -> list[int]:
-        return _steps_on_disk(self.storage)
+        """The steps of both tiers (with persistent=): a save mixes with neither."""
+        steps = _steps_on_disk(self.storage)
+        if self.persistent is not None:
+            steps = sorted({*steps, *_steps_on_disk(self.persistent)})
+        return steps
 
     def continue_from(self, step: int) -> None:
         """The run goes on from the restored `step`: every step on disk now belongs to

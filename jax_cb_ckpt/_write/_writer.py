@@ -53,6 +53,7 @@ from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
 from .._version import version
 from . import _exit, _store
+from ._persistent import Persistent
 from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._retention import Retention
 
@@ -78,8 +79,10 @@ class Writer:
         compression: bool,
         on_exit: Callable[[], None],
         group: Group | None = None,
+        persistent: Persistent | None = None,
     ) -> None:
         self.directory = directory
+        self._persistent = persistent  # the persistent tier (`_persistent.py`), if any
         self._on_exit = on_exit  # marks the Checkpointer closed
         self._exchange = exchange
         self._lock = lock
@@ -149,11 +152,15 @@ class Writer:
                 item = self._exchange.next_item()
                 if item is None:
                     break
-                error = None
+                error = late = None
                 try:
                     error = self._write(item)
                 finally:
                     item.release()
+                    if error is None and self._persistent is not None:
+                        late = self._copy(item)
+                    if late is not None:  # before the save is done: wait() raises it
+                        self._exchange.record(late)  # (the local step stays: claim kept)
                     self._exchange.finished(item.claim, error)
                 self._sweep()
         finally:
@@ -162,7 +169,30 @@ class Writer:
             _exit.LIVE.discard(self)
             self._group.close()
             self._lock.release()
+            if self._persistent is not None:
+                self._persistent.close()
             self._report_unclaimed()
+
+    def _copy(self, item: SaveItem) -> SaveError | None:
+        """The persistent tier, after the local step is committed: another run's steps
+        that the save replaces removed there too, and the step copied when it is due.
+        A failure is a failed write (`on_error`); the local step is kept."""
+        tier = self._persistent
+        assert tier is not None
+        try:
+            tier.replaced(item.replace)
+            if tier.due(item.step):
+                tier.copy(item.step)
+        except Exception as e:
+            self._stats.failed()
+            error = SaveError(
+                f"copying step {item.step} to the persistent directory {tier.directory!r} "
+                f"failed: {type(e).__name__}: {_faults.scrub(str(e)).rstrip('.')}. The "
+                f"local step {item.step} in {self.directory!r} is saved."
+            )
+            error.__cause__ = _faults.scrubbed(e)
+            return error
+        return None
 
     def _report_unclaimed(self) -> None:
         """A writer that ends while warnings or an error are still pending was finished
@@ -405,6 +435,8 @@ class Writer:
     def _sweep(self) -> None:
         """Delete the steps retention set aside: after the save is reported, so the
         waiter does not wait for the few ms of unlinking a step's files."""
+        if self._persistent is not None:
+            self._persistent.sweep()
         while self._aside:
             self._storage.remove_aside(self._aside.pop())
         while self._unfinished:  # best effort: else the next opening removes it
