@@ -126,6 +126,21 @@ def test_a_fifo_planted_where_a_small_file_is_read_blocks_no_reader(ckpt_dir, pl
     assert jax_cb_ckpt.all_steps(ckpt_dir) == [3, 4]
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000])
+def test_a_crafted_retention_report_fails_no_save(ckpt_dir, key):
+    # The report of undeletable steps is read back at the first retention of a run;
+    # a key `str.isdigit` takes but `int` refuses (a superscript two, 5,000 digits)
+    # failed every save of the run.
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=2) as ckpt:
+        ckpt.save({"w": np.full(3, 1)}, 1)
+    report = {key: "planted", "1": "planted"}
+    (ckpt_dir / ".jax_cb_ckpt-undeletable.json").write_text(json.dumps(report))
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=2) as ckpt:
+        for step in (2, 3, 4):
+            ckpt.save({"w": np.full(3, step)}, step)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [3, 4]
+
+
 def test_plain_orbax_checkpoint_with_our_item_names_is_not_ours(make_ckpt, ckpt_dir):
     with ocp.CheckpointManager(ckpt_dir) as manager:  # a user's own Orbax checkpoint
         manager.save(
