@@ -449,11 +449,14 @@ class LocalChunks:
         """The file `target` (a name in the directory, its folder made if missing) is a
         hard link to the file `source`: the same bytes, none copied (`FileExistsError`
         when `target` is there; never through a link: `source` must be a regular
-        file)."""
+        file, and no folder on the way to either is a link: a hostile directory's
+        symlinked folder would link a file from outside in, or ours out)."""
         path = os.path.join(self.path, source)
+        _no_link_on_the_way(self.path, source)
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise OSError(f"{path} is not a regular file: not linked")
         target_path = os.path.join(self.path, target)
+        _no_link_on_the_way(self.path, target)
         os.makedirs(os.path.dirname(target_path), exist_ok=True)
         os.link(path, target_path, follow_symlinks=False)
 
@@ -512,6 +515,16 @@ def _is_real_dir(path: str) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _no_link_on_the_way(root: str, name: str) -> None:
+    """`OSError` when a folder on the way from `root` to the file `name` (a path in it)
+    is there but is not a real folder (a symlink, a file); one not there yet passes."""
+    folder = root
+    for part in name.split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if os.path.lexists(folder) and not _is_real_dir(folder):
+            raise OSError(f"{folder} is not a folder of the directory (a link?): not linked")
 
 
 def _remove_ours(path: str) -> None:
