@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import kill_group, start_script, state_at
+from helpers import kill_group, run_child, start_script, state_at
 
 import jax_cb_ckpt
 from jax_cb_ckpt import (
@@ -98,6 +98,47 @@ def test_lock_file_that_is_not_our_own_file_is_refused(tmp_path, ckpt_dir, kind)
     with pytest.raises(DirectoryLockedError, match=r"not a plain file of its own"):
         jax_cb_ckpt.Checkpointer(ckpt_dir)
     assert_victim_intact(outside)
+
+
+@pytest.mark.parametrize("planted", ["undeletable report", "set-aside note"])
+def test_a_fifo_planted_where_a_small_file_is_read_blocks_no_reader(ckpt_dir, planted):
+    # A FIFO opened for reading blocks until someone writes to it: the retention
+    # report (read by the writer and `ls`) and a set-aside step's note (read by `ls`)
+    # are read as regular files or not at all.
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=2) as ckpt:
+        ckpt.save({"w": np.full(3, 1)}, 1)
+    if planted == "undeletable report":
+        os.mkfifo(ckpt_dir / ".jax_cb_ckpt-undeletable.json")
+    else:
+        aside = ckpt_dir / ("7.jax_cb_ckpt-damaged-" + "a" * 32)
+        aside.mkdir()
+        os.mkfifo(aside / ".jax_cb_ckpt-set-aside.json")
+    listed = run_child(["python", "-m", "jax_cb_ckpt", "ls", ckpt_dir], timeout=120)
+    assert listed.returncode == 0 and "complete" in listed.stdout, listed.stderr
+    saves = (
+        "import sys, numpy as np, jax_cb_ckpt\n"
+        "with jax_cb_ckpt.Checkpointer(sys.argv[1], max_to_keep=2) as ckpt:\n"
+        "    for step in (2, 3, 4):\n"
+        "        ckpt.save({'w': np.full(3, step)}, step)\n"
+    )
+    saved = run_child(["python", "-c", saves, ckpt_dir], timeout=120)
+    assert saved.returncode == 0, saved.stderr
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [3, 4]
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000])
+def test_a_crafted_retention_report_fails_no_save(ckpt_dir, key):
+    # The report of undeletable steps is read back at the first retention of a run;
+    # a key `str.isdigit` takes but `int` refuses (a superscript two, 5,000 digits)
+    # failed every save of the run.
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=2) as ckpt:
+        ckpt.save({"w": np.full(3, 1)}, 1)
+    report = {key: "planted", "1": "planted"}
+    (ckpt_dir / ".jax_cb_ckpt-undeletable.json").write_text(json.dumps(report))
+    with jax_cb_ckpt.Checkpointer(ckpt_dir, max_to_keep=2) as ckpt:
+        for step in (2, 3, 4):
+            ckpt.save({"w": np.full(3, step)}, step)
+    assert jax_cb_ckpt.all_steps(ckpt_dir) == [3, 4]
 
 
 def test_plain_orbax_checkpoint_with_our_item_names_is_not_ours(make_ckpt, ckpt_dir):

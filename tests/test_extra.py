@@ -142,6 +142,7 @@ def test_run_and_scan_store_extra_with_each_of_their_saves(tmp_path):
         ({"loss": float("nan")}, "extra['loss'] is nan"),
         ({"a": {3: "x"}}, "extra['a'] has the key 3 of type int"),
         ({"blob": "x" * (1 << 20)}, "more than the 1048576 bytes (1 MiB)"),
+        ({"seed": [-(10**4300)]}, "extra['seed'][0] is an int of more than 4300 digits"),
     ],
 )
 def test_a_bad_dict_is_refused_at_the_call_naming_extra(tmp_path, bad, said):

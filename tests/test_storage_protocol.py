@@ -324,6 +324,26 @@ def test_link_gives_a_name_the_bytes_of_another_that_outlive_it(where):
         storage.link("1/no-such-file", ".jax_cb_ckpt.linked/none")
 
 
+def test_link_never_goes_through_a_linked_folder(tmp_path):
+    """A hostile directory's symlinked folder on the way to `link`'s source or target
+    would link a file from outside in, or one of ours out: refused, nothing linked."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("outside data")
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    storage = _places.at(str(directory))
+    _committed(storage, 1)
+    os.symlink(outside, directory / ".jax_cb_ckpt.linked")
+    os.symlink(outside, directory / "7")
+    with pytest.raises(OSError, match="not a folder of the directory"):
+        storage.link(f"1/{_format.META_ITEM}/{_format.META_FILE}", ".jax_cb_ckpt.linked/meta")
+    with pytest.raises(OSError, match="not a folder of the directory"):
+        storage.link("7/secret", ".jax_cb_ckpt.in/stolen")
+    assert sorted(os.listdir(outside)) == ["secret"]
+    assert not (directory / ".jax_cb_ckpt.in").exists()
+
+
 # -- removing and setting aside
 
 

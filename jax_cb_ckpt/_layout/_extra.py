@@ -37,6 +37,10 @@ from ._format import (
 
 MAX_DEPTH = 64  # nesting levels of a value (a reader's parser recurses per level)
 FILE = f"{EXTRA_ITEM}/{META_FILE}"  # the item's one file, inside the step
+# Python's json writes and reads an int of at most this many digits (the default of
+# `sys.get_int_max_str_digits`; a reader's, whatever the writer's setting).
+_INT_DIGITS = 4300
+_INT_BOUND = 10**_INT_DIGITS
 _FIX = (
     "Fix: pass a dict of JSON values (str, int, finite float, bool, None, lists and "
     "dicts with str keys), e.g. extra={'config': vars(args), 'data_position': 1200}; "
@@ -117,6 +121,12 @@ def _check(value: object, path: str, depth: int, what: str) -> None:
     if value is None or isinstance(value, (str, bool)):
         return
     if type(value) is int:
+        if not -_INT_BOUND < value < _INT_BOUND:
+            raise ConfigError(
+                f"{what}: {path} is an int of more than {_INT_DIGITS} digits, which "
+                "Python's json refuses to write or read back. Fix: store it as a string "
+                "(str(x), after sys.set_int_max_str_digits) or in the state."
+            )
         return
     if type(value) is float:
         if not math.isfinite(value):

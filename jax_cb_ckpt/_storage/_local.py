@@ -19,7 +19,7 @@ import stat
 import uuid
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .._base._errors import ConfigError
 from .._layout import _format, _ocdbt
@@ -395,9 +395,10 @@ class LocalChunks:
         return found
 
     def get(self, name: str, limit: int) -> bytes | None:
-        """Up to `limit` bytes of the file `name` (None when there is none)."""
+        """Up to `limit` bytes of the file `name` (None when there is none; `OSError`
+        when it is not a regular file: a FIFO planted there must not block a reader)."""
         try:
-            with open(os.path.join(self.path, name), "rb") as f:
+            with _open_regular(os.path.join(self.path, name)) as f:
                 return f.read(limit)
         except FileNotFoundError:
             return None
@@ -448,11 +449,14 @@ class LocalChunks:
         """The file `target` (a name in the directory, its folder made if missing) is a
         hard link to the file `source`: the same bytes, none copied (`FileExistsError`
         when `target` is there; never through a link: `source` must be a regular
-        file)."""
+        file, and no folder on the way to either is a link: a hostile directory's
+        symlinked folder would link a file from outside in, or ours out)."""
         path = os.path.join(self.path, source)
+        _no_link_on_the_way(self.path, source)
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise OSError(f"{path} is not a regular file: not linked")
         target_path = os.path.join(self.path, target)
+        _no_link_on_the_way(self.path, target)
         os.makedirs(os.path.dirname(target_path), exist_ok=True)
         os.link(path, target_path, follow_symlinks=False)
 
@@ -513,6 +517,16 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
+def _no_link_on_the_way(root: str, name: str) -> None:
+    """`OSError` when a folder on the way from `root` to the file `name` (a path in it)
+    is there but is not a real folder (a symlink, a file); one not there yet passes."""
+    folder = root
+    for part in name.split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if os.path.lexists(folder) and not _is_real_dir(folder):
+            raise OSError(f"{folder} is not a folder of the directory (a link?): not linked")
+
+
 def _remove_ours(path: str) -> None:
     """Delete a directory we made (never a symlink: lstat, and rmtree refuses links)."""
     if _is_real_dir(path):
@@ -521,8 +535,22 @@ def _remove_ours(path: str) -> None:
 
 def _read_file(path: str, limit: int) -> bytes:
     """A small file of a step, read no further than `limit` (`DamagedStep` beyond)."""
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         return _format.within(path, f.read(limit + 1), limit)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """`path` open for reading, or `OSError` when it is not a regular file: opened
+    with O_NONBLOCK, so that a FIFO planted in its place (hostile input) is refused
+    instead of blocking the reader until someone writes to it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file: not read")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # How many times `examine_all` lists the directory when an entry listed was removed

@@ -140,7 +140,7 @@ class Retention:
             return
         if not isinstance(record, dict):
             record = {}
-        old = {int(k): v for k, v in record.items() if str(k).isdigit() and isinstance(v, str)}
+        old = {int(k): v for k, v in record.items() if _step_name(k) and isinstance(v, str)}
         self._stuck = {s: why for s, why in old.items() if s in steps}  # (the rules decide)
         if self._stuck != old or not old:
             self._say_stuck()
@@ -269,3 +269,10 @@ def _best_values(meta: dict[str, Any], best: str | None) -> np.ndarray | None:
         return None
     value = (meta.get("metrics") or {}).get(best)
     return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def _step_name(key: str) -> bool:
+    """Whether a key of the report (hostile: any JSON) is a step as `_say_stuck` writes
+    one: ASCII digits, which `int` takes (not '²', which `isdigit` takes and `int`
+    refuses), and short (`int` refuses over 4,300 digits)."""
+    return key.isascii() and key.isdigit() and len(key) <= 20
