@@ -130,3 +130,16 @@ def test_request_stop_sets_the_flag_loops_read(make_ckpt):
     assert not ckpt.stop_requested and not bool(ckpt.should_stop(jnp.int32(0)))
     ckpt.request_stop()
     assert ckpt.stop_requested and bool(ckpt.should_stop(jnp.int32(1)))
+
+
+def test_the_repr_shows_every_retention_rule(tmp_path):
+    """The repr showed `max_to_keep` alone: rules given as objects (or keep_every,
+    keep_best) were hidden."""
+    import jax_cb_ckpt
+
+    rules = [jax_cb_ckpt.LatestN(3), jax_cb_ckpt.BestN("loss", 2, "min")]
+    with jax_cb_ckpt.Checkpointer(tmp_path / "a", keep=rules) as ckpt:
+        shown = repr(ckpt)
+    assert "max_to_keep=3" in shown and "keep_best=2" in shown and "'loss'" in shown, shown
+    with jax_cb_ckpt.Checkpointer(tmp_path / "b") as ckpt:
+        assert "keep='all'" in repr(ckpt), repr(ckpt)

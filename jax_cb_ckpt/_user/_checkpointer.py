@@ -87,8 +87,8 @@ class Checkpointer:
         keep_best: retention: this many best steps by the metric `best`.
         best: the metric `keep_best` ranks by (a name given in `metrics=`).
         mode: whether a higher (`"max"`) or lower (`"min"`) `best` is better.
-        keep: the rules as objects instead of keywords: `keep=[ckpt.LatestN(3),
-            ckpt.BestN("loss", 2, "min")]`; also `ckpt.EveryNSteps`, `ckpt.EveryNSeconds`.
+        keep: the rules as objects instead of keywords, e.g. `keep=[jax_cb_ckpt.LatestN(3),
+            jax_cb_ckpt.BestN("loss", 2, "min")]` (also `EveryNSteps`, `EveryNSeconds`).
         on_damaged: a restart whose newest step is damaged: `"fall_back"` to the newest
             step that passes its checks, the newer ones set aside, or `"raise"`
             (`DamagedStepError`) ([resume.md](resume.md#the-restarts-rules)).
@@ -392,7 +392,7 @@ class Checkpointer:
     def best_step(self, member: int | tuple[int, ...] | None = None) -> int | None:
         """The step with the best value of the metric `best` (by `mode`) on disk, or
         None (missing or NaN values never count); `member=k`: member k's best under
-        vmap. Example: `ckpt.restore(like, step=ckpt.best_step())`."""
+        vmap. Does not wait for pending saves: `ckpt.restore(like, step=ckpt.best_step())`."""
         return _restart.best_step(self._parts, member)
 
     def metrics(self, step: int | None = None) -> dict[str, Any]:

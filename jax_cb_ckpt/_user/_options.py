@@ -172,13 +172,13 @@ def _rule_objects(keep: object, short: list[str], name: str = "keep") -> AnyOf:
         raise ConfigError(
             f"Checkpointer(keep=[...], {names}): keep= and {plain} both say what to keep "
             f"(keep= as rule objects, {plain} as the keywords' short form); give one or the "
-            "other. Fix: put every rule in keep=, e.g. keep=[ckpt.LatestN(3), "
-            "ckpt.BestN('loss', 2, 'min')], or drop keep=."
+            "other. Fix: put every rule in keep=, e.g. keep=[jax_cb_ckpt.LatestN(3), "
+            "jax_cb_ckpt.BestN('loss', 2, 'min')], or drop keep=."
         )
     if isinstance(keep, str | bytes | dict) or not isinstance(keep, Iterable):
         raise ConfigError(
             f"Checkpointer({name}={shown(keep)}): {name} must be a list of retention rules, "
-            f"got a {type(keep).__name__}. Fix: e.g. keep=[ckpt.LatestN(3)]."
+            f"got a {type(keep).__name__}. Fix: e.g. keep=[jax_cb_ckpt.LatestN(3)]."
         )
     rules = tuple(keep)
     for index, rule in enumerate(rules):
@@ -187,7 +187,7 @@ def _rule_objects(keep: object, short: list[str], name: str = "keep") -> AnyOf:
             raise ConfigError(
                 f"Checkpointer({name}=[...]): {name}[{index}] is {shown(rule)} ({what}), not a "
                 f"retention rule. Fix: one of {', '.join(k.__name__ for k in _policy.RULES)}"
-                ", made with its arguments, e.g. ckpt.LatestN(3)."
+                ", made with its arguments, e.g. jax_cb_ckpt.LatestN(3)."
             )
     problem = AnyOf.problem(rules)
     if problem is not None:
@@ -419,8 +419,8 @@ ORBAX_NAMES = {
     "keep_period": "keep_every=K (every step that is a multiple of K, kept forever)",
     "keep_time_interval": "keep_every_seconds=T",
     "preservation_policy": (
-        "keep=[ckpt.LatestN(n), ckpt.EveryNSteps(n), ckpt.EveryNSeconds(s), "
-        "ckpt.BestN(metric, n, mode)] (a union), or the keywords max_to_keep=, keep_every=, "
+        "keep=[jax_cb_ckpt.LatestN(n), jax_cb_ckpt.EveryNSteps(n), jax_cb_ckpt.EveryNSeconds(s), "
+        "jax_cb_ckpt.BestN(metric, n, mode)] (a union), or the keywords max_to_keep=, keep_every=, "
         "keep_every_seconds=, keep_best="
     ),
     "best_fn": (

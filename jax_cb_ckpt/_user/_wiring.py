@@ -208,10 +208,11 @@ class Parts:
     def shown(self) -> str:
         """The Checkpointer's repr: its directory, main options, and open or closed."""
         options, state = self.options, "closed" if self.closed else "open"
+        rules = options.keep.rules
         return (
             f"Checkpointer({self.directory!r}, every={options.when.every}, "
-            f"max_to_keep={options.keep.max_to_keep}, queue_size={options.queue.queue_size}, "
-            f"on_full={options.queue.on_full!r}; {state})"
+            f"keep={'all' if rules is None else rules.describe()!r}, "
+            f"queue_size={options.queue.queue_size}, on_full={options.queue.on_full!r}; {state})"
         )
 
     def not_pickled(self) -> ConfigError:
@@ -435,7 +436,8 @@ class Parts:
         self.told_best.add(names)
         _warn.warn(
             f"{where()}(metrics=...): the metrics are {list(names)}, without {best!r}, "
-            f"the metric keep_best ranks by (best={best!r}): these steps never count as "
-            f"best. Fix: pass best= the name of one of them, or add {best!r} to metrics.",
+            f"the metric the best-N rule ranks by (best={best!r}, or BestN({best!r}, ...)): "
+            "these steps never count as best. Fix: rank by the name of one of them, or "
+            f"add {best!r} to metrics.",
             CheckpointWarning,
         )
