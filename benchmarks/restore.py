@@ -147,15 +147,15 @@ def _with_tensorstore_index(read: Callable[[], Any]) -> Any:
     from jax_cb_ckpt._storage import _places
     from jax_cb_ckpt._storage._protocol import OpenedStep
 
-    def refuse(self: _places.Local, opened: OpenedStep) -> _ocdbt.Database:
+    def refuse(self: _places.LocalChunks, opened: OpenedStep) -> _ocdbt.Database:
         raise _ocdbt.Unsupported("read by TensorStore (benchmark)")
 
-    own = _places.Local.index
-    _places.Local.index = refuse  # type: ignore[method-assign]
+    own = _places.LocalChunks.index
+    _places.LocalChunks.index = refuse  # type: ignore[method-assign]
     try:
         return read()
     finally:
-        _places.Local.index = own  # type: ignore[method-assign]
+        _places.LocalChunks.index = own  # type: ignore[method-assign]
 
 
 def run_case(base: str, name: str, make: Callable[[], Any], reps: int, cold: bool) -> dict:
