@@ -344,3 +344,18 @@ def test_sigkill_with_a_bucket_as_the_persistent_tier(tmp_path, uninterrupted, r
     kill_and_resume(
         tmp_path / "local", remote.url, uninterrupted, random.Random(7), True, remote.env
     )
+
+
+def test_saves_that_skip_the_multiples_of_persistent_every_are_copied_past_them(tmp_path):
+    """Saves every 3 steps, persistent_every=5: the first save past each multiple of 5
+    is copied (6, 12, 15, 21, 27), so a lost local directory costs at most 5 steps
+    (before: only the multiples of 15 were, and saves that never hit a multiple of
+    persistent_every were never copied)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "persistent")
+    save_steps(local, persistent, range(3, 28, 3), persistent_every=5)
+    assert ckpt.all_steps(persistent) == [6, 12, 15, 21, 27]
+    shutil.rmtree(local)
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=5) as c:
+        restored, step = c.restore_or_init(like)
+    assert step == 27
+    assert_values(restored, state(27))

@@ -76,6 +76,7 @@ class Persistent:
         self.note: Callable[[type[Warning], str], None] = lambda category, message: None
         self._retention = None if rules is None else Retention(rules, self.storage, self._note)
         self._last = time.monotonic()  # the clock of every_seconds starts at the opening
+        self._previous: int | None = None  # the step of the save before (this opening's)
         self._aside: list[str] = []
         untouched = self.storage.clean_leftovers(lock.taken_over_from)
         if untouched:
@@ -87,8 +88,15 @@ class Persistent:
             )
 
     def due(self, step: int) -> bool:
-        """Whether the step just written locally is also kept persistently."""
-        if self._every is not None and step % self._every == 0:
+        """Whether the step just written locally is also kept persistently: a multiple
+        of `every`, or the first save past one (saves every 3 steps, every=5: 6, 12, 15,
+        ...), so that a lost local tier costs at most `every` steps whatever the saves'
+        spacing; or the first save once `every_seconds` have passed since the last copy."""
+        previous, self._previous = self._previous, step
+        if self._every is not None and (
+            step % self._every == 0
+            or (previous is not None and step // self._every > previous // self._every)
+        ):
             return True
         return self._seconds is not None and time.monotonic() - self._last >= self._seconds
 
