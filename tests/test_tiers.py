@@ -359,3 +359,19 @@ def test_saves_that_skip_the_multiples_of_persistent_every_are_copied_past_them(
         restored, step = c.restore_or_init(like)
     assert step == 27
     assert_values(restored, state(27))
+
+
+def test_persistent_every_seconds_counts_from_the_last_copy_across_restarts(tmp_path):
+    """A preemptible machine restarted more often than persistent_every_seconds: the
+    clock runs from the persistent tier's newest copy, not from each opening, so the
+    first save of a reopened run is copied once the time has passed since that copy
+    (before: never, as long as each run was shorter than persistent_every_seconds)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    options = {"persistent": persistent, "persistent_every_seconds": 0.5}
+    with ckpt.Checkpointer(local, **options) as c:
+        time.sleep(0.6)
+        c.save(state(1), 1)
+    time.sleep(0.6)
+    with ckpt.Checkpointer(local, **options) as c:
+        c.save(state(2), 2)  # 0.6 s after the copy of step 1, a moment after the opening
+    assert ckpt.all_steps(persistent) == [1, 2]

@@ -75,7 +75,9 @@ class Persistent:
         # the exchange is made (it is made knowing this tier's steps).
         self.note: Callable[[type[Warning], str], None] = lambda category, message: None
         self._retention = None if rules is None else Retention(rules, self.storage, self._note)
-        self._last = time.monotonic()  # the clock of every_seconds starts at the opening
+        # The clock of every_seconds: from the newest copy here (a restarted run goes on
+        # counting), else from the opening.
+        self._last = time.monotonic() - (0.0 if every_seconds is None else _age(self.storage))
         self._previous: int | None = None  # the step of the save before (this opening's)
         self._aside: list[str] = []
         untouched = self.storage.clean_leftovers(lock.taken_over_from)
@@ -191,6 +193,18 @@ class Persistent:
                 self.storage.write_file(f"{temp}/{relative}", data)
                 nbytes += len(data)
         return nbytes, extra
+
+
+def _age(storage: Storage) -> float:
+    """Seconds since the newest step of `storage` was saved (its `saved_at`); 0 when
+    there is none or its time is unreadable or ahead of this clock (hostile input:
+    never makes a copy due sooner than the time recorded allows)."""
+    try:
+        steps = storage.list_steps()
+        saved = _format.saved_seconds(storage.open_step(steps[-1]).meta.get("saved_at"))
+    except Exception:  # (no step, a damaged one, storage out of reach: count from now)
+        return 0.0
+    return 0.0 if saved is None else min(max(time.time() - saved, 0.0), 1e9)
 
 
 def _read(path: str, limit: int) -> bytes:
