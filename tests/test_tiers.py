@@ -375,3 +375,24 @@ def test_persistent_every_seconds_counts_from_the_last_copy_across_restarts(tmp_
     with ckpt.Checkpointer(local, **options) as c:
         c.save(state(2), 2)  # 0.6 s after the copy of step 1, a moment after the opening
     assert ckpt.all_steps(persistent) == [1, 2]
+
+
+def test_a_step_not_copied_before_a_restart_is_made_up_by_the_next_save(tmp_path):
+    """Killed between the local commit of step 6 and its copy (here: the copy removed),
+    the restarted run resumes from the local step 6; its next save (7) is copied, so a
+    local directory lost at step 8 costs at most persistent_every steps (before: the
+    persistent tier stayed at step 3 until step 9, and the run went back to 3)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    save_steps(local, persistent, range(1, 7))  # copies: 3, 6
+    shutil.rmtree(os.path.join(persistent, "6"))
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        _, step = c.restore_or_init(like)
+        assert step == 6
+        for later in (7, 8):
+            c.save(state(later), later)
+    assert ckpt.all_steps(persistent) == [3, 7]
+    shutil.rmtree(local)
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        restored, step = c.restore_or_init(like)
+    assert step == 7
+    assert_values(restored, state(7))

@@ -75,10 +75,12 @@ class Persistent:
         # the exchange is made (it is made knowing this tier's steps).
         self.note: Callable[[type[Warning], str], None] = lambda category, message: None
         self._retention = None if rules is None else Retention(rules, self.storage, self._note)
-        # The clock of every_seconds: from the newest copy here (a restarted run goes on
-        # counting), else from the opening.
-        self._last = time.monotonic() - (0.0 if every_seconds is None else _age(self.storage))
-        self._previous: int | None = None  # the step of the save before (this opening's)
+        # Where the last copy left off (a restarted run goes on from there, else from the
+        # opening): the step of the save before (`due`: a save past a multiple of `every`
+        # since it is copied, also one a killed run committed locally but never copied)
+        # and the clock of every_seconds.
+        self._previous, age = _newest(self.storage)
+        self._last = time.monotonic() - age
         self._aside: list[str] = []
         untouched = self.storage.clean_leftovers(lock.taken_over_from)
         if untouched:
@@ -195,16 +197,18 @@ class Persistent:
         return nbytes, extra
 
 
-def _age(storage: Storage) -> float:
-    """Seconds since the newest step of `storage` was saved (its `saved_at`); 0 when
-    there is none or its time is unreadable or ahead of this clock (hostile input:
-    never makes a copy due sooner than the time recorded allows)."""
+def _newest(storage: Storage) -> tuple[int | None, float]:
+    """The newest step of `storage` and the seconds since it was saved (its
+    `saved_at`); (None, 0) when there is none, 0 s when its time is unreadable or ahead
+    of this clock (hostile input: never makes a copy due sooner than recorded)."""
     try:
         steps = storage.list_steps()
+        if not steps:
+            return None, 0.0
         saved = _format.saved_seconds(storage.open_step(steps[-1]).meta.get("saved_at"))
-    except Exception:  # (no step, a damaged one, storage out of reach: count from now)
-        return 0.0
-    return 0.0 if saved is None else min(max(time.time() - saved, 0.0), 1e9)
+    except Exception:  # (a damaged step, storage out of reach: count from now)
+        return None, 0.0
+    return steps[-1], 0.0 if saved is None else min(max(time.time() - saved, 0.0), 1e9)
 
 
 def _read(path: str, limit: int) -> bytes:
