@@ -396,3 +396,19 @@ def test_a_step_not_copied_before_a_restart_is_made_up_by_the_next_save(tmp_path
         restored, step = c.restore_or_init(like)
     assert step == 7
     assert_values(restored, state(7))
+
+
+def test_run_says_which_tier_it_resumed_from(tmp_path, capfd):
+    """run's line on stderr names the directory the step was read from: the persistent
+    one after the local directory was lost (before: the empty local directory), and
+    both when it starts fresh (a mistyped persistent= shows)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+
+    def go():
+        with ckpt.Checkpointer(local, persistent=persistent, persistent_every=4, every=2) as c:
+            c.run(lambda s, i: s + 1.0, np.float32(0), 10)
+        return capfd.readouterr().err
+
+    assert f"starting fresh at step 0 in {local} (no checkpoint there nor in {persistent})" in go()
+    shutil.rmtree(local)
+    assert f"run resumed from step 8 of {persistent}\n" in go()
