@@ -344,3 +344,71 @@ def test_sigkill_with_a_bucket_as_the_persistent_tier(tmp_path, uninterrupted, r
     kill_and_resume(
         tmp_path / "local", remote.url, uninterrupted, random.Random(7), True, remote.env
     )
+
+
+def test_saves_that_skip_the_multiples_of_persistent_every_are_copied_past_them(tmp_path):
+    """Saves every 3 steps, persistent_every=5: the first save past each multiple of 5
+    is copied (6, 12, 15, 21, 27), so a lost local directory costs at most 5 steps
+    (before: only the multiples of 15 were, and saves that never hit a multiple of
+    persistent_every were never copied)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "persistent")
+    save_steps(local, persistent, range(3, 28, 3), persistent_every=5)
+    assert ckpt.all_steps(persistent) == [6, 12, 15, 21, 27]
+    shutil.rmtree(local)
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=5) as c:
+        restored, step = c.restore_or_init(like)
+    assert step == 27
+    assert_values(restored, state(27))
+
+
+def test_persistent_every_seconds_counts_from_the_last_copy_across_restarts(tmp_path):
+    """A preemptible machine restarted more often than persistent_every_seconds: the
+    clock runs from the persistent tier's newest copy, not from each opening, so the
+    first save of a reopened run is copied once the time has passed since that copy
+    (before: never, as long as each run was shorter than persistent_every_seconds)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    options = {"persistent": persistent, "persistent_every_seconds": 0.5}
+    with ckpt.Checkpointer(local, **options) as c:
+        time.sleep(0.6)
+        c.save(state(1), 1)
+    time.sleep(0.6)
+    with ckpt.Checkpointer(local, **options) as c:
+        c.save(state(2), 2)  # 0.6 s after the copy of step 1, a moment after the opening
+    assert ckpt.all_steps(persistent) == [1, 2]
+
+
+def test_a_step_not_copied_before_a_restart_is_made_up_by_the_next_save(tmp_path):
+    """Killed between the local commit of step 6 and its copy (here: the copy removed),
+    the restarted run resumes from the local step 6; its next save (7) is copied, so a
+    local directory lost at step 8 costs at most persistent_every steps (before: the
+    persistent tier stayed at step 3 until step 9, and the run went back to 3)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    save_steps(local, persistent, range(1, 7))  # copies: 3, 6
+    shutil.rmtree(os.path.join(persistent, "6"))
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        _, step = c.restore_or_init(like)
+        assert step == 6
+        for later in (7, 8):
+            c.save(state(later), later)
+    assert ckpt.all_steps(persistent) == [3, 7]
+    shutil.rmtree(local)
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        restored, step = c.restore_or_init(like)
+    assert step == 7
+    assert_values(restored, state(7))
+
+
+def test_run_says_which_tier_it_resumed_from(tmp_path, capfd):
+    """run's line on stderr names the directory the step was read from: the persistent
+    one after the local directory was lost (before: the empty local directory), and
+    both when it starts fresh (a mistyped persistent= shows)."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+
+    def go():
+        with ckpt.Checkpointer(local, persistent=persistent, persistent_every=4, every=2) as c:
+            c.run(lambda s, i: s + 1.0, np.float32(0), 10)
+        return capfd.readouterr().err
+
+    assert f"starting fresh at step 0 in {local} (no checkpoint there nor in {persistent})" in go()
+    shutil.rmtree(local)
+    assert f"run resumed from step 8 of {persistent}\n" in go()

@@ -124,6 +124,7 @@ def resume(
         return _restore.resume(storage, like, verify=verify, member=member, on_damaged=on_damaged)
 
     storage, resumed = _newest_of_tiers(parts, read)
+    parts.resumed_from = None if resumed.step is None else storage.path
     if resumed.step is None:
         if resumed.error is not None and where() == "restore":
             raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved

@@ -109,7 +109,9 @@ def _run(
     resumed = _restart.resume(parts, lambda: init)
     state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, extra)
     if not quiet:
-        _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
+        tier = None if parts.persistent is None else parts.persistent.path
+        read = parts.resumed_from or ckpt.directory
+        _say_where(read, start if resumed is not None else None, num_steps, tier)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -218,12 +220,16 @@ def _checked_arguments(
     return check
 
 
-def _say_where(directory: str, start: int | None, num_steps: int) -> None:
+def _say_where(
+    directory: str, start: int | None, num_steps: int, persistent: str | None = None
+) -> None:
     """One line on stderr: where the run starts (`start`: the step resumed from, None
-    for a fresh start), so that a mistyped directory, which trains from step 0 again,
-    is seen at once, without configuring logging. `quiet=True` leaves it out."""
+    for a fresh start; `directory`: the tier it was read from), so that a mistyped
+    directory (or `persistent`), which trains from step 0 again, is seen at once,
+    without configuring logging. `quiet=True` leaves it out."""
     if start is None:
-        where = f"starting fresh at step 0 in {directory} (no checkpoint there)"
+        nor = "" if persistent is None else f" nor in {persistent}"
+        where = f"starting fresh at step 0 in {directory} (no checkpoint there{nor})"
     else:
         where = f"resumed from step {start} of {directory}"
         if start == num_steps:

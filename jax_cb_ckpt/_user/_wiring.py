@@ -198,6 +198,7 @@ class Parts:
     finalizer: weakref.finalize[Any, Any]
     closed: bool = False
     persistent: Storage | None = None  # the persistent tier's, with persistent=
+    resumed_from: str | None = None  # the directory the last restart read (either tier)
     run_loops: dict[Hashable, Any] = dataclasses.field(default_factory=dict)  # run()'s, reused
     told_best: set[tuple[str, ...]] = dataclasses.field(default_factory=set)  # (cross)
 

@@ -75,7 +75,12 @@ class Persistent:
         # the exchange is made (it is made knowing this tier's steps).
         self.note: Callable[[type[Warning], str], None] = lambda category, message: None
         self._retention = None if rules is None else Retention(rules, self.storage, self._note)
-        self._last = time.monotonic()  # the clock of every_seconds starts at the opening
+        # Where the last copy left off (a restarted run goes on from there, else from the
+        # opening): the step of the save before (`due`: a save past a multiple of `every`
+        # since it is copied, also one a killed run committed locally but never copied)
+        # and the clock of every_seconds.
+        self._previous, age = _newest(self.storage)
+        self._last = time.monotonic() - age
         self._aside: list[str] = []
         untouched = self.storage.clean_leftovers(lock.taken_over_from)
         if untouched:
@@ -87,8 +92,15 @@ class Persistent:
             )
 
     def due(self, step: int) -> bool:
-        """Whether the step just written locally is also kept persistently."""
-        if self._every is not None and step % self._every == 0:
+        """Whether the step just written locally is also kept persistently: a multiple
+        of `every`, or the first save past one (saves every 3 steps, every=5: 6, 12, 15,
+        ...), so that a lost local tier costs at most `every` steps whatever the saves'
+        spacing; or the first save once `every_seconds` have passed since the last copy."""
+        previous, self._previous = self._previous, step
+        if self._every is not None and (
+            step % self._every == 0
+            or (previous is not None and step // self._every > previous // self._every)
+        ):
             return True
         return self._seconds is not None and time.monotonic() - self._last >= self._seconds
 
@@ -183,6 +195,20 @@ class Persistent:
                 self.storage.write_file(f"{temp}/{relative}", data)
                 nbytes += len(data)
         return nbytes, extra
+
+
+def _newest(storage: Storage) -> tuple[int | None, float]:
+    """The newest step of `storage` and the seconds since it was saved (its
+    `saved_at`); (None, 0) when there is none, 0 s when its time is unreadable or ahead
+    of this clock (hostile input: never makes a copy due sooner than recorded)."""
+    try:
+        steps = storage.list_steps()
+        if not steps:
+            return None, 0.0
+        saved = _format.saved_seconds(storage.open_step(steps[-1]).meta.get("saved_at"))
+    except Exception:  # (a damaged step, storage out of reach: count from now)
+        return None, 0.0
+    return steps[-1], 0.0 if saved is None else min(max(time.time() - saved, 0.0), 1e9)
 
 
 def _read(path: str, limit: int) -> bytes:
