@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._base._errors import ConfigError, NoCheckpointError, shown, where
+from .._base._errors import ConfigError, InvalidStateError, NoCheckpointError, shown, where
 from .._base._types import PyTree, Saver
 from .._read import _rebuild, _restore, _resume, _steps
 
@@ -83,7 +83,16 @@ def restore_or_init(
 
     @functools.cache
     def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
-        return jax.eval_shape(lambda: init_fn(*args)) if like is None else like
+        if like is not None:
+            return like
+        try:
+            return jax.eval_shape(lambda: init_fn(*args))
+        except TypeError as e:  # (JAX's own message names neither us nor init_fn)
+            raise InvalidStateError(
+                f"restore_or_init: init_fn(*args), traced by jax.eval_shape for the "
+                f"structure to restore into, failed: {e}. Fix: init_fn must return the "
+                "state, a pytree of arrays (keep strings and other static values out of it)."
+            ) from e
 
     def fresh() -> PyTree:
         init = init_fn(*args)
