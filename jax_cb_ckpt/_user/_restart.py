@@ -117,6 +117,7 @@ def resume(
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
     fresh: Callable[[], PyTree] | None = None,
+    damaged: list[int] | None = None,
 ) -> Resumed | None:
     """A restart: (the state, its step) of the newest step that passes its checks
     (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
@@ -125,7 +126,8 @@ def resume(
     Members of a vmap batch that asked for no step of their own start again from
     `fresh()`'s state at step 0 (`restore_or_init`, said in the INFO line); without
     `fresh` they keep what the step holds, said in a `MemberStateWarning`. Waits for
-    pending saves first."""
+    pending saves first. `damaged`, where given, gets the steps passed over on a fresh
+    start (`run`'s start line names them)."""
     parts.wait()
     on_damaged = parts.options.failures.on_damaged
 
@@ -137,6 +139,8 @@ def resume(
         if resumed.error is not None and where() == "restore":
             raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
         _resume.report(storage, resumed, set_aside=True)  # a fresh start
+        if damaged is not None:
+            damaged.extend(p.step for p in resumed.passed)
         parts.exchange.forget(parts.steps_on_disk())
         return None
     resumed = _resume.report(storage, resumed, set_aside=True)

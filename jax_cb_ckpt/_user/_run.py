@@ -106,10 +106,11 @@ def _run(
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
-    resumed = _restart.resume(parts, lambda: init)
+    damaged: list[int] = []
+    resumed = _restart.resume(parts, lambda: init, damaged=damaged)
     state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, extra)
     if not quiet:
-        _say_where(ckpt.directory, start if resumed is not None else None, num_steps)
+        _say_where(ckpt.directory, start if resumed is not None else None, num_steps, damaged)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -218,11 +219,19 @@ def _checked_arguments(
     return check
 
 
-def _say_where(directory: str, start: int | None, num_steps: int) -> None:
+def _say_where(directory: str, start: int | None, num_steps: int, damaged: list[int]) -> None:
     """One line on stderr: where the run starts (`start`: the step resumed from, None
-    for a fresh start), so that a mistyped directory, which trains from step 0 again,
-    is seen at once, without configuring logging. `quiet=True` leaves it out."""
-    if start is None:
+    for a fresh start, `damaged`: the steps it passed over), so that a mistyped
+    directory, which trains from step 0 again, is seen at once, without configuring
+    logging. `quiet=True` leaves it out."""
+    if start is None and damaged:
+        steps = ", ".join(str(s) for s in sorted(damaged))
+        where = (
+            f"starting fresh at step 0 in {directory} (no step there passes its checks: "
+            f"{len(damaged)} damaged step(s) passed over, {steps}; the DamagedStepWarning "
+            "says why and where each went)"
+        )
+    elif start is None:
         where = f"starting fresh at step 0 in {directory} (no checkpoint there)"
     else:
         where = f"resumed from step {start} of {directory}"
