@@ -165,6 +165,39 @@ def test_a_checkpointer_on_plain_steps_lists_them_and_saves_above_them(plain):
             ckpt.wait()
 
 
+def test_a_save_below_a_plain_step_says_it_is_orbax_s_and_to_save_above_it(plain):
+    """The refusal suggested on_existing='replace', which cannot delete Orbax's step
+    (the library never deletes one): it says the step is Orbax's and to save above it."""
+    before = _files(plain)
+    with jax_cb_ckpt.Checkpointer(plain) as ckpt:
+        with pytest.raises(StepExistsError) as raised:
+            ckpt.save({"w": np.ones(3, np.float32)}, 250)
+        text = str(raised.value)
+        assert "of which 300 is a plain Orbax step" in text, text
+        assert "Fix: save above step 300" in text, text
+        assert "create the Checkpointer with on_existing='replace'" not in text, text
+        ckpt.restore(LIKE, step=200)  # a resumed run's counter that started again
+        with pytest.raises(StepExistsError) as raised:
+            ckpt.save({"w": np.ones(3, np.float32)}, 150)
+        text = str(raised.value)
+        assert "Step(s) 200, 300 there are plain Orbax steps" in text, text
+        assert "create the Checkpointer with on_existing='replace'" not in text, text
+    assert {p: b for p, b in _files(plain).items() if p in before} == before
+
+
+def test_replace_below_a_plain_step_is_refused_as_it_cannot_make_room(plain):
+    """on_existing='replace' saved step 250 below Orbax's step 300 without a word: the
+    directory then held 250 and 300, and the next restart resumed from the other run's
+    300. Orbax's steps are never deleted, so replace cannot make room: refused."""
+    before = _files(plain)
+    with jax_cb_ckpt.Checkpointer(plain, on_existing="replace") as ckpt:
+        with pytest.raises(StepExistsError, match="of which 300 is a plain Orbax step"):
+            ckpt.save({"w": np.ones(3, np.float32)}, 250)
+        ckpt.save({"w": np.ones(3, np.float32)}, 301)  # above it: saved
+    assert {p: b for p, b in _files(plain).items() if p in before} == before
+    assert 250 not in jax_cb_ckpt.all_steps(plain)
+
+
 # -- issue 53 item 2: numbers Orbax stored --------------------------------------------------
 
 

@@ -778,11 +778,25 @@ def test_ls_shows_which_folders_are_plain_orbax_steps_a_restart_reads(tmp_path):
 
 
 def test_a_restart_s_errors_name_the_call_that_was_made(tmp_path):
+    """restore_or_init takes no step: its messages name the step read as such, not as
+    an argument ("restore_or_init(step=300)" read as if the user had passed one)."""
     d = tmp_path / "ckpt"
     _saved(d, (300,))
     with jax_cb_ckpt.Checkpointer(d) as ckpt:
-        with pytest.raises(jax_cb_ckpt.StructureMismatchError, match=r"^restore_or_init\(step=300"):
+        with pytest.raises(
+            jax_cb_ckpt.StructureMismatchError, match=r"^restore_or_init: step 300 of '.*': leaf"
+        ):
             ckpt.restore_or_init(lambda: {"w": np.zeros(9, np.float32)})
+
+
+def test_restore_or_init_names_itself_when_init_fn_returns_no_arrays(tmp_path):
+    """An init_fn whose state holds a string failed with JAX's bare TypeError from
+    jax.eval_shape, naming neither restore_or_init nor init_fn."""
+    d = tmp_path / "ckpt"
+    _saved(d, (300,))
+    with jax_cb_ckpt.Checkpointer(d) as ckpt:
+        with pytest.raises(jax_cb_ckpt.InvalidStateError, match=r"^restore_or_init: init_fn"):
+            ckpt.restore_or_init(lambda: {"w": "not an array"})
 
 
 def test_restore_of_a_step_set_aside_names_where_it_went(tmp_path):

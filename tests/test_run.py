@@ -5,10 +5,12 @@ bits of an uninterrupted one; a stop request saves and raises `Preempted` (code 
 a directory past `num_steps` is refused; a complete run does nothing; `_in_thread`
 returns the helper thread's result and re-raises its error in the caller's thread."""
 
+import os
 import time
 
 import jax.numpy as jnp
 import pytest
+from helpers import data_files, flip
 
 import jax_cb_ckpt
 from jax_cb_ckpt import ConfigError, Preempted
@@ -124,6 +126,27 @@ def test_run_says_where_it_starts_on_stderr_unless_quiet(make_ckpt, ckpt_dir, ca
     assert "jax_cb_ckpt" not in capfd.readouterr().err
     with pytest.raises(ConfigError, match=r"run: quiet must be True or False, got 'yes'"):
         ckpt.run(body, INIT, 6, quiet="yes")
+
+
+def test_run_s_start_line_says_its_damaged_steps_were_passed_over(make_ckpt, ckpt_dir, capfd):
+    """A directory whose every step is damaged: the start line said "no checkpoint
+    there"; it says the run starts fresh because its steps were damaged, naming them."""
+    ckpt = make_ckpt(every=2)
+    ckpt.run(body, INIT, 4, quiet=True)
+    steps = ckpt.all_steps()
+    assert steps
+    for step in steps:
+        path = data_files(os.path.join(ckpt_dir, str(step)))[0]
+        flip(path, os.path.getsize(path) // 2)
+    with pytest.warns(jax_cb_ckpt.DamagedStepWarning):
+        ckpt.run(body, INIT, 4)
+    err = capfd.readouterr().err
+    assert "no checkpoint there" not in err, err
+    listed = ", ".join(str(s) for s in steps)
+    assert (
+        f"jax_cb_ckpt: run starting fresh at step 0 in {ckpt_dir} (no step there passes its "
+        f"checks: {len(steps)} damaged step(s) passed over, {listed};"
+    ) in err, err
 
 
 def test_an_error_of_ours_in_run_s_loop_is_raised_as_ours(make_ckpt, ckpt_dir):

@@ -412,3 +412,19 @@ def test_run_says_which_tier_it_resumed_from(tmp_path, capfd):
     assert f"starting fresh at step 0 in {local} (no checkpoint there nor in {persistent})" in go()
     shutil.rmtree(local)
     assert f"run resumed from step 8 of {persistent}\n" in go()
+
+
+def test_a_damaged_newer_persistent_copy_gives_back_the_older_local_step(tmp_path):
+    """The restart lets the local state it read go before it reads a newer persistent
+    step (one state in memory at a time), and reads the local one again where no newer
+    persistent step passes its checks: the older local step, exactly."""
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "p")
+    save_steps(local, persistent, range(1, 7))  # copies: 3, 6
+    shutil.rmtree(os.path.join(local, "6"))  # local: 1..5; persistent: 3, 6
+    data = data_files(os.path.join(persistent, "6"))[0]
+    with open(data, "r+b") as f:  # the persistent copy of 6 is damaged
+        f.write(b"\xff\xff\xff\xff")
+    with ckpt.Checkpointer(local, persistent=persistent, persistent_every=3) as c:
+        with pytest.warns(ckpt.DamagedStepWarning, match="step 6"):
+            restored = c.restore(like())
+    assert_values(restored, state(5))

@@ -189,6 +189,36 @@ def test_concrete_steps_that_are_meant_are_not_warned_about(tmp_path):
     assert ckpt.all_steps() == [10, 20, 21, 1000, 1010, 1020, 1029, 4000, 5000]
 
 
+def test_a_constant_step_in_a_loop_that_runs_once_is_not_warned_about(tmp_path):
+    """A scan of length 1 (or fori_loop(0, 1)) runs its body once: a constant step there
+    is saved once, no mistake. One such loop inside a longer one still repeats it."""
+    ckpt = jax_cb_ckpt.Checkpointer(tmp_path / "ckpt", every=10)
+    x = np.zeros(2, np.float32)
+
+    def saving(step):
+        def body(state, i):
+            ckpt.maybe_save(state, step)
+            return state + 1.0, None
+
+        return body
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning of ours fails the test
+        jax.jit(lambda s: jax.lax.scan(saving(100), s, jax.numpy.arange(1))[0])(x)
+        jax.jit(lambda s: jax.lax.scan(saving(110), s, length=1)[0])(x)
+        jax.jit(lambda s: jax.lax.fori_loop(0, 1, lambda i, s: saving(120)(s, i)[0], s))(x)
+        ckpt.wait()
+    assert ckpt.all_steps() == [100, 110, 120]
+
+    def outer(state, i):
+        return jax.lax.scan(saving(130), state, length=1)[0], None
+
+    with pytest.warns(jax_cb_ckpt.ConstantStepWarning, match=r"every iteration saves step 130"):
+        jax.jit(lambda s: jax.lax.scan(outer, s, length=3)[0])(x)
+    with pytest.warns(DuplicateStepWarning):
+        ckpt.close()
+
+
 # -- the suite's own warning filters (pyproject.toml) ------------------------------------
 # Only our own warnings are errors: an upstream release that deprecates something at import
 # (jax 0.12.1 + orbax-checkpoint 0.12.8: "SingleDeviceSharding is deprecated", raised while

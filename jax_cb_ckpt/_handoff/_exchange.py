@@ -175,8 +175,12 @@ class Exchange:
         on_full: OnFull = "block",
         on_error: OnError = "raise",
         stats: StatsRecorder | None = None,
+        is_plain: Callable[[int], bool] = lambda step: False,
     ) -> None:
         self.directory = directory
+        # Is an old step a plain Orbax one (never deleted, so never replaced)? Asked only
+        # for a refusal's message (it may read the directory).
+        self._is_plain = is_plain
         self.on_existing = on_existing
         self.on_full: OnFull = on_full
         self.on_error: OnError = on_error
@@ -231,19 +235,11 @@ class Exchange:
             clash = tuple(self._old[cut:])
             restored = self._restored
             if restored is not None and step <= restored and self.on_existing == "raise":
-                raise StepExistsError(self._restart_message(step, restored))
-            if clash and self.on_existing == "raise":
-                shown = ", ".join(map(str, clash[:5])) + (", ..." if len(clash) > 5 else "")
-                raise StepExistsError(
-                    f"saving step {step} to {self.directory!r}: the directory already "
-                    f"holds step(s) {shown} >= {step} written before this run started (by an "
-                    "earlier run, or by this Checkpointer before its last restore()), and "
-                    "mixing two runs would make the latest checkpoint belong to the other. "
-                    "Nothing was changed on disk. Fix: use a new directory for a new run; "
-                    "or resume from the latest step (ckpt.restore(like) / ckpt.run(...)) "
-                    "so new steps come after it; or, to discard that run's steps from "
-                    f"step {step} on, create the Checkpointer with on_existing='replace'."
-                )
+                raise StepExistsError(self._restart_message(step, restored, clash))
+            if clash and (self.on_existing == "raise" or any(map(self._is_plain, clash))):
+                # (a plain Orbax step is never deleted: "replace" cannot make room for
+                # this step below it, and the latest step would stay the other run's)
+                raise StepExistsError(self._clash_message(step, clash))
             del self._old[cut:]
             highest = self._handed.highest() if in_order else self._settled
             if highest is not None and step < highest and not self._order_noted:
@@ -285,7 +281,44 @@ class Exchange:
         with self._cond:
             self._unclaim(step, replace)
 
-    def _restart_message(self, step: int, restored: int) -> str:
+    def _clash_message(self, step: int, clash: tuple[int, ...]) -> str:
+        """Why `step` may not be written: steps another run left, `clash`, are >= it. A
+        plain Orbax one among them cannot be replaced (never deleted): save above it."""
+        shown = ", ".join(map(str, clash[:5])) + (", ..." if len(clash) > 5 else "")
+        plain = [s for s in clash if self._is_plain(s)]
+        if plain:
+            return (
+                f"saving step {step} to {self.directory!r}: the directory already holds "
+                f"step(s) {shown} >= {step}, of which {', '.join(map(str, plain[:5]))} "
+                f"{'is a plain Orbax step' if len(plain) == 1 else 'are plain Orbax steps'} "
+                "(written by Orbax's CheckpointManager, not by jax_cb_ckpt), and mixing two "
+                "runs would make the latest checkpoint belong to the other. Nothing was "
+                "changed on disk. jax_cb_ckpt never deletes Orbax's steps, so "
+                "on_existing='replace' cannot make room. Fix: save above step "
+                f"{max(clash)} (resume from it: ckpt.restore_or_init(...) / ckpt.run(...) "
+                "go on after the latest step), or use another directory."
+            )
+        return (
+            f"saving step {step} to {self.directory!r}: the directory already "
+            f"holds step(s) {shown} >= {step} written before this run started (by an "
+            "earlier run, or by this Checkpointer before its last restore()), and "
+            "mixing two runs would make the latest checkpoint belong to the other. "
+            "Nothing was changed on disk. Fix: use a new directory for a new run; "
+            "or resume from the latest step (ckpt.restore(like) / ckpt.run(...)) "
+            "so new steps come after it; or, to discard that run's steps from "
+            f"step {step} on, create the Checkpointer with on_existing='replace'."
+        )
+
+    def _restart_message(self, step: int, restored: int, clash: tuple[int, ...]) -> str:
+        plain = [s for s in clash if self._is_plain(s)]
+        over = (
+            f"To start over from step {step} instead, create the Checkpointer with "
+            "on_existing='replace' (it deletes the steps from there on)."
+            if not plain
+            else f"Step(s) {', '.join(map(str, plain[:5]))} there are plain Orbax steps "
+            "(written by Orbax's CheckpointManager), which jax_cb_ckpt never deletes: "
+            "on_existing='replace' cannot make room for this step."
+        )
         return (
             f"saving step {step} to {self.directory!r}: this Checkpointer resumed from "
             f"step {restored} (restore_or_init, restore or run), and step {step} is not "
@@ -295,9 +328,7 @@ class Exchange:
             "updates of the whole run). Nothing was changed on disk. Fix: pass the "
             "resumed step into the jitted function and save `start + i + 1` for a scan "
             "index i, or loop with `lax.fori_loop(start, num_updates, body, state)` and "
-            "save `i + 1`; `ckpt.run(update, init, num_steps)` does both. To start over "
-            f"from step {step} instead, create the Checkpointer with "
-            "on_existing='replace' (it deletes the steps from there on)."
+            f"save `i + 1`; `ckpt.run(update, init, num_steps)` does both. {over}"
         )
 
     def _duplicate_message(self, step: int, again: bool = False) -> str:

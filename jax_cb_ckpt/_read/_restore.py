@@ -433,8 +433,15 @@ def read_step(
     named: bool,
 ) -> Any:
     """Checkpoint `step` of `storage` (listed, or `named` by the caller) read into the
-    request's `like`; its messages name the public call (`where()`) and the step."""
-    with calling(f"{where()}(step={step}) from {storage.path!r}"):
+    request's `like`; its messages name the public call (`where()`) and the step: as
+    an argument where the call takes one (`restore(step=300)`), else as the step read
+    (`restore_or_init: step 300 of ...`: restore_or_init and run take no step)."""
+    call = where()
+    if named or call == "restore":
+        call += f"(step={step}) from {storage.path!r}"
+    else:
+        call += f": step {step} of {storage.path!r}"
+    with calling(call):
         return _read_step(storage, request, step, verify=verify, member=member, named=named)
 
 

@@ -46,7 +46,7 @@ from .._base._errors import ConstantStepWarning, InvalidStateError, shown, where
 from .._base._types import Gather
 from .._handoff._shards import Layout
 from .._layout._format import MAX_STEP
-from ._values import loop_body
+from ._values import loop_body, loops_run_once
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
@@ -110,9 +110,10 @@ def warn_if_constant_in_loop(step: int, due: bool) -> None:
     the body is traced once, so every iteration asks for this same step (a counter
     bumped in the body, `step += 1`, counts traces, not iterations). Said while
     tracing (`ConstantStepWarning`): at run time the saves would be dropped as
-    duplicates, or, at a step that is not due, never made at all."""
+    duplicates, or, at a step that is not due, never made at all. Not said where every
+    loop around runs once (`loops_run_once`: a scan of length 1)."""
     loop = loop_body()
-    if loop is None:
+    if loop is None or loops_run_once():
         return
     what = (
         f"every iteration saves step {step}: the first is written, the others are dropped "

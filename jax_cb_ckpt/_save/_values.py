@@ -8,6 +8,7 @@ described (`is_tracing` says which of the two a save is).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -174,10 +175,39 @@ def loop_body() -> str | None:
     return None
 
 
+def loops_run_once() -> bool:
+    """Does every loop whose body is being traced run exactly once (a `lax.scan` of
+    length 1, a `fori_loop(0, 1, ...)`)? A constant step saved there is not repeated.
+    JAX's traces do not say a scan's length; its `scan` function knows it (its local
+    `length`, set before the body is traced), so the frames of JAX's loops on the stack
+    decide: every scan's length 1, and no `while_loop` (no trip count). False wherever
+    unsure (a JAX whose loops differ): the warning then stays."""
+    frame, seen = sys._getframe(1), False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _LOOPS_FILE and code.co_name in ("scan", "scan_nocarry"):
+            length = frame.f_locals.get("length")
+            if type(length) is not int or length != 1:
+                return False
+            seen = True
+        elif code.co_filename == _LOOPS_FILE and code.co_name == "while_loop":
+            return False
+        frame = frame.f_back
+    return seen
+
+
 try:
     from jax._src import core as _core
 except ImportError:  # pragma: no cover - a JAX that moved it
     _core = None
+
+# The file of JAX's lax.scan and lax.while_loop (private; missing: never "once").
+try:
+    from jax._src.lax.control_flow import loops as _loops
+
+    _LOOPS_FILE: str | None = _loops.__file__
+except ImportError:  # pragma: no cover - a JAX that moved it
+    _LOOPS_FILE = None
 
 
 def axis_size(axis_name: Hashable) -> int:

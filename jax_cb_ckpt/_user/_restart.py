@@ -6,6 +6,7 @@ that change nothing (`all_steps`, `metadata`, ...) go to `_read._steps` directly
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._base._errors import ConfigError, NoCheckpointError, shown, where
+from .._base._errors import ConfigError, InvalidStateError, NoCheckpointError, shown, where
 from .._base._types import PyTree, Saver
 from .._read import _rebuild, _restore, _resume, _steps
 
@@ -83,7 +84,16 @@ def restore_or_init(
 
     @functools.cache
     def made_like() -> PyTree:  # (args closed over: Python numbers stay numbers)
-        return jax.eval_shape(lambda: init_fn(*args)) if like is None else like
+        if like is not None:
+            return like
+        try:
+            return jax.eval_shape(lambda: init_fn(*args))
+        except TypeError as e:  # (JAX's own message names neither us nor init_fn)
+            raise InvalidStateError(
+                f"restore_or_init: init_fn(*args), traced by jax.eval_shape for the "
+                f"structure to restore into, failed: {e}. Fix: init_fn must return the "
+                "state, a pytree of arrays (keep strings and other static values out of it)."
+            ) from e
 
     def fresh() -> PyTree:
         init = init_fn(*args)
@@ -108,6 +118,7 @@ def resume(
     verify: bool = True,
     member: int | tuple[int, ...] | None = None,
     fresh: Callable[[], PyTree] | None = None,
+    damaged: list[int] | None = None,
 ) -> Resumed | None:
     """A restart: (the state, its step) of the newest step that passes its checks
     (ours, or a plain Orbax step), the newer damaged ones passed over and set aside
@@ -116,7 +127,8 @@ def resume(
     Members of a vmap batch that asked for no step of their own start again from
     `fresh()`'s state at step 0 (`restore_or_init`, said in the INFO line); without
     `fresh` they keep what the step holds, said in a `MemberStateWarning`. Waits for
-    pending saves first."""
+    pending saves first. `damaged`, where given, gets the steps passed over on a fresh
+    start (`run`'s start line names them)."""
     parts.wait()
     on_damaged = parts.options.failures.on_damaged
 
@@ -129,6 +141,8 @@ def resume(
         if resumed.error is not None and where() == "restore":
             raise resumed.refusal()  # asked to restore, and nothing can be: nothing moved
         _resume.report(storage, resumed, set_aside=True)  # a fresh start
+        if damaged is not None:
+            damaged.extend(p.step for p in resumed.passed)
         parts.exchange.forget(parts.steps_on_disk())
         return None
     resumed = _resume.report(storage, resumed, set_aside=True)
@@ -166,10 +180,16 @@ def _newest_of_tiers(
     newest = max(tier.list_steps(), default=None)
     if newest is None or (resumed.step is not None and newest <= resumed.step):
         return local, resumed
+    # A newer step in the persistent tier: the local state read is let go before that
+    # one is read (one state in memory at a time: a model sized to its device fits),
+    # and read again only where none of the persistent tier's newer steps passes.
+    below = resumed.step
+    resumed = dataclasses.replace(resumed, value=None)
     other = read(tier)
-    if other.step is None or (resumed.step is not None and other.step <= resumed.step):
+    if other.step is None or (below is not None and other.step <= below):
         _resume.report(tier, other, set_aside=True)  # (its damaged steps, said)
-        return local, resumed
+        del other
+        return local, (resumed if below is None else read(local))
     if resumed.passed:  # the damaged local steps newer than the one read: set aside
         _resume.report(local, resumed, set_aside=True, instead=(other.step, tier.path))
     return tier, other

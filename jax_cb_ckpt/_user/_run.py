@@ -106,12 +106,13 @@ def _run(
 
     step_fn = jax.vmap(body, in_axes=(0, None)) if batched else body
     init = _check_body(step_fn, init, batched)
-    resumed = _restart.resume(parts, lambda: init)
+    damaged: list[int] = []
+    resumed = _restart.resume(parts, lambda: init, damaged=damaged)
     state, start = _start(ckpt, when, init, resumed, num_steps, metrics, batched, extra)
     if not quiet:
         tier = None if parts.persistent is None else parts.persistent.path
         read = parts.resumed_from or ckpt.directory
-        _say_where(read, start if resumed is not None else None, num_steps, tier)
+        _say_where(read, start if resumed is not None else None, num_steps, damaged, tier)
     if start == num_steps:
         logger.info(
             "run: nothing to do, the latest checkpoint in %s is step %d of num_steps=%d "
@@ -221,14 +222,26 @@ def _checked_arguments(
 
 
 def _say_where(
-    directory: str, start: int | None, num_steps: int, persistent: str | None = None
+    directory: str,
+    start: int | None,
+    num_steps: int,
+    damaged: list[int],
+    persistent: str | None = None,
 ) -> None:
     """One line on stderr: where the run starts (`start`: the step resumed from, None
-    for a fresh start; `directory`: the tier it was read from), so that a mistyped
-    directory (or `persistent`), which trains from step 0 again, is seen at once,
-    without configuring logging. `quiet=True` leaves it out."""
-    if start is None:
-        nor = "" if persistent is None else f" nor in {persistent}"
+    for a fresh start; `directory`: the tier it was read from; `damaged`: the steps it
+    passed over), so that a mistyped directory (or `persistent`), which trains from
+    step 0 again, is seen at once, without configuring logging. `quiet=True` leaves
+    it out."""
+    nor = "" if persistent is None else f" nor in {persistent}"
+    if start is None and damaged:
+        steps = ", ".join(str(s) for s in sorted(damaged))
+        where = (
+            f"starting fresh at step 0 in {directory} (no step there{nor} passes its "
+            f"checks: {len(damaged)} damaged step(s) passed over, {steps}; the "
+            "DamagedStepWarning says why and where each went)"
+        )
+    elif start is None:
         where = f"starting fresh at step 0 in {directory} (no checkpoint there{nor})"
     else:
         where = f"resumed from step {start} of {directory}"

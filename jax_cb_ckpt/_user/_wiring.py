@@ -31,7 +31,7 @@ from .._base._errors import (
 from .._handoff._exchange import Closed, Exchange
 from .._handoff._stats import StatsRecorder
 from .._layout import _format
-from .._read import _steps
+from .._read import _plain, _steps
 from .._save import _route, _traced
 from .._save._host import HostSide, probe_callback_arrays
 from .._storage import _faults, _places
@@ -80,6 +80,7 @@ def wire(options: Options, owner: object) -> Parts:
             on_full=options.queue.on_full,
             on_error=options.failures.on_error,
             stats=stats,
+            is_plain=lambda step: _is_plain(storage, tier, step),
         )
         host = HostSide(exchange, options.queue.queue_size)
         if group is not None:
@@ -180,6 +181,12 @@ def _steps_on_disk(storage: Storage) -> list[int]:
     """The steps a save must not mix with: ours, and plain Orbax steps a restart
     would resume from (a save at or below one is a conflict, as with ours)."""
     return _steps.listing(storage, storage.examine_all()).steps
+
+
+def _is_plain(storage: Storage, tier: Persistent | None, step: int) -> bool:
+    """Is `step` a plain Orbax step of either tier (one that is never deleted)?"""
+    tiers = [storage] if tier is None else [storage, tier.storage]
+    return any(_plain.find(one, step) is not None for one in tiers)
 
 
 @dataclasses.dataclass(eq=False)
