@@ -687,11 +687,11 @@ from jax_cb_ckpt._storage import _places
 write_meta = _places.Storage.write_meta
 
 
-def pause_in_step_2(self, path, meta):  # a VM stopped just before the step's files
+def pause_in_step_2(self, path, meta, *extra):  # a VM stopped just before the step's files
     if path.endswith("/2"):
         print("pausing", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
-    return write_meta(self, path, meta)
+    return write_meta(self, path, meta, *extra)
 
 
 _places.Storage.write_meta = pause_in_step_2
