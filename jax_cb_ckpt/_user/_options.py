@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import os
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +25,7 @@ import jax
 
 from .._base._errors import ConfigError, calling, shown
 from .._base._types import BestMode, Crossing, OnDamaged, OnError, OnExisting, OnFull
-from .._layout import _policy
+from .._layout import _policy, _rule
 from .._layout._keep_best import BestN
 from .._layout._keep_latest import LatestN
 from .._layout._policy import AnyOf
@@ -382,31 +381,11 @@ def checked(directory: object, **given: Any) -> Options:
 
 
 def _positive_seconds(value: object, name: str, meaning: str) -> float | None:
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(
-            f"Checkpointer({name}=...): {name} must be a positive number of seconds or "
-            f"None ({meaning}), got {shown(value)}."
-        )
-    return float(value)
+    return _rule.positive_seconds(value, "Checkpointer", name, meaning)
 
 
 def _positive_int(value: object, name: str, meaning: str, *, optional: bool) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        allowed = "a positive int" + (" or None" if optional else "")
-        raise ConfigError(
-            f"Checkpointer({name}=...): {name} must be {allowed} ({meaning}), got "
-            f"{shown(value)} of type {type(value).__name__}."
-        )
-    return value
+    return _rule.positive_int(value, "Checkpointer", name, meaning, optional=optional)
 
 
 # Orbax's `CheckpointManagerOptions` names, answered with ours (docs/usage.md's table):
