@@ -45,41 +45,13 @@ Loop = Callable[[PyTree, jax.Array], tuple[PyTree, jax.Array, jax.Array]]
 _T = TypeVar("_T")
 
 
-def run(
-    ckpt: Saver,
-    parts: Parts,
-    body: Body,
-    init: PyTree,
-    num_steps: int,
-    *,
-    batched: bool,
-    sigint: bool,
-    check_every: int | None,
-    progress: bool,
-    metrics: Callable[[PyTree], PyTree] | None,
-    quiet: bool,
-    extra: JsonExtra = None,
-) -> PyTree:
-    """`Checkpointer.run` (its docstring): `ckpt` saves, `parts` holds the Checkpointer's
-    options, stop flag and cache of jitted loops (`_jitted_loop`). A failure of the
-    loop that a callback of ours caused is raised as ours (`Parts.running`)."""
+def run(ckpt: Saver, parts: Parts, **arguments: Any) -> PyTree:
+    """`Checkpointer.run` (its docstring; `arguments`: its own, by name, checked by
+    `_run`'s signature): `ckpt` saves, `parts` holds the Checkpointer's options, stop
+    flag and cache of jitted loops (`_jitted_loop`). A failure of the loop that a
+    callback of ours caused is raised as ours (`Parts.running`)."""
     parts.check_usable()
-    return parts.running(
-        lambda: _run(
-            ckpt,
-            parts,
-            body,
-            init,
-            num_steps,
-            batched=batched,
-            sigint=sigint,
-            check_every=check_every,
-            progress=progress,
-            metrics=metrics,
-            quiet=quiet,
-            extra=extra,
-        )
-    )
+    return parts.running(lambda: _run(ckpt, parts, **arguments))
 
 
 def _run(
