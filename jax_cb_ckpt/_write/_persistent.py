@@ -114,7 +114,7 @@ class Persistent:
         """Copy the local tier's committed `step` here, commit it, apply retention (the
         steps it unlists are deleted by `sweep`). Raises what went wrong; nothing of the
         local tier is touched."""
-        self.storage.check_directory(self._identity, self._lock)
+        self._check()
         if self.storage.exists(str(step)):
             raise FileExistsError(
                 f"step {step} is already in the persistent directory {self.directory!r} "
