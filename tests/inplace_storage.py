@@ -160,7 +160,7 @@ class InPlace:
         os.makedirs(os.path.join(temp, STATE_ITEM, part), exist_ok=True)
 
     def commit(self, temp: str, final: str, nbytes: int, sync: Sync) -> None:
-        marker = b"Checkpoint commit was successful."
+        marker = _format.COMMITTED
         name = os.path.basename(final)
         for item in ITEMS:
             self._files.create(f"{name}/{item}/{COMMIT_NAME}", marker)
