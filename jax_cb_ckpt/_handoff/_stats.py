@@ -22,6 +22,9 @@ class SaveRecord:
     write_s: float  # time the writer thread spent writing this save (fsync, commit)
     checksum_s: float = 0.0  # the part of write_s spent computing checksums
     retention_s: float = 0.0  # the part of write_s spent deciding and unlisting old steps
+    # Incremental saves (`incremental=True`): the array bytes this process wrote, the
+    # rest of `nbytes` linked from the step before (None: not an incremental Checkpointer).
+    written_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -98,6 +98,10 @@ MAX_STEP = 2**63 - 1  # steps are stored as int64 in the metadata and as decimal
 # A leaf written whole is split along its leading axes into chunks of at most this many
 # bytes (`_store`); a reader asks for them one request each (`_bucket.Bucket`).
 CHUNK_BYTES = 16 << 20
+# An incremental save's chunks (`_store.chunks_to_link`): about this many per leaf, none
+# smaller than CHUNK_BYTES_FEWEST (what changed is rewritten chunk by chunk).
+CHUNKS_PER_LEAF = 256
+CHUNK_BYTES_FEWEST = 256 << 10
 SMALL_BYTES = 64 << 10  # smaller leaves: their raw chunk bytes, never compressed
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension of a stored block
 

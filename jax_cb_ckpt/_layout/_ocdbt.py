@@ -115,6 +115,8 @@ class Database:
         # version tree nodes after these, are never read).
         latest = _latest(self._read_exact(MANIFEST, 0, None), named)
         self.values: dict[bytes, Value] = {}
+        self._seen: dict[tuple[str, int, int], int] = {}  # node -> its height
+        self._version_files = set(latest.version_files)
         if latest.keys == 0:
             return
         if latest.root is None:
@@ -126,7 +128,6 @@ class Database:
         # The walk reads each node once, at most the node bytes the manifest counts, and
         # keeps at most the keys it counts: a node reached twice, or a tree larger than
         # its manifest says, ends it (a crafted index cannot make it loop or explode).
-        self._seen: dict[tuple[str, int, int], int] = {}  # node -> its height
         self._tree_left, self._keys_left = latest.tree_bytes, latest.keys
         self._key_bytes_left = _MAX_KEY_TOTAL
         self._entries_left = _MAX_ENTRIES
@@ -150,6 +151,14 @@ class Database:
         if where is None or isinstance(where, bytes):
             return where
         return self.read_range(where)
+
+    def data_files(self) -> set[str]:
+        """The data files the latest version needs (its B-tree's nodes, its values
+        stored out of line, and the version tree nodes a writer of the next version
+        reads), relative to the database's folder."""
+        nodes = {path for path, _, _ in self._seen}
+        values = {v.path for v in self.values.values() if isinstance(v, Indirect)}
+        return nodes | values | self._version_files
 
     def read_range(self, where: Indirect) -> bytes:
         """The bytes of an out-of-line value, checked to lie within its file before
@@ -366,7 +375,7 @@ def _latest(manifest: bytes, named: str, table_bytes: int = _MAX_TABLE_BYTES) ->
         raise Damaged(f"{named} lists no version")
     inline.check(arity_log2, len(files), named)
     last = inline.generations[-1]
-    _version_tree_nodes(reader, arity_log2, len(files), last, named)
+    nodes = _version_tree_nodes(reader, arity_log2, len(files), last, named)
     reader.end()
     root = None if inline.offsets[-1] == inline.lengths[-1] == _MISSING else files[inline.ids[-1]]
     return _Version(
@@ -378,6 +387,7 @@ def _latest(manifest: bytes, named: str, table_bytes: int = _MAX_TABLE_BYTES) ->
         inline.tree_bytes[-1],
         inline.value_bytes[-1],
         built,
+        tuple(files[i][0] for i in nodes),
     )
 
 
@@ -488,9 +498,10 @@ def _check(holds: bool, what: str) -> None:
 
 def _version_tree_nodes(
     reader: _Reader, arity_log2: int, files: int, last: int, named: str
-) -> None:
+) -> list[int]:
     """The references to version tree nodes after a manifest's inline versions (older
-    versions: never read), checked as TensorStore checks them."""
+    versions: never read), checked as TensorStore checks them: the data files (ids in
+    the manifest's table) that hold them."""
     most = 63 // arity_log2 - 1
     count = reader.count(12, "version tree nodes")  # (>= 12 bytes each: 8 of them a time)
     _check(count <= most, f"{named} references {count} version tree nodes, more than {most}")
@@ -524,6 +535,7 @@ def _version_tree_nodes(
         index -= 1
         _check(low <= generations[index] <= high, f"{named}: a version tree node out of range")
     _check(index == 0, f"{named} references a version tree node it cannot hold")
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,6 +550,7 @@ class _Version:
     tree_bytes: int  # of the B-tree's nodes
     value_bytes: int  # of the values stored out of line
     table_bytes: int  # what the manifest's data file table built (`_file_table`)
+    version_files: tuple[str, ...] = ()  # the data files of its version tree nodes
 
 
 class Files(Protocol):

@@ -372,6 +372,10 @@ class BucketChunks:
     def links_under(self, name: str) -> list[str]:
         return []  # object storage has none
 
+    def files_in(self, folder: str) -> list[str]:
+        """The names of the objects right under the prefix `folder/`."""
+        return [n for n in _remote.list_keys(self.location(folder)) if "/" not in n]
+
     def get(self, name: str, limit: int) -> bytes | None:
         data, _ = _remote.read(f"{self.path}/{name}")
         return None if data is None else data[:limit]
@@ -410,6 +414,12 @@ class BucketChunks:
 
     def kvstore_spec(self, path: str) -> dict[str, Any]:
         return _remote.kvstore_spec(path)
+
+    def needed(self, database: str) -> set[str] | None:
+        """None: which objects a database's latest version needs is not read from a
+        bucket (its index, node by node, a round trip each, for objects that cost
+        little to keep: a linked step keeps them until the next whole one)."""
+        return None
 
     def index(self, opened: OpenedStep) -> _ocdbt.Database:
         """The index of a small step opened (`open_step`, which returns its listing and

@@ -394,6 +394,17 @@ class LocalChunks:
             ]
         return found
 
+    def files_in(self, folder: str) -> list[str]:
+        """The names of the regular files right in the folder `folder` (a name; none
+        when it is missing; never through a link)."""
+        path = os.path.join(self.path, folder)
+        _no_link_on_the_way(self.path, folder)
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return []
+        return sorted(e.name for e in entries if e.is_file(follow_symlinks=False))
+
     def get(self, name: str, limit: int) -> bytes | None:
         """Up to `limit` bytes of the file `name` (None when there is none; `OSError`
         when it is not a regular file: a FIFO planted there must not block a reader)."""
@@ -475,6 +486,15 @@ class LocalChunks:
             "path": path.rstrip("/") + "/",
             "file_io_locking": {"mode": "non_atomic"},
         }
+
+    def needed(self, database: str) -> set[str] | None:
+        """The data files (relative to the folder `database`, an OCDBT database's) its
+        latest version needs (`_ocdbt.Database.data_files`); None for an index the
+        package's reader does not read (TensorStore's to read: nothing is known)."""
+        try:
+            return _ocdbt.Database(os.path.join(self.path, database)).data_files()
+        except _ocdbt.Unsupported:
+            return None
 
     def index(self, opened: OpenedStep) -> _ocdbt.Database:
         """The opened step's state item's index, read without TensorStore (`_ocdbt`);

@@ -126,6 +126,7 @@ class ChunkStore(Protocol):
     def size(self, name: str) -> int | None: ...  # bytes under `name` (None: unknown)
     def changed(self, name: str) -> str | None: ...  # when (UTC, ISO 8601), or None
     def links_under(self, name: str) -> list[str]: ...  # symlinks (a bucket has none)
+    def files_in(self, folder: str) -> list[str]: ...  # names of the files right in it
 
     # -- bytes --------------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class ChunkStore(Protocol):
     # -- the arrays, through TensorStore ------------------------------------------------
 
     def kvstore_spec(self, path: str) -> dict[str, Any]: ...
+    def needed(self, database: str) -> set[str] | None: ...  # files its latest version reads
     def index(self, opened: OpenedStep) -> _ocdbt.Database: ...
     def database(
         self,
@@ -327,6 +329,12 @@ class Storage:
 
     def remove_file(self, name: str) -> None:
         self.chunks.delete(name)
+
+    def files_in(self, folder: str) -> list[str]:
+        return self.chunks.files_in(folder)
+
+    def needed(self, database: str) -> set[str] | None:
+        return self.chunks.needed(database)
 
     def link(self, source: str, target: str) -> None:
         """`target` (a name) holds the bytes of `source` (a name), without passing them

@@ -97,6 +97,9 @@ class Checkpointer:
             `directory`, the fast local tier, is also copied there by the writer, kept
             by `persistent_keep` (rule objects; None: all); a restart takes the newest
             intact step of either ([usage.md](usage.md#two-tiers-local-and-persistent)).
+        incremental: a step links the chunks that did not change since the step before
+            it; every step stays a whole Orbax checkpoint ([usage.md](usage.md#incremental-saves)).
+        full_every: incremental saves: every this many saves is written whole (None: never).
     """
 
     @_options.orbax_names
@@ -127,6 +130,8 @@ class Checkpointer:
         persistent_every: int | None = None,
         persistent_every_seconds: float | None = None,
         persistent_keep: Sequence[Rule] | None = None,
+        incremental: bool = False,
+        full_every: int | None = 16,
     ) -> None:
         # The parameters by name (`locals()` holds nothing else yet: no `super()` or
         # `__class__` in this method, which would add `__class__` to it): each goes to

@@ -32,6 +32,7 @@ from .._layout._policy import AnyOf
 from .._layout._rule import Rule
 from .._read._resume import check_on_damaged
 from .._storage import _places
+from .._write._incremental import FULL_EVERY
 
 _ON_FULL = typing.get_args(OnFull)
 _ON_ERROR = typing.get_args(OnError)
@@ -50,6 +51,8 @@ class Where:
     directory: str  # given: a str or PathLike; kept: absolute, or a canonical URL
     crossing: Crossing = "auto"  # how traced arrays reach the host
     compression: bool = False  # zstd for the stored arrays
+    incremental: bool = False  # link the chunks that did not change (`_incremental`)
+    full_every: int | None = FULL_EVERY  # incremental: every this many saves whole
 
     def __post_init__(self) -> None:
         with calling("Checkpointer(directory=...)"):
@@ -68,6 +71,21 @@ class Where:
             )
         object.__setattr__(self, "directory", path)
         object.__setattr__(self, "compression", bool(self.compression))
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(
+                f"Checkpointer(incremental={shown(self.incremental)}): incremental must be "
+                "True (a step links the chunks that did not change since the step before "
+                "it) or False."
+            )
+        _positive_int(
+            self.full_every, "full_every", "write every this many saves whole", optional=True
+        )
+        if self.full_every != FULL_EVERY and not self.incremental:
+            raise ConfigError(
+                f"Checkpointer(full_every={self.full_every}): full_every says how often an "
+                "incremental save is written whole, and incremental is False. Fix: pass "
+                "incremental=True too, or leave full_every out."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,6 +158,8 @@ def _writer(
         options.where.directory,
         rules=options.keep.rules,
         compression=options.where.compression,
+        incremental=options.where.incremental,
+        full_every=options.where.full_every,
         # Not a bound method: the writer must not keep the Checkpointer alive.
         on_exit=functools.partial(exchange.close, Closed.AT_EXIT),
         group=group,

@@ -31,7 +31,9 @@ the GIL), kept in the `meta` item and checked on restore (`_arrays.py`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -46,6 +48,8 @@ import tensorstore as ts
 from .._handoff._shards import ShardedArray
 from .._layout._format import (
     CHUNK_BYTES,
+    CHUNK_BYTES_FEWEST,
+    CHUNKS_PER_LEAF,
     PROCESS_PREFIX,
     SMALL_BYTES,
     Region,
@@ -135,6 +139,25 @@ def chunks_of(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(chunks)
 
 
+def chunks_to_link(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Chunk shape of a leaf written whole by an incremental save (`Checkpointer(...,
+    incremental=True)`): about `CHUNKS_PER_LEAF` chunks (none under
+    `CHUNK_BYTES_FEWEST` bytes, none over `CHUNK_BYTES`), split along the longest axis
+    first. A replay buffer's longest axis is its capacity (flashbax's `(add_batch,
+    time, ...)`, a flat `(capacity, ...)` ring): what one save changes along it, a slice
+    of the ring, falls in a few chunks, and the rest are linked."""
+    nbytes = itemsize * math.prod(shape)
+    target = min(CHUNK_BYTES, max(CHUNK_BYTES_FEWEST, nbytes // CHUNKS_PER_LEAF))
+    chunks = [max(1, n) for n in shape]
+    for axis in sorted(range(len(shape)), key=lambda a: (-shape[a], a)):
+        nbytes = itemsize * math.prod(chunks)
+        if nbytes <= target:
+            break
+        per_unit = nbytes // chunks[axis]
+        chunks[axis] = max(1, min(chunks[axis], target // max(1, per_unit)))
+    return tuple(chunks)
+
+
 def split(array: np.ndarray, chunks: tuple[int, ...]) -> Iterator[tuple[Region, np.ndarray]]:
     """The chunks of `array` (views), with their regions."""
     if array.ndim == 0:
@@ -163,16 +186,27 @@ def _padded(block: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
     return full
 
 
+Digests = dict[tuple[str, str], tuple[int, bytes]]  # (leaf, region key) -> (CRC-32, SHA-256)
+
+
 class StoreWriter:
     """Writes state items. Holds one TensorStore context (thread pools) for its whole
     life and no global state (two writers in one process never meet); not thread-safe:
     one per writer thread."""
 
-    def __init__(self, *, compression: bool, kvstore_spec: KvstoreSpec) -> None:
+    def __init__(
+        self, *, compression: bool, kvstore_spec: KvstoreSpec, incremental: bool = False
+    ) -> None:
         """`kvstore_spec`: the key-value store of a path where the steps live (the chunk
         store's, `ChunkStore.kvstore_spec`: TensorStore is the default chunk store's
-        engine; a storage TensorStore cannot reach needs an array writer of its own)."""
+        engine; a storage TensorStore cannot reach needs an array writer of its own).
+        `incremental`: chunks cut to be linked (`chunks_to_link`), and each write's
+        digests kept (`digests`) for the next write to compare with."""
         self.compression = compression
+        self.incremental = incremental
+        # Of the last `write`: every chunk's digests (incremental), the bytes written.
+        self.digests: Digests = {}
+        self.written_bytes = 0
         self._kvstore_spec = kvstore_spec
         self._context = ts.Context(
             {
@@ -187,6 +221,16 @@ class StoreWriter:
     def _ocdbt(self, path: str) -> dict[str, Any]:
         return ocdbt_spec(self._kvstore_spec(path))
 
+    def layout(self, flat: Mapping[tuple[str, ...], np.ndarray | ShardedArray]) -> tuple:
+        """What a write of `flat` stores, leaf by leaf: name, shape, dtype, chunks and
+        the chunks' regions. Two writes of one layout store the same keys."""
+        out = []
+        for path, leaf in flat.items():
+            pieces, shape, dtype, chunks = _pieces(leaf, self.incremental)
+            regions = tuple(region_key(region) for region, _ in pieces)
+            out.append((param_name(path), tuple(shape), dtype.str, dtype.name, chunks, regions))
+        return tuple(out)
+
     def write(
         self,
         state_dir: str,
@@ -194,11 +238,17 @@ class StoreWriter:
         *,
         index: int,
         zarrays: bool,
+        previous: Digests | None = None,
     ) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
         """Start writing this process's arrays (`flat`: tree path -> numpy array or
         `ShardedArray`) as one transaction: process 0 into the root database of `state_dir`,
         process `index` > 0 into its own. `zarrays`: also write every leaf's `.zarray`
         (the primary).
+
+        `previous`: an incremental write into a database that already holds the
+        previous write of the same layout (its files linked there, `_incremental`), whose
+        `digests` these are: only the chunks whose CRC-32 or SHA-256 differ are
+        written (and no `.zarray`); the digests are computed first, on every core.
 
         Returns once the transaction is committing (the data copied into TensorStore,
         the large leaves' checksums computed meanwhile); then call the returned
@@ -213,15 +263,63 @@ class StoreWriter:
         pending: list[ts.WriteFutures] = []  # writes through the zarr driver
         staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]] = []  # key-value writes
         sums: dict[str, dict[str, int]] = {}
-        large, small = [], []
-        for path, leaf in flat.items():
-            name = param_name(path)
-            is_small, pieces = self._stage(kv, kvt, txn, name, leaf, zarrays, staged, pending)
-            (small if is_small else large).append((name, pieces))
-        checksum_s = _checksums(large, sums)  # while TensorStore copies and compresses
+        self.digests, self.written_bytes = {}, 0
+        if previous is not None:
+            checksum_s = self._changed(kv, kvt, txn, flat, previous, sums, staged, pending)
+            small: list[tuple[str, list[tuple[Region, np.ndarray]]]] = []
+        else:
+            large, small = [], []
+            for path, leaf in flat.items():
+                name = param_name(path)
+                is_small, pieces = self._stage(kv, kvt, txn, name, leaf, zarrays, staged, pending)
+                (small if is_small else large).append((name, pieces))
+                self.written_bytes += sum(block.nbytes for _, block in pieces)
+            digests = self.digests if self.incremental else None
+            checksum_s = _checksums(large, sums, digests)  # while TensorStore copies
+            if digests is not None:  # (the next write compares with every chunk's)
+                checksum_s += _checksums(small, sums, digests)
+                small = []
         for future in pending:
             future.copy.result()
         return _finisher(txn.commit_async(), staged, small, sums, checksum_s)
+
+    def _changed(
+        self,
+        kv: ts.KvStore,
+        kvt: ts.KvStore,
+        txn: ts.Transaction,
+        flat: Mapping[tuple[str, ...], np.ndarray | ShardedArray],
+        previous: Digests,
+        sums: dict[str, dict[str, int]],
+        staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]],
+        pending: list[ts.WriteFutures],
+    ) -> float:
+        """An incremental write's chunks: every chunk's digests (on every core), then
+        the writes of those that differ from `previous`'s. The seconds the digests took."""
+        start = time.perf_counter()
+        leaves = [(param_name(path), leaf) for path, leaf in flat.items()]
+        every = [
+            (name, region, block)
+            for name, leaf in leaves
+            for region, block in _pieces(leaf, self.incremental)[0]
+        ]
+        workers = min(len(every), os.cpu_count() or 1) or 1
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            found = list(pool.map(lambda piece: _digest(piece[2]), every, chunksize=4))
+        changed: dict[str, set[str]] = {}
+        for (name, region, _), (crc, sha) in zip(every, found, strict=True):
+            key = region_key(region)
+            sums.setdefault(name, {})[key] = crc
+            self.digests[(name, key)] = (crc, sha)
+            if previous.get((name, key)) != (crc, sha):
+                changed.setdefault(name, set()).add(key)
+        seconds = time.perf_counter() - start
+        for name, leaf in leaves:
+            if name in changed:
+                only = changed[name]
+                _, pieces = self._stage(kv, kvt, txn, name, leaf, False, staged, pending, only)
+                self.written_bytes += sum(b.nbytes for r, b in pieces if region_key(r) in only)
+        return seconds
 
     def _stage(
         self,
@@ -233,19 +331,22 @@ class StoreWriter:
         zarrays: bool,
         staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]],
         pending: list[ts.WriteFutures],
+        only: set[str] | None = None,
     ) -> tuple[bool, list[tuple[Region, np.ndarray]]]:
         """One leaf's writes started in the transaction (`staged`: key-value writes of
         small leaves' raw chunks and `.zarray`s; `pending`: writes through the zarr
-        driver): (whether it is small, its pieces)."""
-        pieces, shape, dtype, chunks = _pieces(leaf)
+        driver), of every chunk or `only` those (region keys): (whether it is small, its
+        pieces)."""
+        pieces, shape, dtype, chunks = _pieces(leaf, self.incremental)
         nbytes = dtype.itemsize * math.prod(shape)
         is_small = nbytes <= SMALL_BYTES
         compress = self.compression and not is_small
         if zarrays:
             meta = _zarray_json(tuple(shape), dtype, tuple(chunks), compress)
             staged.append(kvt.write(f"{name}/.zarray", meta))
+        written = [p for p in pieces if only is None or region_key(p[0]) in only]
         if is_small:  # raw chunk bytes: no zarr driver to open
-            for region, block in pieces:
+            for region, block in written:
                 data = _padded(block, chunks).tobytes()
                 staged.append(kvt.write(f"{name}/{_chunk_key(region, chunks)}", data))
             return True, pieces
@@ -257,7 +358,7 @@ class StoreWriter:
             open=True,
             assume_metadata=True,
         ).result()
-        for region, block in pieces:
+        for region, block in written:
             target = store[tuple(slice(a, b) for a, b in region)] if region else store
             pending.append(target.write(block, can_reference_source_data_indefinitely=True))
         return False, pieces
@@ -280,27 +381,50 @@ class StoreWriter:
         txn.commit_async().result()
 
 
-def _checksums(leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]], sums: dict) -> float:
-    """Add the CRC-32 of every piece of `leaves` to `sums`; the seconds it took (zlib
-    releases the GIL: TensorStore's threads write meanwhile)."""
+def _checksums(
+    leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]],
+    sums: dict,
+    digests: Digests | None = None,
+) -> float:
+    """Add the CRC-32 of every piece of `leaves` to `sums` (and both digests to
+    `digests`, where given); the seconds it took (zlib and hashlib release the GIL:
+    TensorStore's threads write meanwhile)."""
     start = time.perf_counter()
     for name, pieces in leaves:
         leaf_sums = sums.setdefault(name, {})
         for region, block in pieces:
-            leaf_sums[region_key(region)] = checksum(block)
+            key = region_key(region)
+            if digests is None:
+                leaf_sums[key] = checksum(block)
+            else:
+                digests[(name, key)] = _digest(block)
+                leaf_sums[key] = digests[(name, key)][0]
     return time.perf_counter() - start
 
 
+def _digest(block: np.ndarray) -> tuple[int, bytes]:
+    """A chunk's CRC-32 (its checksum) and SHA-256, of its bytes in C order: two
+    chunks whose both digests are equal hold the same bytes (a CRC-32 alone is no proof:
+    one collision in 2**32; no SHA-256 collision is known)."""
+    array = np.ascontiguousarray(block)
+    data = array.reshape(-1).view(np.uint8).data if array.size else b""
+    return checksum(array), hashlib.sha256(data).digest()
+
+
 def _pieces(
-    leaf: np.ndarray | ShardedArray,
+    leaf: np.ndarray | ShardedArray, incremental: bool = False
 ) -> tuple[list[tuple[Region, np.ndarray]], tuple[int, ...], np.dtype, tuple[int, ...]]:
-    """(region, block) pieces of a leaf, its shape, dtype and chunk shape."""
+    """(region, block) pieces of a leaf, its shape, dtype and chunk shape (an incremental
+    save's: `chunks_to_link`)."""
     if isinstance(leaf, ShardedArray):
         pieces = sorted(leaf.blocks.items())
         first = pieces[0][1] if pieces else np.empty(leaf.shape, leaf.dtype)
         chunks = tuple(max(1, n) for n in np.shape(first))
         return pieces, leaf.shape, leaf.dtype, chunks
     array = np.asarray(leaf)
+    if incremental and array.nbytes > SMALL_BYTES:
+        chunks = chunks_to_link(array.shape, array.dtype.itemsize)
+        return list(split(array, chunks)), array.shape, array.dtype, chunks
     if array.nbytes <= CHUNK_BYTES:  # one chunk, the whole array
         chunks = tuple(max(1, n) for n in array.shape)
         return [(tuple((0, n) for n in array.shape), array)], array.shape, array.dtype, chunks

@@ -52,7 +52,7 @@ from .._storage import _faults, _places
 from .._storage._durable import Sync
 from .._storage._lock import DirectoryLock
 from .._version import version
-from . import _exit, _store
+from . import _exit, _incremental, _store
 from ._persistent import Persistent
 from ._processes import Group, Processes, Round, Solo, VerdictUnknown
 from ._retention import Retention
@@ -80,6 +80,8 @@ class Writer:
         on_exit: Callable[[], None],
         group: Group | None = None,
         persistent: Persistent | None = None,
+        incremental: bool = False,
+        full_every: int | None = _incremental.FULL_EVERY,
     ) -> None:
         self.directory = directory
         self._persistent = persistent  # the persistent tier (`_persistent.py`), if any
@@ -102,8 +104,13 @@ class Writer:
             if untouched:
                 _warn.warn(_untouched_message(untouched), ForeignStepWarning)
         self._store = _store.StoreWriter(
-            compression=compression, kvstore_spec=self._storage.kvstore_spec
+            compression=compression,
+            kvstore_spec=self._storage.kvstore_spec,
+            incremental=incremental,
         )
+        # Incremental saves: the step the next one links from; this save's links.
+        self._chain = _incremental.Chain(full_every) if incremental else None
+        self._links: _Links | None = None
         self._thread = threading.Thread(
             target=self._run,
             name=f"jax_cb_ckpt-writer:{os.path.basename(directory)}",
@@ -260,12 +267,19 @@ class Writer:
                 else:
                     checksum_s = self._write_as_peer(item, step, round_, temp, sync)
         except BaseException as e:
+            if self._chain is not None:
+                self._chain.broken()
             return self._failed(item.step, e)
         finally:
             self._group.writing = None  # peers waiting for this process wait on while set
+        if self._chain is not None and self._links is not None:
+            links = self._links
+            self._chain.written(item.step, links.layout, self._store.digests, bool(links.names))
         self._written(item, time.perf_counter() - start, checksum_s)
         try:  # what the log says never stops the writer (a thread that dies hangs saves)
-            self._log.saved(item, time.perf_counter() - start, step.meta.get("metrics", {}))
+            linked = None if self._chain is None else item.nbytes - self._store.written_bytes
+            metrics = step.meta.get("metrics", {})
+            self._log.saved(item, time.perf_counter() - start, metrics, linked)
         except Exception:
             logger.debug("the log line of step %d failed", item.step, exc_info=True)
         return None
@@ -305,6 +319,8 @@ class Writer:
             sums = round_.collect(sums)
             self._fence(final)  # (object storage: still ours, before its files)
             self._store.merge(os.path.join(temp, _format.STATE_ITEM), round_.count)
+            if round_.count > 1:  # (the root database's last version: the merge's)
+                self._prune(temp)
             if not described_during_commit:
                 self._write_descriptions(temp, step)
             if not (described_during_commit and alone):
@@ -350,6 +366,8 @@ class Writer:
                 self._enter_attempt(temp, round_)
             finish = self._write_arrays(temp, step, round_)
             sums, checksum_s = finish(during_commit)
+            if round_.count == 1 or not round_.primary:
+                self._prune(temp)
             if not round_.primary:  # (the primary's files are synced with the step's)
                 sync.tree(os.path.join(temp, _format.STATE_ITEM, _part(round_)), item.nbytes)
         except BaseException as e:
@@ -363,7 +381,14 @@ class Writer:
         retention_s, self._retention_s = self._retention_s, 0.0
         self._stats.written(
             SaveRecord(
-                step, item.nbytes, item.blocking_s, item.handoff_s, write_s, checksum_s, retention_s
+                step,
+                item.nbytes,
+                item.blocking_s,
+                item.handoff_s,
+                write_s,
+                checksum_s,
+                retention_s,
+                self._store.written_bytes if self._chain is not None else None,
             )
         )
 
@@ -395,7 +420,39 @@ class Writer:
             elif round_.primary:  # host arrays (replicated): process 0 writes them
                 flat[path] = leaf
         state = os.path.join(temp, _format.STATE_ITEM)
-        return self._store.write(state, flat, index=round_.index, zarrays=round_.primary)
+        previous = self._linked_from(flat, temp, round_.index)
+        return self._store.write(
+            state, flat, index=round_.index, zarrays=round_.primary, previous=previous
+        )
+
+    def _linked_from(
+        self, flat: dict[tuple[str, ...], Any], temp: str, index: int
+    ) -> _store.Digests | None:
+        """Incremental saves: link the previous step's database into this one's, where
+        the chain says to (`_incremental`); the previous step's digests, or None (this
+        step is written whole: no previous step of this layout, a whole one due, or its
+        files could not be linked)."""
+        self._links = None
+        if self._chain is None:
+            return None
+        layout = self._store.layout(flat)
+        previous = self._chain.previous(layout)
+        name, part = _incremental.relative(self.directory, temp), _incremental.part_of(index)
+        self._links = _Links(layout, name, part, [])
+        if previous is None:
+            return None
+        try:
+            self._links.names = _incremental.link(self._storage, previous.step, name, part)
+        except (OSError, _faults.StorageError) as e:
+            logger.info("written whole: linking from step %d failed: %s", previous.step, e)
+            return None
+        return previous.digests
+
+    def _prune(self, temp: str) -> None:
+        """Incremental saves: the linked files this step's database does not read."""
+        links = self._links
+        if links is not None and links.names:
+            _incremental.prune(self._storage, links.name, links.part, links.names)
 
     def _fence(self, final: str) -> None:
         """Object storage, before a step's files and its commit: this writer still
@@ -443,6 +500,17 @@ class Writer:
             self._storage.remove_temp(self._unfinished.pop(), self._lock.token)
 
 
+@dataclasses.dataclass
+class _Links:
+    """An incremental save's links: its layout, its name and database folder, the
+    files linked into it (none: written whole)."""
+
+    layout: tuple
+    name: str
+    part: str
+    names: list[str]
+
+
 class SaveLog:
     """What the log (`logging.getLogger("jax_cb_ckpt")`) says of the saves: every save,
     and every step retention deletes, at DEBUG; at INFO the first save, then at most one
@@ -459,10 +527,14 @@ class SaveLog:
         self._newest = ""  # the newest save, said
         self._deleted: list[int] = []  # steps retention deleted since it
 
-    def saved(self, item: SaveItem, write_s: float, metrics: dict[str, Any]) -> None:
+    def saved(
+        self, item: SaveItem, write_s: float, metrics: dict[str, Any], linked: int | None = None
+    ) -> None:
+        """A step saved (`linked`: an incremental save's array bytes not written)."""
         shown = "".join(f", {name}={_brief(value)}" for name, value in metrics.items())
+        some = "" if not linked else f", {_size(linked)} of it linked"
         self._newest = (
-            f"step {item.step} ({_size(item.nbytes)}, written in {write_s * 1e3:.1f} ms, "
+            f"step {item.step} ({_size(item.nbytes)}{some}, written in {write_s * 1e3:.1f} ms, "
             f"device waited {item.blocking_s * 1e3:.2f} ms{shown})"
         )
         logger.debug("saved %s to %s", self._newest, self.directory)
