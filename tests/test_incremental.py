@@ -303,3 +303,23 @@ def test_the_save_after_a_failed_one_is_written_whole(tmp_path):
         assert ckpt.stats.recent[-1].step == 4
         assert ckpt.stats.recent[-1].written_bytes == ckpt.stats.recent[-1].nbytes
     assert _same(jax_cb_ckpt.restore(directory, _like(states[3]), step=4), states[3])
+
+
+def test_a_previous_step_replaced_meanwhile_is_not_linked_from(tmp_path):
+    """The step a save would link from was replaced by another run's step of the same
+    number (copied in by hand): its files are not the ones the digests describe, so the
+    save is written whole, and holds its own state."""
+    directory, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    states, others = _states(3), _states(2, seed=1)
+    _save_all(other, others)
+    with jax_cb_ckpt.Checkpointer(directory, incremental=True) as ckpt:
+        for step in (1, 2):
+            ckpt.save(states[step - 1], step)
+            ckpt.wait()
+        shutil.rmtree(os.path.join(directory, "2"))
+        shutil.copytree(os.path.join(other, "2"), os.path.join(directory, "2"))
+        ckpt.save(states[2], 3)
+        ckpt.wait()
+        assert ckpt.stats.recent[-1].written_bytes == ckpt.stats.recent[-1].nbytes
+    jax_cb_ckpt.verify(directory, step=3)
+    assert _same(jax_cb_ckpt.restore(directory, _like(states[2]), step=3), states[2])

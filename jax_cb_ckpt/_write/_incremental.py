@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 
 from .._layout import _format
 from .._layout._ocdbt import MANIFEST
@@ -49,6 +50,7 @@ class Previous:
     step: int
     layout: tuple
     digests: Digests
+    manifest: bytes  # the SHA-256 of its database's manifest, as written
 
 
 class Chain:
@@ -69,9 +71,12 @@ class Chain:
             return None
         return last
 
-    def written(self, step: int, layout: tuple, digests: Digests, linked: bool) -> None:
-        """A step committed (`linked`: from the previous one)."""
-        self._last = Previous(step, layout, digests)
+    def written(
+        self, step: int, layout: tuple, digests: Digests, manifest: bytes, linked: bool
+    ) -> None:
+        """A step committed (`manifest`: its manifest's digest, `manifest_digest`;
+        `linked`: from the previous one)."""
+        self._last = Previous(step, layout, digests, manifest)
         self._linked = self._linked + 1 if linked else 0
 
     def broken(self) -> None:
@@ -88,17 +93,27 @@ def part_of(index: int) -> str:
     )
 
 
-def link(storage: Storage, previous: int, temp: str, part: str) -> list[str]:
-    """Put step `previous`'s database `part` (`part_of`) into the step being written
+def manifest_digest(storage: Storage, name: str, part: str) -> bytes:
+    """The SHA-256 of the manifest of the database `part` of the step `name` (b"" when
+    it has none): what a step's database is, as a later `link` checks it."""
+    manifest = storage.read_file(f"{name}/{part}/{MANIFEST}", _MANIFEST_BYTES)
+    return b"" if manifest is None else hashlib.sha256(manifest).digest()
+
+
+def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str]:
+    """Put the `previous` step's database `part` (`part_of`) into the step being written
     under the name `temp` (relative to the directory): its data files linked, its
-    manifest copied. The linked names (relative to the database's folder). On any
-    failure what was linked is removed again and the error raised (the caller writes
-    the step whole)."""
-    source, target = f"{previous}/{part}", f"{temp}/{part}"
-    files = [f"{_DATA}/{name}" for name in storage.files_in(f"{source}/{_DATA}")]
+    manifest copied. The linked names (relative to the database's folder). A step whose
+    manifest is not the one written (replaced meanwhile) is not linked from
+    (`FileNotFoundError`). On any failure what was linked is removed again and the error
+    raised (the caller writes the step whole)."""
+    source, target = f"{previous.step}/{part}", f"{temp}/{part}"
     manifest = storage.read_file(f"{source}/{MANIFEST}", _MANIFEST_BYTES)
-    if manifest is None or not files or len(manifest) >= _MANIFEST_BYTES:
-        raise FileNotFoundError(f"step {previous} has no database to link from in {part}")
+    if manifest is None or hashlib.sha256(manifest).digest() != previous.manifest:
+        raise FileNotFoundError(f"step {previous.step}'s {part} is not the one written")
+    files = [f"{_DATA}/{name}" for name in storage.files_in(f"{source}/{_DATA}")]
+    if not files:
+        raise FileNotFoundError(f"step {previous.step} has no data files in {part}")
     done: list[str] = []
 
     def one(name: str) -> None:

@@ -274,7 +274,8 @@ class Writer:
             self._group.writing = None  # peers waiting for this process wait on while set
         if self._chain is not None and self._links is not None:
             links = self._links
-            self._chain.written(item.step, links.layout, self._store.digests, bool(links.names))
+            digests, linked = self._store.digests, bool(links.names)
+            self._chain.written(item.step, links.layout, digests, links.manifest, linked)
         self._written(item, time.perf_counter() - start, checksum_s)
         try:  # what the log says never stops the writer (a thread that dies hangs saves)
             linked = None if self._chain is None else item.nbytes - self._store.written_bytes
@@ -442,17 +443,22 @@ class Writer:
         if previous is None:
             return None
         try:
-            self._links.names = _incremental.link(self._storage, previous.step, name, part)
+            self._links.names = _incremental.link(self._storage, previous, name, part)
         except (OSError, _faults.StorageError) as e:
             logger.info("written whole: linking from step %d failed: %s", previous.step, e)
             return None
         return previous.digests
 
     def _prune(self, temp: str) -> None:
-        """Incremental saves: the linked files this step's database does not read."""
+        """Incremental saves, once this process's database is final: the linked files it
+        does not read removed, its manifest's digest kept (the next save links from it
+        only if it is still this one)."""
         links = self._links
-        if links is not None and links.names:
+        if links is None:
+            return
+        if links.names:
             _incremental.prune(self._storage, links.name, links.part, links.names)
+        links.manifest = _incremental.manifest_digest(self._storage, links.name, links.part)
 
     def _fence(self, final: str) -> None:
         """Object storage, before a step's files and its commit: this writer still
@@ -509,6 +515,7 @@ class _Links:
     name: str
     part: str
     names: list[str]
+    manifest: bytes = b""  # the digest of its database's manifest, once final
 
 
 class SaveLog:
