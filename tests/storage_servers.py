@@ -229,11 +229,12 @@ def _fake_gcs_binary():
 class Proxy(_Process):
     """A TCP forwarder from a free port to `target` in a child process (tcp_proxy.py)."""
 
-    def __init__(self, target, flaky=None, deny=None):
+    def __init__(self, target, flaky=None, deny=None, count=None):
         super().__init__()
         self.target = target
         self.flaky = flaky  # (log, period): tcp_proxy.py's flaky mode
         self.deny = deny  # (log, text): tcp_proxy.py's deny mode
+        self.count = count  # log: tcp_proxy.py's count mode
         self.port = free_port()
         self.start()
 
@@ -242,9 +243,11 @@ class Proxy(_Process):
         flaky = [f"flaky:{self.flaky[1]}", self.flaky[0]] if self.flaky else []
         if self.deny:
             flaky = [f"deny:{self.deny[1]}", self.deny[0]]
+        if self.count:
+            flaky = ["count:", str(self.count)]
         script = os.path.join(HERE, "tcp_proxy.py")
         self._spawn([sys.executable, script, str(self.port), target, *flaky])
-        if hang or flaky:
+        if hang or flaky:  # (a count's request would be counted)
             _wait_until_listening(self.port, self.child)
         else:
             _wait_until_up(f"http://127.0.0.1:{self.port}/", self.child)

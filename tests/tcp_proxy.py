@@ -17,6 +17,10 @@ the credentials the request carried, as real S3 does (its `SignatureDoesNotMatch
 error names the `<AWSAccessKeyId>` and repeats the string to sign, the signature and
 the canonical request), with a signed URL in the message; to a GCS request (a bearer
 token) a JSON error that repeats the token. Each denied request line is a line in LOG.
+
+`python tcp_proxy.py LISTEN_PORT TARGET_PORT count: LOG` forwards as the first form and
+keeps in the file LOG the bytes it moved so far, "<to the server> <back to the client>"
+(rewritten after each block): what a client sent and received, whatever its protocol.
 """
 
 import asyncio
@@ -25,13 +29,16 @@ import re
 import socket
 import struct
 import sys
+from xml.sax.saxutils import escape
 
 KINDS = ("503 Service Unavailable", "429 Too Many Requests", "reset")
 
 
-async def _pipe(reader, writer):
+async def _pipe(reader, writer, count=None):
     try:
         while data := await reader.read(1 << 16):
+            if count is not None:  # (counted before the other end can see it)
+                count(len(data))
             writer.write(data)
             await writer.drain()
     except ConnectionError:
@@ -106,6 +113,7 @@ def _denial(request):
         ).encode()
         kind = "application/json"
     else:  # S3: AWS4-HMAC-SHA256 Credential=<key id>/<date>/<region>/s3/aws4_request, ...
+        # (well-formed XML, as S3's: an XML parser reads it, as a regex does)
         found = re.search(r"Credential=([^/,\s]+)/([^,\s]*)", auth)
         key_id, scope = found.groups() if found else ("none", "")
         found = re.search(r"Signature=([0-9a-f]+)", auth)
@@ -117,11 +125,11 @@ def _denial(request):
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SignatureDoesNotMatch'
             "</Code><Message>The request signature we calculated does not match the "
-            f"signature you provided. Check your key and signing method. ({signed})"
+            f"signature you provided. Check your key and signing method. ({escape(signed)})"
             f"</Message><AWSAccessKeyId>{key_id}</AWSAccessKeyId><StringToSign>"
             f"AWS4-HMAC-SHA256\n20261202T000000Z\n{scope}\n0f0f</StringToSign>"
             f"<SignatureProvided>{signature}</SignatureProvided><StringToSignBytes>41 57"
-            f"</StringToSignBytes><CanonicalRequest>{line}\nauthorization:{auth}"
+            f"</StringToSignBytes><CanonicalRequest>{escape(line)}\nauthorization:{auth}"
             "</CanonicalRequest><RequestId>4442587FB7D0A2F9</RequestId></Error>"
         ).encode()
         kind = "application/xml"
@@ -131,7 +139,7 @@ def _denial(request):
     ).encode() + body
 
 
-async def main(listen, target, log=None, period=0, deny=None):
+async def main(listen, target, log=None, period=0, deny=None, counting=False):
     faults = itertools.cycle([x for kind in KINDS for x in [kind] + [None] * (period - 1)])
 
     async def hang(client_reader, client_writer):
@@ -144,11 +152,25 @@ async def main(listen, target, log=None, period=0, deny=None):
             client_writer.close()
             return None, None
 
+    moved = [0, 0]  # to the server, back to the client (count mode)
+
+    def counter(direction):
+        if not counting:
+            return None
+
+        def count(n):
+            moved[direction] += n
+            with open(log, "w") as f:
+                f.write(f"{moved[0]} {moved[1]}\n")
+
+        return count
+
     async def forward(client_reader, client_writer):
         server_reader, server_writer = await connect(client_writer)
         if server_writer is not None:
             await asyncio.gather(
-                _pipe(client_reader, server_writer), _pipe(server_reader, client_writer)
+                _pipe(client_reader, server_writer, counter(0)),
+                _pipe(server_reader, client_writer, counter(1)),
             )
 
     async def flaky(client_reader, client_writer):
@@ -183,7 +205,7 @@ async def main(listen, target, log=None, period=0, deny=None):
             server_writer.close()
             back.cancel()
 
-    serve = hang if target == "hang" else flaky if log else forward
+    serve = hang if target == "hang" else forward if counting or not log else flaky
     server = await asyncio.start_server(serve, "127.0.0.1", listen, reuse_address=True)
     async with server:
         await server.serve_forever()
@@ -196,4 +218,4 @@ if __name__ == "__main__":
     period = int(arg) if mode == "flaky" else 0
     deny = arg if mode == "deny" else None
     port = target if target == "hang" else int(target)
-    asyncio.run(main(int(sys.argv[1]), port, log, period, deny))
+    asyncio.run(main(int(sys.argv[1]), port, log, period, deny, counting=mode == "count"))

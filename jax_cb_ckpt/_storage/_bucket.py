@@ -31,7 +31,7 @@ from .._layout._format import (
     STATE_ITEM,
     Examined,
 )
-from . import _faults, _remote
+from . import _copy, _faults, _remote
 from ._durable import NoSync, Sync
 from ._lock import DirectoryLock, ObjectLock
 from ._protocol import OpenedStep, StepIdentity
@@ -348,7 +348,7 @@ class Bucket:
 class BucketChunks:
     """The objects of a checkpoint directory that is a prefix in a GCS or S3 bucket (a
     `ChunkStore`, over `_remote`): a step's objects created only if absent, a link made
-    as a copy, TensorStore's `gcs` and `s3` drivers for the arrays."""
+    as a server-side copy (`_copy`), TensorStore's `gcs` and `s3` drivers for the arrays."""
 
     def __init__(self, url: str) -> None:
         self.path = url
@@ -398,16 +398,12 @@ class BucketChunks:
 
     def link(self, source: str, target: str) -> None:
         """The object `target` holds the bytes of the object `source` (both names
-        under the prefix): a copy through this process, read whole, then written
-        (TensorStore's key-value API copies no object server-side: GCS's rewrite
-        and S3's CopyObject are requests of their own, with the credentials this
-        package never handles itself; `_storage/README.md`). `FileNotFoundError`
-        when `source` is not there, `FileExistsError` when `target` is (created only
-        if absent, as `write`, where the server honours the precondition)."""
-        data, _ = _remote.read(self.location(source))
-        if data is None:
-            raise FileNotFoundError(f"{self.location(source)} does not exist")
-        self.write(self.location(target), data)
+        under the prefix): a server-side copy (GCS's rewrite, S3's CopyObject: `_copy`),
+        the bytes never passing through this process. `FileNotFoundError` when
+        `source` is not there, `FileExistsError` when `target` is (created only if
+        absent), `ConfigError` when the scheme's client library (an extra) is not
+        installed."""
+        _copy.copy(self.location(source), self.location(target))
 
     def delete(self, name: str) -> None:
         _remote.delete(f"{self.path}/{name}")

@@ -2,8 +2,10 @@
 
 `gs://bucket/run1` and `s3://bucket/run1` name a prefix in a bucket. Every object is read
 and written with TensorStore's key-value stores (`gcs`, `s3`: the same engine that writes
-the arrays, `_store.py`), so object storage needs no client library of its own, and
-configuration is the standard environment only:
+the arrays, `_store.py`), so object storage needs no client library of its own (but
+for a server-side copy, which TensorStore does not send: `_copy`, with the provider's
+library, from the same environment), and configuration is the standard environment
+only:
 
 - Google Cloud Storage: application-default credentials (`GOOGLE_APPLICATION_CREDENTIALS`,
   `gcloud auth application-default login`, the metadata server). `STORAGE_EMULATOR_HOST`
