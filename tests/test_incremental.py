@@ -323,3 +323,14 @@ def test_a_previous_step_replaced_meanwhile_is_not_linked_from(tmp_path):
         assert ckpt.stats.recent[-1].written_bytes == ckpt.stats.recent[-1].nbytes
     jax_cb_ckpt.verify(directory, step=3)
     assert _same(jax_cb_ckpt.restore(directory, _like(states[2]), step=3), states[2])
+
+
+@pytest.mark.parametrize(("scheme", "extra"), [("gs", "gcs"), ("s3", "s3")])
+def test_a_bucket_without_its_copy_library_is_refused_at_construction(scheme, extra, monkeypatch):
+    """Links in a bucket are server-side copies, made by the provider's client library:
+    without it, `incremental=True` is refused when the Checkpointer is made (not at the
+    first linked save), naming the extra to install."""
+    for module in ("google.cloud.storage", "boto3"):
+        monkeypatch.setitem(__import__("sys").modules, module, None)
+    with pytest.raises(ConfigError, match=rf"incremental=True.*jax-cb-ckpt\[{extra}\]"):
+        jax_cb_ckpt.Checkpointer(f"{scheme}://bucket-x/run", incremental=True)

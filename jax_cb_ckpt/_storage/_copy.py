@@ -71,6 +71,16 @@ def copy(source: str, target: str) -> None:
         _s3_copy(bucket, source_key, target_key, source, target)
 
 
+def check_library(url: str) -> None:
+    """`ConfigError` (`_missing_library`) when the client library that copies in the
+    bucket of `url` is not installed: asked once, before any step links."""
+    scheme = split(url)[0]
+    try:
+        __import__("google.cloud.storage" if scheme == "gs" else "boto3")
+    except ImportError:
+        raise _missing_library(scheme) from None
+
+
 def _missing_library(scheme: str) -> ConfigError:
     package, extra = _LIBRARIES[scheme]
     return ConfigError(

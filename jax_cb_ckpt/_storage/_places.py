@@ -13,7 +13,7 @@ import os
 import re
 
 from .._base._errors import ConfigError, where
-from . import _remote
+from . import _copy, _remote
 from ._bucket import Bucket, BucketChunks
 from ._local import Local, LocalChunks
 from ._protocol import Storage
@@ -71,3 +71,10 @@ def at(directory: str) -> Storage:
 def is_url(directory: str) -> bool:
     """`directory` (canonical: `resolve`) is in object storage, not a local path."""
     return _remote.is_url(directory)
+
+
+def check_links(directory: str) -> None:
+    """`ConfigError` when a link in `directory` (canonical) cannot be made without
+    copying through this process: a bucket whose client library (`_copy`) is missing."""
+    if _remote.is_url(directory):
+        _copy.check_library(directory)

@@ -86,6 +86,9 @@ class Where:
                 "incremental save is written whole, and incremental is False. Fix: pass "
                 "incremental=True too, or leave full_every out."
             )
+        if self.incremental:  # (a bucket's links need its provider's client library)
+            with calling("Checkpointer(incremental=True)"):
+                _places.check_links(path)
 
 
 @dataclasses.dataclass(frozen=True)
