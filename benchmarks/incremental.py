@@ -1,7 +1,7 @@
 """Incremental saves against full ones: a replay buffer that changes by a slice per save.
 
     python -m benchmarks.incremental                  # ~5 minutes on 2 cores, in /tmp
-    python -m benchmarks.incremental --cases 8:32 --reps 2 --tmpfs ""    # seconds
+    python -m benchmarks.incremental --cases 8:32 --reps 2 --tmpfs "" --growth 8:32:4
     python -m benchmarks.incremental --dir /mnt/nvme  # measure that filesystem
 
 The state (issue 57, item 5): a ring buffer in flashbax's layout, `experience` leaves of
@@ -30,7 +30,9 @@ Bytes per step: the library's count (`ckpt.stats.recent[-1].written_bytes`; a fu
 save's: its `nbytes`) and, cross-checked, the kernel's (`/proc/self/io` write_bytes
 around the call; 0 on tmpfs). Then the latest step of `incremental` (linked) and of
 `full` restored (numpy, checksums checked, from the page cache), interleaved, and `du`
-of each directory (hard links counted once). Amortized = (whole + 15 x linked) / 16.
+of each directory (hard links counted once). Last (--growth), disk use along a chain
+longer than full_every: `du` after each of 40 saves of a 64 MiB buffer, incremental and
+full, and the data files a linked step's database holds. Amortized = (whole + 15 x linked) / 16.
 Targets (issue 57) at 1/32 changed: <= 0.15x the bytes and <= 0.35x the time of a full
 save; stretch: the changed bytes' own write+fsync time. Figures are medians. Results:
 results.json and results.md under --out.
@@ -352,6 +354,61 @@ def _records(case: Case) -> dict[str, dict[str, float]]:
     return out
 
 
+# -- disk use along a chain -----------------------------------------------------------
+
+
+def growth(root: str, mib: int, fraction: int, saves: int) -> dict[str, Any]:
+    """`saves` saves of one state changing by 1/`fraction` per save, incremental
+    (full_every=16) and full, max_to_keep=3: after each, `du` of both directories and
+    the data files of the incremental step (untimed)."""
+    state = make_state(mib)
+    directory = tempfile.mkdtemp(dir=root, prefix=f"growth_{mib}_{fraction}_")
+    ckpts = {
+        "incremental": jax_cb_ckpt.Checkpointer(
+            os.path.join(directory, "incremental"), max_to_keep=KEEP, incremental=True
+        ),
+        "full": jax_cb_ckpt.Checkpointer(os.path.join(directory, "full"), max_to_keep=KEEP),
+    }
+    out: dict[str, Any] = {"mib": mib, "fraction": fraction, "saves": saves, "linked": []}
+    out |= {"du_incremental": [], "du_full": [], "data_files": []}
+    try:
+        for step in range(saves):
+            if step:
+                advance(state, fraction)
+            for ckpt in ckpts.values():
+                ckpt.save(state, step)
+                ckpt.wait()
+            record = ckpts["incremental"].stats.recent[-1]
+            out["linked"].append((record.written_bytes or 0) < record.nbytes)
+            out["du_incremental"].append(du(ckpts["incremental"].directory))
+            out["du_full"].append(du(ckpts["full"].directory))
+            out["data_files"].append(_data_files(ckpts["incremental"].directory, step))
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def _growth_lines(g: dict[str, Any]) -> list[str]:
+    shown = sorted({i for i in (1, 2, 3, 4, 8, 15, 16, 17, 32, g["saves"]) if i <= g["saves"]})
+    rows = [
+        f"Disk use along a chain: {g['saves']} saves of a {g['mib']} MiB buffer changing by "
+        f"1/{g['fraction']} per save (`max_to_keep={KEEP}`, `full_every={FULL_EVERY}`), "
+        "`du` of each directory after save n, MiB, and the data files in step n's database:",
+        "",
+        "| after save | " + " | ".join(str(i) for i in shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    for name, key in (("incremental", "du_incremental"), ("full", "du_full")):
+        rows.append(f"| {name} | " + " | ".join(_mib(g[key][i - 1]) for i in shown) + " |")
+    rows.append(
+        "| linked? | " + " | ".join("yes" if g["linked"][i - 1] else "whole" for i in shown) + " |"
+    )
+    rows.append("| data files | " + " | ".join(str(g["data_files"][i - 1]) for i in shown) + " |")
+    return rows
+
+
 # -- the report ------------------------------------------------------------------------
 
 
@@ -417,6 +474,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{restore['full']:.0f} | {_mib(du_['incremental'])} / {_mib(du_['full'])} "
             f"| {r['data_files_linked_step']} |"
         )
+    if report.get("growth"):
+        lines += ["", *_growth_lines(report["growth"])]
     return "\n".join([*lines, "", *targets(report)]) + "\n"
 
 
@@ -473,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a tmpfs directory where --tmpfs-cases run again; empty: none",
     )
     parser.add_argument("--tmpfs-cases", default=DEFAULT_TMPFS_CASES)
+    parser.add_argument(
+        "--growth", default="64:32:40", help="MIB:N:SAVES: disk use along a chain; empty: none"
+    )
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "incremental"))
     args = parser.parse_args(argv)
     if args.dir:
@@ -490,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {mib} MiB buffer, 1/{fraction} per save, in {here}", flush=True)
                 result = measure(here, mib, fraction, args.reps, args.restore_reps)
                 report["cases"].append({**result, "dir": here})
+        if args.growth:
+            mib, fraction, saves = (int(x) for x in args.growth.split(":"))
+            print(f"== disk use along {saves} saves, {mib} MiB, 1/{fraction}", flush=True)
+            report["growth"] = growth(root, mib, fraction, saves)
         report["machine"]["loadavg_after"] = os.getloadavg()
     table = markdown(report)
     write_results(args.out, report, table)

@@ -219,7 +219,7 @@ def test_incremental_benchmark_reports_linked_saves_against_full_ones_and_ceilin
     out, disk, shm = tmp_path / "incremental", tmp_path / "disk", tmp_path / "tmpfs"
     shm.mkdir()  # any directory will do for the test
     args = ("--cases", "8:32", "--reps", "2", "--restore-reps", "1", "--dir", str(disk))
-    args += ("--tmpfs", str(shm), "--tmpfs-cases", "8:32", "--out", str(out))
+    args += ("--tmpfs", str(shm), "--tmpfs-cases", "8:32", "--growth", "8:32:4", "--out", str(out))
     printed = _run("benchmarks.incremental", *args, timeout=300).stdout
     report = json.loads((out / "results.json").read_text())
     cases = report["cases"]
@@ -245,5 +245,10 @@ def test_incremental_benchmark_reports_linked_saves_against_full_ones_and_ceilin
         assert c["x_full_bytes"] == written["incremental"] / written["full"]
         assert c["du_bytes"]["incremental"] < c["du_bytes"]["full"]  # steps share files
         assert len(c["du_incremental_after_each"]) == 2
+    growth = report["growth"]  # disk use along a chain: the first save whole, then linked
+    assert growth["linked"] == [False, True, True, True]
+    assert all(n > 0 for n in growth["data_files"])
+    assert len(growth["du_incremental"]) == len(growth["du_full"]) == 4
     markdown = (out / "results.md").read_text()
     assert markdown in printed and "Targets at 1/32 changed" in markdown
+    assert "Disk use along a chain" in markdown
