@@ -1,6 +1,6 @@
 """Incremental saves against full ones: a replay buffer that changes by a slice per save.
 
-    python -m benchmarks.incremental                  # ~5 minutes on 2 cores, in /tmp
+    python -m benchmarks.incremental                  # 5-9 minutes on 2 cores, in /tmp
     python -m benchmarks.incremental --cases 8:32 --reps 2 --tmpfs "" --growth 8:32:4
     python -m benchmarks.incremental --dir /mnt/nvme  # measure that filesystem
 
