@@ -213,3 +213,42 @@ def test_partial_benchmark_reports_the_partial_restore_against_the_whole(tmp_pat
         == report["median_ms"]["params, partial_restore"] / report["median_ms"]["whole"]
     )
     assert "partial_restore" in (out / "results.md").read_text() and "ratio" in printed
+
+
+def test_incremental_benchmark_reports_linked_saves_against_full_ones_and_ceilings(tmp_path):
+    out, disk, shm = tmp_path / "incremental", tmp_path / "disk", tmp_path / "tmpfs"
+    shm.mkdir()  # any directory will do for the test
+    args = ("--cases", "8:32", "--reps", "2", "--restore-reps", "1", "--dir", str(disk))
+    args += ("--tmpfs", str(shm), "--tmpfs-cases", "8:32", "--growth", "8:32:4", "--out", str(out))
+    printed = _run("benchmarks.incremental", *args, timeout=300).stdout
+    report = json.loads((out / "results.json").read_text())
+    cases = report["cases"]
+    assert [(c["mib"], c["fraction"], c["dir"] == report["tmpfs"]) for c in cases] == [
+        (8, 32, False),
+        (8, 32, True),
+    ]
+    assert not os.listdir(disk) and not os.listdir(shm)  # cleaned up
+    for c in cases:
+        assert c["reps"] == c["linked_saves"] == 2 and c["whole_saves_in_chain"] == 0
+        assert set(c["median_ms"]) == {
+            "incremental",
+            "incremental, whole",
+            "full",
+            "write+fsync changed",
+            "write+fsync full",
+            "memcpy",
+        }
+        assert all(ms > 0 for ms in c["median_ms"].values())
+        assert all(ms > 0 for ms in c["restore_ms"].values())
+        written = c["written_bytes"]
+        assert written["full"] == c["state_bytes"] > written["incremental"] >= c["changed_bytes"]
+        assert c["x_full_bytes"] == written["incremental"] / written["full"]
+        assert c["du_bytes"]["incremental"] < c["du_bytes"]["full"]  # steps share files
+        assert len(c["du_incremental_after_each"]) == 2
+    growth = report["growth"]  # disk use along a chain: the first save whole, then linked
+    assert growth["linked"] == [False, True, True, True]
+    assert all(n > 0 for n in growth["data_files"])
+    assert len(growth["du_incremental"]) == len(growth["du_full"]) == 4
+    markdown = (out / "results.md").read_text()
+    assert markdown in printed and "Targets at 1/32 changed" in markdown
+    assert "Disk use along a chain" in markdown
