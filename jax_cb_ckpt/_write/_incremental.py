@@ -2,15 +2,17 @@
 change since the step before it, and is still a whole plain Orbax checkpoint.
 
 The writer keeps, in memory, of the step it wrote last (this process's part of it):
-its layout (`StoreWriter.layout`: leaves, shapes, dtypes, chunks) and every chunk's
-CRC-32 and SHA-256 (`StoreWriter.digests`). At the next save of the same layout, before
+its layout (`StoreWriter.layout`: leaves, shapes, dtypes, chunks) and a copy of every
+chunk with its CRC-32 (`StoreWriter.kept`: one state's bytes). At the next save of the
+same layout, before
 TensorStore opens the new step's database, `link` puts the previous step's database
 into it: its data files (`d/`) linked (a hard link in a folder, a server-side copy in a
 bucket: `ChunkStore.link`), its manifest copied (TensorStore rewrites a manifest in
 place; it never changes a data file once written). The new step's database then *is*
-the previous one, and the write adds a version holding only the chunks whose digests
-differ (`StoreWriter.write(previous=...)`): both digests equal is the proof that the
-bytes are (the CRC-32 alone is not). After its commit, `prune` removes from the new
+the previous one, and the write adds a version holding only the chunks whose bytes
+differ from their kept copy (`StoreWriter.write(previous=...)`: compared byte for byte,
+which costs less than a checksum, and is proof where a matching CRC-32 is not; a
+changed chunk's copy and checksum are updated). After its commit, `prune` removes from the new
 step the linked files its latest version no longer reads (every value in them
 replaced): a local folder's, read with the package's own reader; a bucket keeps them
 until the next whole save (reading its index is a round trip per node).
@@ -35,7 +37,7 @@ import hashlib
 from .._layout import _format
 from .._layout._ocdbt import MANIFEST
 from .._storage._protocol import Storage
-from ._store import Digests
+from ._store import Kept
 
 FULL_EVERY = 16  # `Checkpointer(full_every=...)`'s default
 _DATA = "d"  # the folder of an OCDBT database's data files
@@ -45,11 +47,11 @@ _LINKS_AT_ONCE = 16
 
 @dataclasses.dataclass(frozen=True)
 class Previous:
-    """The step this process wrote last: its number, layout and chunk digests."""
+    """The step this process wrote last: its number, layout and chunks."""
 
     step: int
     layout: tuple
-    digests: Digests
+    kept: Kept  # a copy of its chunks, with their checksums (`StoreWriter.kept`)
     manifest: bytes  # the SHA-256 of its database's manifest, as written
 
 
@@ -71,12 +73,10 @@ class Chain:
             return None
         return last
 
-    def written(
-        self, step: int, layout: tuple, digests: Digests, manifest: bytes, linked: bool
-    ) -> None:
+    def written(self, step: int, layout: tuple, kept: Kept, manifest: bytes, linked: bool) -> None:
         """A step committed (`manifest`: its manifest's digest, `manifest_digest`;
         `linked`: from the previous one)."""
-        self._last = Previous(step, layout, digests, manifest)
+        self._last = Previous(step, layout, kept, manifest)
         self._linked = self._linked + 1 if linked else 0
 
     def broken(self) -> None:

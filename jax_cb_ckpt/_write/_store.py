@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -186,7 +185,9 @@ def _padded(block: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
     return full
 
 
-Digests = dict[tuple[str, str], tuple[int, bytes]]  # (leaf, region key) -> (CRC-32, SHA-256)
+# An incremental writer's copy of the chunks it wrote last: (leaf, region key) -> (the
+# chunk's CRC-32, its bytes: a C-ordered copy).
+Kept = dict[tuple[str, str], tuple[int, np.ndarray]]
 
 
 class StoreWriter:
@@ -200,12 +201,12 @@ class StoreWriter:
         """`kvstore_spec`: the key-value store of a path where the steps live (the chunk
         store's, `ChunkStore.kvstore_spec`: TensorStore is the default chunk store's
         engine; a storage TensorStore cannot reach needs an array writer of its own).
-        `incremental`: chunks cut to be linked (`chunks_to_link`), and each write's
-        digests kept (`digests`) for the next write to compare with."""
+        `incremental`: chunks cut to be linked (`chunks_to_link`), and a copy of each
+        write's chunks kept (`kept`) for the next write to compare with."""
         self.compression = compression
         self.incremental = incremental
-        # Of the last `write`: every chunk's digests (incremental), the bytes written.
-        self.digests: Digests = {}
+        # Of the last `write`: a copy of every chunk (incremental), the bytes written.
+        self.kept: Kept = {}
         self.written_bytes = 0
         self._kvstore_spec = kvstore_spec
         self._context = ts.Context(
@@ -238,7 +239,7 @@ class StoreWriter:
         *,
         index: int,
         zarrays: bool,
-        previous: Digests | None = None,
+        previous: Kept | None = None,
     ) -> Callable[..., tuple[dict[str, dict[str, int]], float]]:
         """Start writing this process's arrays (`flat`: tree path -> numpy array or
         `ShardedArray`) as one transaction: process 0 into the root database of `state_dir`,
@@ -247,8 +248,8 @@ class StoreWriter:
 
         `previous`: an incremental write into a database that already holds the
         previous write of the same layout (its files linked there, `_incremental`), whose
-        `digests` these are: only the chunks whose CRC-32 or SHA-256 differ are
-        written (and no `.zarray`); the digests are computed first, on every core.
+        `kept` chunks these are: only the chunks whose bytes differ are written (and no
+        `.zarray`); they are compared first, on every core (`_compare`).
 
         Returns once the transaction is committing (the data copied into TensorStore,
         the large leaves' checksums computed meanwhile); then call the returned
@@ -263,7 +264,8 @@ class StoreWriter:
         pending: list[ts.WriteFutures] = []  # writes through the zarr driver
         staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]] = []  # key-value writes
         sums: dict[str, dict[str, int]] = {}
-        self.digests, self.written_bytes = {}, 0
+        self.written_bytes = 0
+        self.kept = {} if previous is None else previous
         if previous is not None:
             checksum_s = self._changed(kv, kvt, txn, flat, previous, sums, staged, pending)
             small: list[tuple[str, list[tuple[Region, np.ndarray]]]] = []
@@ -274,10 +276,10 @@ class StoreWriter:
                 is_small, pieces = self._stage(kv, kvt, txn, name, leaf, zarrays, staged, pending)
                 (small if is_small else large).append((name, pieces))
                 self.written_bytes += sum(block.nbytes for _, block in pieces)
-            digests = self.digests if self.incremental else None
-            checksum_s = _checksums(large, sums, digests)  # while TensorStore copies
-            if digests is not None:  # (the next write compares with every chunk's)
-                checksum_s += _checksums(small, sums, digests)
+            kept = self.kept if self.incremental else None
+            checksum_s = _checksums(large, sums, kept)  # while TensorStore copies
+            if kept is not None:  # (the next write compares with every chunk)
+                checksum_s += _checksums(small, sums, kept)
                 small = []
         for future in pending:
             future.copy.result()
@@ -289,29 +291,28 @@ class StoreWriter:
         kvt: ts.KvStore,
         txn: ts.Transaction,
         flat: Mapping[tuple[str, ...], np.ndarray | ShardedArray],
-        previous: Digests,
+        previous: Kept,
         sums: dict[str, dict[str, int]],
         staged: list[ts.Future[ts.KvStore.TimestampedStorageGeneration]],
         pending: list[ts.WriteFutures],
     ) -> float:
-        """An incremental write's chunks: every chunk's digests (on every core), then
-        the writes of those that differ from `previous`'s. The seconds the digests took."""
+        """An incremental write's chunks: each compared with its kept copy (on every
+        core; `_compare`: a changed one's checksum computed and its copy updated), then
+        the writes of those that changed. The seconds the comparison took."""
         start = time.perf_counter()
         leaves = [(param_name(path), leaf) for path, leaf in flat.items()]
         every = [
-            (name, region, block)
+            (name, region_key(region), block)
             for name, leaf in leaves
             for region, block in _pieces(leaf, self.incremental)[0]
         ]
         workers = min(len(every), os.cpu_count() or 1) or 1
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            found = list(pool.map(lambda piece: _digest(piece[2]), every, chunksize=4))
+            found = list(pool.map(lambda piece: _compare(previous, *piece), every, chunksize=4))
         changed: dict[str, set[str]] = {}
-        for (name, region, _), (crc, sha) in zip(every, found, strict=True):
-            key = region_key(region)
-            sums.setdefault(name, {})[key] = crc
-            self.digests[(name, key)] = (crc, sha)
-            if previous.get((name, key)) != (crc, sha):
+        for (name, key, _), is_new in zip(every, found, strict=True):
+            sums.setdefault(name, {})[key] = previous[(name, key)][0]
+            if is_new:
                 changed.setdefault(name, set()).add(key)
         seconds = time.perf_counter() - start
         for name, leaf in leaves:
@@ -384,31 +385,48 @@ class StoreWriter:
 def _checksums(
     leaves: list[tuple[str, list[tuple[Region, np.ndarray]]]],
     sums: dict,
-    digests: Digests | None = None,
+    kept: Kept | None = None,
 ) -> float:
-    """Add the CRC-32 of every piece of `leaves` to `sums` (and both digests to
-    `digests`, where given); the seconds it took (zlib and hashlib release the GIL:
+    """Add the CRC-32 of every piece of `leaves` to `sums` (and, where `kept` is given,
+    a copy of the piece with it); the seconds it took (zlib releases the GIL:
     TensorStore's threads write meanwhile)."""
     start = time.perf_counter()
     for name, pieces in leaves:
         leaf_sums = sums.setdefault(name, {})
         for region, block in pieces:
             key = region_key(region)
-            if digests is None:
+            if kept is None:
                 leaf_sums[key] = checksum(block)
             else:
-                digests[(name, key)] = _digest(block)
-                leaf_sums[key] = digests[(name, key)][0]
+                copy = np.array(block, order="C", copy=True)
+                kept[(name, key)] = (checksum(copy), copy)
+                leaf_sums[key] = kept[(name, key)][0]
     return time.perf_counter() - start
 
 
-def _digest(block: np.ndarray) -> tuple[int, bytes]:
-    """A chunk's CRC-32 (its checksum) and SHA-256, of its bytes in C order: two
-    chunks whose both digests are equal hold the same bytes (a CRC-32 alone is no proof:
-    one collision in 2**32; no SHA-256 collision is known)."""
-    array = np.ascontiguousarray(block)
-    data = array.reshape(-1).view(np.uint8).data if array.size else b""
-    return checksum(array), hashlib.sha256(data).digest()
+def _compare(kept: Kept, name: str, key: str, block: np.ndarray) -> bool:
+    """Whether the chunk `block` of leaf `name` at region `key` differs, byte for byte,
+    from its copy in `kept` (NaNs of other bits differ; a chunk `kept` lacks differs);
+    if so, its checksum is computed and its copy in `kept` made its bytes. Chunks are
+    compared in threads (numpy releases the GIL), each its own entry."""
+    old = kept.get((name, key))
+    if old is not None and old[1].shape == block.shape and old[1].dtype == block.dtype:
+        if _same_bytes(old[1], block):
+            return False
+        np.copyto(old[1], block, casting="no")
+        kept[(name, key)] = (checksum(old[1]), old[1])
+        return True
+    copy = np.array(block, order="C", copy=True)
+    kept[(name, key)] = (checksum(copy), copy)
+    return True
+
+
+def _same_bytes(copy: np.ndarray, block: np.ndarray) -> bool:
+    """`block` (any strides) holds the bytes of `copy` (C order, same shape and dtype)."""
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(copy.dtype.itemsize)
+    if unsigned is None or copy.dtype.kind == "V" and copy.dtype.fields:
+        return np.ascontiguousarray(block).tobytes() == copy.tobytes()
+    return bool(np.array_equal(copy.view(unsigned), block.view(unsigned)))
 
 
 def _pieces(

@@ -274,8 +274,8 @@ class Writer:
             self._group.writing = None  # peers waiting for this process wait on while set
         if self._chain is not None and self._links is not None:
             links = self._links
-            digests, linked = self._store.digests, bool(links.names)
-            self._chain.written(item.step, links.layout, digests, links.manifest, linked)
+            kept, linked = self._store.kept, bool(links.names)
+            self._chain.written(item.step, links.layout, kept, links.manifest, linked)
         self._written(item, time.perf_counter() - start, checksum_s)
         try:  # what the log says never stops the writer (a thread that dies hangs saves)
             linked = None if self._chain is None else item.nbytes - self._store.written_bytes
@@ -428,7 +428,7 @@ class Writer:
 
     def _linked_from(
         self, flat: dict[tuple[str, ...], Any], temp: str, index: int
-    ) -> _store.Digests | None:
+    ) -> _store.Kept | None:
         """Incremental saves: link the previous step's database into this one's, where
         the chain says to (`_incremental`); the previous step's digests, or None (this
         step is written whole: no previous step of this layout, a whole one due, or its
@@ -441,13 +441,14 @@ class Writer:
         name, part = _incremental.relative(self.directory, temp), _incremental.part_of(index)
         self._links = _Links(layout, name, part, [])
         if previous is None:
+            self._chain.broken()  # (its copy of the chunks let go before this one's is made)
             return None
         try:
             self._links.names = _incremental.link(self._storage, previous, name, part)
         except (OSError, _faults.StorageError) as e:
             logger.info("written whole: linking from step %d failed: %s", previous.step, e)
             return None
-        return previous.digests
+        return previous.kept
 
     def _prune(self, temp: str) -> None:
         """Incremental saves, once this process's database is final: the linked files it
