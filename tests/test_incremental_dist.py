@@ -1,0 +1,151 @@
+"""Incremental saves (`Checkpointer(incremental=True)`) in jit and under vmap, as every
+other save (issue 57, item 4), with a ring buffer that changes by a slice per save:
+
+- `maybe_save` in a jitted `lax.scan`: every saved step restores bit for bit, and the
+  saves after the first wrote a small fraction of the state (`stats.recent`); the
+  later steps' data files are hard links of the earlier ones';
+- `jit(vmap(train))` over seeds: the same, each member restored alone (`member=k`);
+- sharded over a (4, 2) mesh of 8 CPU devices, in a subprocess
+  (tests/incremental_worker.py): each device's unchanged blocks linked;
+- two processes (jax.distributed, gloo), each linking its own part of the step
+  (`state/ocdbt.process_1/d/` for process 1), both writing little; the newest step
+  restores exactly on both processes and in one process alone, also once the steps
+  before it are deleted (the links keep the bytes).
+
+The basics of one eager process (whole steps, full_every, retention in any order,
+damage) are tests/test_incremental.py's."""
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jax_cb_ckpt
+
+# The ring buffer: 32 MiB of float32, 4 KiB a row. An incremental Checkpointer cuts a
+# leaf written whole into chunks of 256 KiB here (64 rows: `_store.chunks_to_link`);
+# each step writes SLICE rows, inside one chunk.
+ROWS, COLS, SLICE = 8192, 1024, 64
+STEPS = 5
+
+
+def ring_state():
+    return {
+        "buffer": jnp.zeros((ROWS, COLS), jnp.float32),
+        "params": {"w": jnp.arange(4096, dtype=jnp.float32) / 7, "b": jnp.ones(16)},
+        "count": jnp.int32(0),
+    }
+
+
+def ring_update(state, step):
+    """One step: a slice of the ring written (at row SLICE * step), the params moved;
+    exact in float32 whatever XLA fuses (a multiplication by 0.5 and an exact sum)."""
+    new = jnp.arange(SLICE * COLS, dtype=jnp.float32).reshape(SLICE, COLS)
+    new = new + step.astype(jnp.float32) * 1e3
+    at = (step * SLICE) % state["buffer"].shape[0]
+    return {
+        "buffer": jax.lax.dynamic_update_slice(state["buffer"], new, (at, 0)),
+        "params": {"w": state["params"]["w"] * 0.5 + 1.0, "b": state["params"]["b"] + 1.0},
+        "count": state["count"] + 1,
+    }
+
+
+def ring_references(state, steps):
+    """The state after each step, one jitted update at a time (step k: k updates)."""
+    out, update = {}, jax.jit(ring_update)
+    for k in range(1, steps + 1):
+        state = update(state, jnp.int32(k))
+        out[k] = jax.device_get(state)
+    return out
+
+
+def linked_files(directory, step):
+    """The state item's data files of `step` that have other links (an earlier or
+    later step's), and all of them."""
+    files = [p for p in (Path(directory) / str(step) / "state").rglob("d/*") if p.is_file()]
+    return [p for p in files if p.stat().st_nlink > 1], files
+
+
+def assert_incremental(ckpt, nbytes, steps, members=1):
+    """The first save written whole, every later one about what changed: the ring's
+    slice (of every member) and the params, not the `nbytes` of the state."""
+    records = {r.step: r for r in ckpt.stats.recent}
+    assert sorted(records) == steps, records
+    first, *later = steps
+    assert records[first].written_bytes >= nbytes * 0.99, records[first]
+    changed = members * SLICE * COLS * 4
+    for step in later:
+        assert changed <= records[step].written_bytes <= 2 * changed, records[step]
+        assert records[step].written_bytes <= nbytes // 16, records[step]
+
+
+def test_maybe_save_in_a_jitted_scan_links_what_did_not_change(make_ckpt, ckpt_dir):
+    state = ring_state()
+    refs = ring_references(state, STEPS)
+    ckpt = make_ckpt(incremental=True, every=1)
+
+    def body(s, i):
+        s = ring_update(s, i)
+        ckpt.maybe_save(s, i)
+        return s, None
+
+    jax.block_until_ready(
+        jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(1, STEPS + 1))[0])(state)
+    )
+    ckpt.wait()
+    steps = list(range(1, STEPS + 1))
+    assert ckpt.all_steps() == steps
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert_incremental(ckpt, nbytes, steps)
+    for step in steps:
+        assert jax_cb_ckpt.same_bits(ckpt.restore(state, step=step), refs[step]), step
+        if step > 1:  # most of the bytes are in files shared with another step
+            linked, files = linked_files(ckpt_dir, step)
+            shared = sum(p.stat().st_size for p in linked)
+            assert shared >= 0.9 * sum(p.stat().st_size for p in files), step
+    assert jax_cb_ckpt.verify(ckpt_dir) == steps
+    # The newest step alone: the others deleted, it still restores (links keep bytes).
+    for step in steps[:-1]:
+        shutil.rmtree(ckpt_dir / str(step))
+    assert jax_cb_ckpt.same_bits(jax_cb_ckpt.restore(ckpt_dir, state), refs[STEPS])
+
+
+SEEDS = 4  # members of the batch; the ring is ROWS // SEEDS rows per member
+
+
+def member_state(seed):
+    state = ring_state()
+    return {
+        "buffer": jnp.zeros((ROWS // SEEDS, COLS), jnp.float32) + seed,
+        "params": jax.tree.map(lambda x: x + seed, state["params"]),
+        "count": jnp.int32(seed),
+    }
+
+
+def test_jit_vmap_over_seeds_links_and_each_member_restores(make_ckpt, ckpt_dir):
+    ckpt = make_ckpt(incremental=True, every=1)
+
+    def train(state):
+        def body(s, i):
+            s = ring_update(s, i)
+            ckpt.maybe_save(s, i)
+            return s, None
+
+        return jax.lax.scan(body, state, jnp.arange(1, STEPS + 1))[0]
+
+    batch = jax.vmap(member_state)(jnp.arange(SEEDS))
+    jax.block_until_ready(jax.jit(jax.vmap(train))(batch))
+    ckpt.wait()
+    steps = list(range(1, STEPS + 1))
+    assert ckpt.all_steps() == steps
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(batch))
+    assert_incremental(ckpt, nbytes, steps, members=SEEDS)
+    like = jax.eval_shape(lambda: member_state(0))
+    for seed in range(SEEDS):
+        refs = ring_references(member_state(seed), STEPS)
+        for step in steps:
+            got = jax_cb_ckpt.restore(ckpt_dir, like, step=step, member=seed)
+            assert jax_cb_ckpt.same_bits(got, refs[step]), (seed, step)
+    linked, files = linked_files(ckpt_dir, STEPS)
+    assert sum(p.stat().st_size for p in linked) >= 0.9 * sum(p.stat().st_size for p in files)
