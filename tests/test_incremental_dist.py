@@ -16,10 +16,15 @@ The basics of one eager process (whole steps, full_every, retention in any order
 damage) are tests/test_incremental.py's."""
 
 import shutil
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
+from helpers import ProcessGroup, free_port
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_cb_ckpt
 
@@ -149,3 +154,128 @@ def test_jit_vmap_over_seeds_links_and_each_member_restores(make_ckpt, ckpt_dir)
             assert jax_cb_ckpt.same_bits(got, refs[step]), (seed, step)
     linked, files = linked_files(ckpt_dir, STEPS)
     assert sum(p.stat().st_size for p in linked) >= 0.9 * sum(p.stat().st_size for p in files)
+
+
+def test_a_ring_split_along_its_batch_axis_links_within_each_block(make_ckpt, ckpt_dir):
+    """4 devices in process (conftest), a (2, 2) mesh: every save changes a slice of
+    every device's block, so each block is cut into chunks (before, one chunk per
+    block: every save wrote the whole state)."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    shardings = {
+        "buffer": NamedSharding(mesh, P("a", None, "b")),
+        "params": NamedSharding(mesh, P("b")),
+    }
+
+    def update(s, i):
+        new = jnp.full((4, SLICE // 4, COLS), i, jnp.float32)
+        at = (i * SLICE // 4) % s["buffer"].shape[1]
+        buffer = jax.lax.dynamic_update_slice(s["buffer"], new, (0, at, 0))
+        return {"buffer": buffer, "params": s["params"] * 0.5 + 1.0}
+
+    state = jax.device_put(
+        {"buffer": jnp.zeros((4, ROWS // 4, COLS)), "params": jnp.arange(4096.0)}, shardings
+    )
+    ckpt = make_ckpt(incremental=True, every=1)
+
+    def body(s, i):
+        s = update(s, i)
+        ckpt.maybe_save(s, i, shardings=shardings)
+        return s, None
+
+    jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(1, STEPS + 1))[0])(state)
+    ckpt.wait()
+    steps = list(range(1, STEPS + 1))
+    assert ckpt.all_steps() == steps
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    written = {r.step: r.written_bytes for r in ckpt.stats.recent}
+    assert written[1] >= 0.99 * nbytes and max(written[s] for s in steps[1:]) <= nbytes // 8
+    step_fn = jax.jit(update, out_shardings=shardings)
+    for step in steps:
+        state = step_fn(state, jnp.int32(step))
+        got = ckpt.restore(state, step=step)
+        assert got["buffer"].sharding == shardings["buffer"]
+        assert jax_cb_ckpt.same_bits(jax.device_get(got), jax.device_get(state)), step
+
+
+# -- 8 devices, one process or two (tests/incremental_worker.py) ---------------------------
+
+WORKER = Path(__file__).with_name("incremental_worker.py")
+TIMEOUT = 240  # a run takes ~10-20 s here; a hang never ends
+
+
+def run_worker(tmp_path, mode, directory, nproc):
+    port = free_port()
+    commands = [
+        [sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port), str(directory)]
+        for pid in range(nproc)
+    ]
+    results = ProcessGroup(tmp_path, f"{mode}-{nproc}", commands).wait(TIMEOUT)
+    for pid, (rc, found) in enumerate(results):
+        assert rc == 0 and found is not None, (pid, rc, found)
+    return [found for _, found in results]
+
+
+def inodes(folder):
+    """{inode: name} of the files right in `folder`."""
+    return {p.stat().st_ino: p.name for p in Path(folder).iterdir() if p.is_file()}
+
+
+def assert_trained_incrementally(findings, steps):
+    for found in findings:
+        assert found["steps"] == steps, found
+        assert all(found["exact"][str(s)] for s in steps), found
+        nbytes, written = found["nbytes"], found["written_bytes"]
+        first, *later = map(str, steps)
+        # This process's share of the state is written once, then little: the chunks
+        # of its blocks that changed (8 of 1024 rows of each: one 256 KiB chunk of each
+        # 4 MiB block, 1/16 of the state) and the params.
+        assert written[first] >= nbytes[first] // len(findings) * 0.99, found
+        for step in later:
+            assert 0 < written[step] <= nbytes[step] // 12, found
+
+
+def assert_newest_restores_alone(tmp_path, directory, steps):
+    """The steps before the newest deleted: it restores exactly in one process."""
+    for step in steps[:-1]:
+        shutil.rmtree(directory / str(step))
+    [found] = run_worker(tmp_path, "restore", directory, 1)
+    assert found["step"] == steps[-1] and found["exact"] is True, found
+    assert found["plain_orbax_exact"] is True, found
+
+
+@pytest.mark.slow
+def test_a_sharded_state_links_each_device_s_unchanged_chunks(tmp_path):
+    directory = tmp_path / "ckpt"
+    steps = [1, 2, 3, 4]
+    findings = run_worker(tmp_path, "train", directory, 1)
+    assert findings[0]["devices"] == 8, findings
+    assert_trained_incrementally(findings, steps)
+    for step in steps[1:]:
+        linked, files = linked_files(directory, step)
+        shared = sum(p.stat().st_size for p in linked)
+        assert shared >= 0.9 * sum(p.stat().st_size for p in files), step
+        previous = inodes(directory / str(step - 1) / "state" / "d")
+        assert set(inodes(directory / str(step) / "state" / "d")) & set(previous), step
+    assert jax_cb_ckpt.verify(directory) == steps
+    assert_newest_restores_alone(tmp_path, directory, steps)
+
+
+@pytest.mark.slow
+def test_each_process_links_its_own_part(tmp_path):
+    directory = tmp_path / "ckpt"
+    steps = [1, 2, 3, 4]
+    findings = run_worker(tmp_path, "train", directory, 2)
+    assert [f["process"] for f in findings] == [0, 1], findings
+    assert_trained_incrementally(findings, steps)
+    for step in steps[1:]:
+        # Each process's database of a later step holds the files of its own database
+        # in the step before (the same inodes), and most of its bytes are in them.
+        for part in ("state/d", "state/ocdbt.process_1/d"):
+            now, before = (directory / str(s) / part for s in (step, step - 1))
+            shared = set(inodes(now)) & set(inodes(before))
+            assert shared, (step, part)
+            size = sum(p.stat().st_size for p in now.iterdir())
+            kept = sum(p.stat().st_size for p in now.iterdir() if p.stat().st_ino in shared)
+            assert kept >= 0.9 * size, (step, part, kept, size)
+    assert jax_cb_ckpt.verify(directory) == steps
+    assert_newest_restores_alone(tmp_path, directory, steps)
