@@ -41,6 +41,10 @@ import jax_cb_ckpt  # noqa: E402
 
 BATCH, TIME, FEATURES = 8, 1024, 1024  # 32 MiB of float32
 SLICE = 8  # time steps written per step (256 KiB of the 32 MiB)
+# ... at time STRIDE * step: each step in another chunk (of 64 time steps: an incremental
+# save cuts each 4 MiB block into 256 KiB chunks), so that a step linked from a wrong
+# step (not the one before it) holds a stale slice.
+STRIDE = 64
 STEPS = 4
 TIMEOUT = 60.0  # peer_timeout
 
@@ -66,11 +70,11 @@ def initial(shardings):
 
 
 def update(state, step):
-    """A slice of the ring written for every member (at time SLICE * step), the params
+    """A slice of the ring written for every member (at time STRIDE * step), the params
     moved; exact in float32 whatever XLA fuses."""
     new = jnp.arange(BATCH * SLICE * FEATURES, dtype=jnp.float32)
     new = new.reshape(BATCH, SLICE, FEATURES) + step.astype(jnp.float32) * 1e3
-    at = (step * SLICE) % TIME
+    at = (step * STRIDE) % TIME
     return {
         "buffer": jax.lax.dynamic_update_slice(state["buffer"], new, (0, at, 0)),
         "params": state["params"] * 0.5 + 1.0,
