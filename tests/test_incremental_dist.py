@@ -10,7 +10,7 @@ other save (issue 57, item 4), with a ring buffer that changes by a slice per sa
 - two processes (jax.distributed, gloo), each linking its own part of the step
   (`state/ocdbt.process_1/d/` for process 1), both writing little; the newest step
   restores exactly on both processes and in one process alone, also once the steps
-  before it are deleted (the links keep the bytes).
+  before it are deleted (the links keep the bytes); in both buckets too.
 
 The basics of one eager process (whole steps, full_every, retention in any order,
 damage) are tests/test_incremental.py's."""
@@ -204,13 +204,13 @@ WORKER = Path(__file__).with_name("incremental_worker.py")
 TIMEOUT = 240  # a run takes ~10-20 s here; a hang never ends
 
 
-def run_worker(tmp_path, mode, directory, nproc):
+def run_worker(tmp_path, mode, directory, nproc, env=None):
     port = free_port()
     commands = [
         [sys.executable, str(WORKER), mode, str(pid), str(nproc), str(port), str(directory)]
         for pid in range(nproc)
     ]
-    results = ProcessGroup(tmp_path, f"{mode}-{nproc}", commands).wait(TIMEOUT)
+    results = ProcessGroup(tmp_path, f"{mode}-{nproc}", commands, env=env).wait(TIMEOUT)
     for pid, (rc, found) in enumerate(results):
         assert rc == 0 and found is not None, (pid, rc, found)
     return [found for _, found in results]
@@ -280,3 +280,13 @@ def test_each_process_links_its_own_part(tmp_path):
             assert kept >= 0.9 * size, (step, part, kept, size)
     assert jax_cb_ckpt.verify(directory) == steps
     assert_newest_restores_alone(tmp_path, directory, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remote", ["s3", "gs"], indirect=True)
+def test_each_process_copies_its_own_part_in_a_bucket(tmp_path, remote):
+    """The same two processes, the steps in a bucket (server-side copies, not links)."""
+    steps = [1, 2, 3, 4]
+    findings = run_worker(tmp_path, "train", remote.url, 2, env=remote.env)
+    assert_trained_incrementally(findings, steps)
+    assert jax_cb_ckpt.verify(remote.url) == steps
