@@ -261,7 +261,7 @@ def test_a_sharded_state_links_each_device_s_unchanged_chunks(tmp_path):
     assert_newest_restores_alone(tmp_path, directory, steps)
 
 
-@pytest.mark.slow
+# In the default suite, as tests/test_multiprocess.py's 2-process run (~9 s here, quiet).
 def test_each_process_links_its_own_part(tmp_path):
     directory = tmp_path / "ckpt"
     steps = [1, 2, 3, 4]
