@@ -438,6 +438,13 @@ def _pieces(
         pieces = sorted(leaf.blocks.items())
         first = pieces[0][1] if pieces else np.empty(leaf.shape, leaf.dtype)
         chunks = tuple(max(1, n) for n in np.shape(first))
+        if incremental and math.prod(chunks) * leaf.dtype.itemsize > SMALL_BYTES:
+            chunks = _block_chunks(chunks, leaf.dtype.itemsize)
+            pieces = [
+                (_shifted(region, corner), piece)
+                for corner, block in pieces
+                for region, piece in split(block, chunks)
+            ]
         return pieces, leaf.shape, leaf.dtype, chunks
     array = np.asarray(leaf)
     if incremental and array.nbytes > SMALL_BYTES:
@@ -448,6 +455,31 @@ def _pieces(
         return [(tuple((0, n) for n in array.shape), array)], array.shape, array.dtype, chunks
     chunks = chunks_of(array.shape, array.dtype.itemsize)
     return list(split(array, chunks)), array.shape, array.dtype, chunks
+
+
+def _block_chunks(block: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """An incremental save's chunks of a leaf written block by block (sharded): each
+    device's block cut as a leaf written whole is (`chunks_to_link`), each side a
+    divisor of the block's, so that the chunk grid is the same in every block (every
+    block of a leaf has one shape: `_shards` refuses uneven splits). A ring buffer split
+    along its batch axis changes a slice of every block per save: with one chunk per
+    block (the format of a save that links nothing) nothing could be linked."""
+    cut = chunks_to_link(block, itemsize)
+    chunks = tuple(_divisor_at_most(n, c) for n, c in zip(block, cut, strict=True))
+    if math.prod(block) // math.prod(chunks) > 4 * CHUNKS_PER_LEAF:  # (a prime side)
+        return block
+    return chunks
+
+
+def _divisor_at_most(n: int, most: int) -> int:
+    """The largest divisor of `n` that is at most `most` (>= 1)."""
+    divisors = (x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d))
+    return max((x for x in divisors if x <= most), default=1)
+
+
+def _shifted(region: Region, corner: Region) -> Region:
+    """`region` (within a block) in the leaf's coordinates, the block at `corner`."""
+    return tuple((a + s, b + s) for (a, b), (s, _) in zip(region, corner, strict=True))
 
 
 @functools.lru_cache(maxsize=64)
