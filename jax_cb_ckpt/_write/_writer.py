@@ -326,7 +326,7 @@ class Writer:
                 self._write_descriptions(temp, step)
             if not (described_during_commit and alone):
                 self._storage.write_meta(temp, dict(step.meta, checksums=sums), item.extra)
-            self._commit(temp, final, item.nbytes, sync)
+            self._commit(temp, final, self._unwritten(item, round_.count), sync)
             round_.committed(self._storage)
             self._retain(item, step)  # before the decision: every process lists the same
         except BaseException as e:  # its files removed now, or once the failure is reported
@@ -370,12 +370,21 @@ class Writer:
             if round_.count == 1 or not round_.primary:
                 self._prune(temp)
             if not round_.primary:  # (the primary's files are synced with the step's)
-                sync.tree(os.path.join(temp, _format.STATE_ITEM, _part(round_)), item.nbytes)
+                part = os.path.join(temp, _format.STATE_ITEM, _part(round_))
+                sync.tree(part, self._unwritten(item, 1))
         except BaseException as e:
             round_.report(e)
             raise
         round_.report(None, sums)
         return sums, checksum_s
+
+    def _unwritten(self, item: SaveItem, processes: int) -> int:
+        """The bytes of the step the syncs wait for, as `_durable` weighs them against
+        the system's unwritten data: the array bytes, or those an incremental save
+        wrote (its linked files are on disk already), by each of `processes`."""
+        if self._chain is None:
+            return item.nbytes
+        return min(item.nbytes, self._store.written_bytes * processes)
 
     def _written(self, item: SaveItem, write_s: float, checksum_s: float) -> None:
         step = item.step
