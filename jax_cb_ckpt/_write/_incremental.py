@@ -51,6 +51,7 @@ class Previous:
     layout: tuple
     digests: Digests
     manifest: bytes  # the SHA-256 of its database's manifest, as written
+    files: tuple[str, ...] = ()  # its database's data files, as written (`files_of`)
 
 
 class Chain:
@@ -72,11 +73,16 @@ class Chain:
         return last
 
     def written(
-        self, step: int, layout: tuple, digests: Digests, manifest: bytes, linked: bool
+        self,
+        step: int,
+        layout: tuple,
+        digests: Digests,
+        written: tuple[bytes, tuple[str, ...]],
+        linked: bool,
     ) -> None:
-        """A step committed (`manifest`: its manifest's digest, `manifest_digest`;
-        `linked`: from the previous one)."""
-        self._last = Previous(step, layout, digests, manifest)
+        """A step committed (`written`: its manifest's digest and its data files,
+        `manifest_digest` and `files_of`; `linked`: from the previous one)."""
+        self._last = Previous(step, layout, digests, *written)
         self._linked = self._linked + 1 if linked else 0
 
     def broken(self) -> None:
@@ -100,18 +106,26 @@ def manifest_digest(storage: Storage, name: str, part: str) -> bytes:
     return b"" if manifest is None else hashlib.sha256(manifest).digest()
 
 
+def files_of(storage: Storage, name: str, part: str) -> tuple[str, ...]:
+    """The data files of the database `part` of the step `name`, relative to its folder:
+    what a later `link` links (those, not what the folder holds then)."""
+    return tuple(f"{_DATA}/{n}" for n in storage.files_in(f"{name}/{part}/{_DATA}"))
+
+
 def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str]:
     """Put the `previous` step's database `part` (`part_of`) into the step being written
-    under the name `temp` (relative to the directory): its data files linked, its
-    manifest copied. The linked names (relative to the database's folder). A step whose
-    manifest is not the one written (replaced meanwhile) is not linked from
-    (`FileNotFoundError`). On any failure what was linked is removed again and the error
-    raised (the caller writes the step whole)."""
+    under the name `temp` (relative to the directory): its data files as written
+    (`previous.files`) linked, its manifest copied. The linked names (relative to the
+    database's folder). A step whose manifest is not the one written (replaced
+    meanwhile), or one of whose data files is gone or no longer a file, is not linked
+    from (`OSError`: the new step would point at a file it does not hold; files planted
+    there since are not linked either). On any failure what was linked is removed
+    again and the error raised (the caller writes the step whole)."""
     source, target = f"{previous.step}/{part}", f"{temp}/{part}"
     manifest = storage.read_file(f"{source}/{MANIFEST}", _MANIFEST_BYTES)
     if manifest is None or hashlib.sha256(manifest).digest() != previous.manifest:
         raise FileNotFoundError(f"step {previous.step}'s {part} is not the one written")
-    files = [f"{_DATA}/{name}" for name in storage.files_in(f"{source}/{_DATA}")]
+    files = list(previous.files)
     if not files:
         raise FileNotFoundError(f"step {previous.step} has no data files in {part}")
     done: list[str] = []
