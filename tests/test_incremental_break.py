@@ -74,3 +74,28 @@ def test_a_data_file_gone_from_the_previous_step_is_not_linked(tmp_path, how):
         wrote, nbytes = _last(ckpt)
         assert wrote < nbytes / 4
     _whole_and_readable(directory, states, (2, 3))
+
+
+def test_a_previous_step_whose_index_is_damaged_is_not_linked(tmp_path):
+    """The data files of the step a save links from, truncated meanwhile (a full disk, a
+    crash of another tool): its index no longer reads. The save is written whole. Before,
+    TensorStore failed reading the linked index and the save was lost (a `SaveError`),
+    though the writer held every byte of it."""
+    directory = str(tmp_path / "ckpt")
+    states = _states(3)
+    with jax_cb_ckpt.Checkpointer(directory, incremental=True) as ckpt:
+        ckpt.save(states[0], 1)
+        ckpt.wait()
+        folder = _data_dir(directory, 1)
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+        ckpt.save(states[1], 2)
+        ckpt.wait()
+        wrote, nbytes = _last(ckpt)
+        assert wrote == nbytes
+        ckpt.save(states[2], 3)  # linked from step 2
+        ckpt.wait()
+        wrote, nbytes = _last(ckpt)
+        assert wrote < nbytes / 4
+    _whole_and_readable(directory, states, (2, 3))

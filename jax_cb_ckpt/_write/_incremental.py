@@ -32,7 +32,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 
-from .._layout import _format
+from .._layout import _format, _ocdbt
 from .._layout._ocdbt import MANIFEST
 from .._storage._protocol import Storage
 from ._store import Digests
@@ -117,10 +117,12 @@ def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str
     under the name `temp` (relative to the directory): its data files as written
     (`previous.files`) linked, its manifest copied. The linked names (relative to the
     database's folder). A step whose manifest is not the one written (replaced
-    meanwhile), or one of whose data files is gone or no longer a file, is not linked
-    from (`OSError`: the new step would point at a file it does not hold; files planted
-    there since are not linked either). On any failure what was linked is removed
-    again and the error raised (the caller writes the step whole)."""
+    meanwhile), one of whose data files is gone or no longer a file, or whose index no
+    longer reads (its files cut: read where the store can, `needed`, as TensorStore
+    will read it), is not linked from (`OSError`: the new step would point at a file
+    it does not hold, or its write fail; files planted there since are not linked
+    either). On any failure what was linked is removed again and the error raised (the
+    caller writes the step whole)."""
     source, target = f"{previous.step}/{part}", f"{temp}/{part}"
     manifest = storage.read_file(f"{source}/{MANIFEST}", _MANIFEST_BYTES)
     if manifest is None or hashlib.sha256(manifest).digest() != previous.manifest:
@@ -138,11 +140,21 @@ def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str
         with concurrent.futures.ThreadPoolExecutor(min(_LINKS_AT_ONCE, len(files))) as pool:
             list(pool.map(one, files))
         storage.write_file(storage.step_path(f"{target}/{MANIFEST}"), manifest)
+        done.append(MANIFEST)
+        storage.needed(target)
+    except _ocdbt.Damaged as e:
+        _unlink(storage, target, done)
+        raise OSError(f"step {previous.step}'s {part} is damaged: {e}") from e
     except BaseException:
-        for name in done:
-            storage.remove_file(f"{target}/{name}")
+        _unlink(storage, target, done)
         raise
     return files
+
+
+def _unlink(storage: Storage, target: str, done: list[str]) -> None:
+    """Remove what `link` put into the database `target` (the step is written whole)."""
+    for name in done:
+        storage.remove_file(f"{target}/{name}")
 
 
 def prune(storage: Storage, temp: str, part: str, linked: list[str]) -> int:
