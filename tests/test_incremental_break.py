@@ -99,3 +99,28 @@ def test_a_previous_step_whose_index_is_damaged_is_not_linked(tmp_path):
         wrote, nbytes = _last(ckpt)
         assert wrote < nbytes / 4
     _whole_and_readable(directory, states, (2, 3))
+
+
+def test_a_previous_step_whose_values_file_was_cut_is_not_linked(tmp_path):
+    """The largest data file of the step a save links from (the buffer's values, no part
+    of the index) cut meanwhile: the save is written whole. Before, the new step linked
+    the cut file and was committed with chunks it could not read, as was every step
+    linked from it until the next whole save (each one found by `verify` only)."""
+    directory = str(tmp_path / "ckpt")
+    states = _states(3)
+    with jax_cb_ckpt.Checkpointer(directory, incremental=True) as ckpt:
+        ckpt.save(states[0], 1)
+        ckpt.wait()
+        folder = _data_dir(directory, 1)
+        name = max(os.listdir(folder), key=lambda n: os.path.getsize(os.path.join(folder, n)))
+        path = os.path.join(folder, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+        ckpt.save(states[1], 2)
+        ckpt.wait()
+        wrote, nbytes = _last(ckpt)
+        assert wrote == nbytes
+        ckpt.save(states[2], 3)
+        ckpt.wait()
+        wrote, nbytes = _last(ckpt)
+        assert wrote < nbytes / 4
+    _whole_and_readable(directory, states, (2, 3))
