@@ -5,9 +5,9 @@ The writer keeps, in memory, of the step it wrote last (this process's part of i
 its layout (`StoreWriter.layout`: leaves, shapes, dtypes, chunks) and every chunk's
 CRC-32 and SHA-256 (`StoreWriter.digests`). At the next save of the same layout, before
 TensorStore opens the new step's database, `link` puts the previous step's database
-into it: its data files (`d/`) linked (a hard link in a folder, a server-side copy in a
-bucket: `ChunkStore.link`), its manifest copied (TensorStore rewrites a manifest in
-place; it never changes a data file once written). The new step's database then *is*
+into it: its data files (`d/`) linked (a hard link in a folder, a copy through this
+process in a bucket: `ChunkStore.link`), its manifest copied (TensorStore rewrites a
+manifest in place; it never changes a data file once written). The new step's database then *is*
 the previous one, and the write adds a version holding only the chunks whose digests
 differ (`StoreWriter.write(previous=...)`): both digests equal is the proof that the
 bytes are (the CRC-32 alone is not). After its commit, `prune` removes from the new
