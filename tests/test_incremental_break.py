@@ -124,3 +124,26 @@ def test_a_previous_step_whose_values_file_was_cut_is_not_linked(tmp_path):
         wrote, nbytes = _last(ckpt)
         assert wrote < nbytes / 4
     _whole_and_readable(directory, states, (2, 3))
+
+
+def test_in_a_bucket_an_object_gone_from_the_previous_step_is_not_linked(remote):
+    """As `test_a_data_file_gone_from_the_previous_step_is_not_linked`, in a bucket: the
+    objects linked are those the previous step held at its commit (before, on GCS, the
+    save linked the others and was committed without the one gone)."""
+    from jax_cb_ckpt._storage import _remote
+
+    states = _states(3)
+    with jax_cb_ckpt.Checkpointer(remote.url, incremental=True) as ckpt:
+        ckpt.save(states[0], 1)
+        ckpt.wait()
+        data = f"{remote.url}/1/state/d"
+        names = _remote.list_keys(data)
+        smallest = min(names, key=lambda n: len(_remote.read(f"{data}/{n}")[0]))
+        _remote.delete(f"{data}/{smallest}")
+        ckpt.save(states[1], 2)
+        ckpt.wait()
+        wrote, nbytes = _last(ckpt)
+        assert wrote == nbytes
+    jax_cb_ckpt.verify(remote.url, step=2)
+    got = jax_cb_ckpt.restore(remote.url, _like(states[0]), step=2)
+    assert jax_cb_ckpt.same_bits(got, states[1])
