@@ -6,10 +6,15 @@ adversarial pass over `Checkpointer(..., incremental=True)` found (docs/usage.md
 from __future__ import annotations
 
 import os
+import random
+import sys
+import textwrap
+import time
 
 import jax
 import numpy as np
 import pytest
+from helpers import kill_group, start_process, wait_for_step
 
 import jax_cb_ckpt
 
@@ -147,3 +152,63 @@ def test_in_a_bucket_an_object_gone_from_the_previous_step_is_not_linked(remote)
     jax_cb_ckpt.verify(remote.url, step=2)
     got = jax_cb_ckpt.restore(remote.url, _like(states[0]), step=2)
     assert jax_cb_ckpt.same_bits(got, states[1])
+
+
+# The state of step k of a run (the child's and the test's): a ring buffer a slice further
+# each step, so each linked save writes a slice and links the rest.
+_RING = """
+import numpy as np
+
+def ring(k):
+    buf = np.random.default_rng(0).standard_normal((4, 2048, 256), dtype=np.float32)
+    for j in range(1, k + 1):
+        buf[:, (j * 64) % 2048 : (j * 64) % 2048 + 64] = np.float32(j)
+    return {"buf": buf, "k": np.int64(k)}
+"""
+
+_SAVER = """
+import sys
+import jax_cb_ckpt
+with jax_cb_ckpt.Checkpointer(sys.argv[1], incremental=True, full_every=4, max_to_keep=3) as ckpt:
+    start = ckpt.latest_step() or 0
+    if start:
+        assert jax_cb_ckpt.same_bits(ckpt.restore(ring(0)), ring(start)), "not exact"
+    for k in range(start + 1, 10**6):
+        ckpt.save(ring(k), k)
+        ckpt.wait()
+        record = ckpt.stats.recent[-1]
+        print(k, record.written_bytes, record.nbytes, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_killed_at_any_point_of_incremental_saves_a_restart_resumes_exactly_and_links(tmp_path):
+    """SIGKILL at random points of incremental saves (linking, writing, pruning,
+    committing): every step left is whole and exact, the next opening removes the
+    leftovers, resumes bit for bit, and links again from its second save on."""
+    directory = str(tmp_path / "ckpt")
+    script = tmp_path / "saver.py"
+    script.write_text(textwrap.dedent(_RING) + textwrap.dedent(_SAVER))
+    scope: dict = {}
+    exec(textwrap.dedent(_RING), scope)
+    ring = scope["ring"]
+    chance = random.Random(0)
+    for _ in range(8):
+        before = jax_cb_ckpt.latest_step(directory) or 0
+        child = start_process([sys.executable, str(script), directory])
+        wait_for_step(directory, before + 3, child)
+        time.sleep(chance.uniform(0, 0.3))
+        out, err = kill_group(child)
+        lines = [line.split() for line in out.splitlines()]
+        assert "not exact" not in err
+        # A restarted writer's first save is whole, its later ones linked.
+        assert int(lines[0][1]) == int(lines[0][2]), lines
+        assert int(lines[1][1]) < int(lines[1][2]) / 4, lines
+        for step in jax_cb_ckpt.all_steps(directory):
+            jax_cb_ckpt.verify(directory, step=step)
+            got = jax_cb_ckpt.restore(directory, ring(0), step=step)
+            assert jax_cb_ckpt.same_bits(got, ring(step)), step
+    with jax_cb_ckpt.Checkpointer(directory, incremental=True) as ckpt:
+        assert jax_cb_ckpt.same_bits(ckpt.restore(ring(0)), ring(ckpt.latest_step()))
+    left = [n for n in os.listdir(directory) if not n.isdigit() and "lock" not in n]
+    assert not left, left
