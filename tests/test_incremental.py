@@ -202,13 +202,20 @@ def test_a_flipped_bit_damages_every_step_that_links_it_and_a_restart_falls_back
     directory = str(tmp_path / "ckpt")
     states = _states(6)
     _save_all(directory, states, full_every=3)  # 1 whole, 2-3 linked, 4 whole, 5-6 linked
-    # A data file step 4 wrote, which 5 and 6 link: flip a byte in its middle.
+    # The last chunk of the ring along time, which no save after step 4 changed: its
+    # value in a data file step 4 wrote, which 5 and 6 link. Flip a byte in it.
+    from jax_cb_ckpt._layout import _ocdbt
+
+    index = _ocdbt.Database(os.path.join(directory, "4", "state"))
+    keys = sorted(k for k in index.values if k.startswith(b"buf/") and b".zarray" not in k)
+    where = index.locate(max(keys, key=lambda k: int(k.split(b".")[1])).decode())
+    assert isinstance(where, _ocdbt.Indirect)
+    name = where.path.split("/")[-1]
     files4 = _data_files(directory, 4)
-    name = max(files4, key=lambda n: files4[n].st_size)
     assert _data_files(directory, 6)[name].st_ino == files4[name].st_ino
     path = os.path.join(directory, "4", "state", "d", name)
     with open(path, "r+b") as f:
-        f.seek(files4[name].st_size // 2)
+        f.seek(where.offset + where.length // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))

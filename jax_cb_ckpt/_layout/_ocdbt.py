@@ -155,10 +155,21 @@ class Database:
     def data_files(self) -> set[str]:
         """The data files the latest version needs (its B-tree's nodes, its values
         stored out of line, and the version tree nodes a writer of the next version
-        reads), relative to the database's folder."""
+        reads), relative to the database's folder; `Damaged` when a file is too short
+        for the values the index places in it (one size asked per file)."""
         nodes = {path for path, _, _ in self._seen}
-        values = {v.path for v in self.values.values() if isinstance(v, Indirect)}
-        return nodes | values | self._version_files
+        ends: dict[str, int] = {}
+        for v in self.values.values():
+            if isinstance(v, Indirect):
+                ends[v.path] = max(ends.get(v.path, 0), v.offset + v.length)
+        for path, end in ends.items():
+            size = self.files.size(self._relative(path))
+            if end > size:
+                raise Damaged(
+                    f"the step's index gives bytes up to {end} of '{self._path(path)}', "
+                    f"which holds {size}"
+                )
+        return nodes | set(ends) | self._version_files
 
     def read_range(self, where: Indirect) -> bytes:
         """The bytes of an out-of-line value, checked to lie within its file before

@@ -34,7 +34,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 
-from .._layout import _format
+from .._layout import _format, _ocdbt
 from .._layout._ocdbt import MANIFEST
 from .._storage._protocol import Storage
 from ._store import Kept
@@ -53,6 +53,7 @@ class Previous:
     layout: tuple
     kept: Kept  # a copy of its chunks, with their checksums (`StoreWriter.kept`)
     manifest: bytes  # the SHA-256 of its database's manifest, as written
+    files: tuple[str, ...] = ()  # its database's data files, as written (`files_of`)
 
 
 class Chain:
@@ -73,10 +74,17 @@ class Chain:
             return None
         return last
 
-    def written(self, step: int, layout: tuple, kept: Kept, manifest: bytes, linked: bool) -> None:
-        """A step committed (`manifest`: its manifest's digest, `manifest_digest`;
-        `linked`: from the previous one)."""
-        self._last = Previous(step, layout, kept, manifest)
+    def written(
+        self,
+        step: int,
+        layout: tuple,
+        kept: Kept,
+        written: tuple[bytes, tuple[str, ...]],
+        linked: bool,
+    ) -> None:
+        """A step committed (`written`: its manifest's digest and its data files,
+        `manifest_digest` and `files_of`; `linked`: from the previous one)."""
+        self._last = Previous(step, layout, kept, *written)
         self._linked = self._linked + 1 if linked else 0
 
     def broken(self) -> None:
@@ -100,18 +108,28 @@ def manifest_digest(storage: Storage, name: str, part: str) -> bytes:
     return b"" if manifest is None else hashlib.sha256(manifest).digest()
 
 
+def files_of(storage: Storage, name: str, part: str) -> tuple[str, ...]:
+    """The data files of the database `part` of the step `name`, relative to its folder:
+    what a later `link` links (those, not what the folder holds then)."""
+    return tuple(f"{_DATA}/{n}" for n in storage.files_in(f"{name}/{part}/{_DATA}"))
+
+
 def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str]:
     """Put the `previous` step's database `part` (`part_of`) into the step being written
-    under the name `temp` (relative to the directory): its data files linked, its
-    manifest copied. The linked names (relative to the database's folder). A step whose
-    manifest is not the one written (replaced meanwhile) is not linked from
-    (`FileNotFoundError`). On any failure what was linked is removed again and the error
-    raised (the caller writes the step whole)."""
+    under the name `temp` (relative to the directory): its data files as written
+    (`previous.files`) linked, its manifest copied. The linked names (relative to the
+    database's folder). A step whose manifest is not the one written (replaced
+    meanwhile), one of whose data files is gone or no longer a file, or whose index no
+    longer reads (its files cut: read where the store can, `needed`, as TensorStore
+    will read it), is not linked from (`OSError`: the new step would point at a file
+    it does not hold, or its write fail; files planted there since are not linked
+    either). On any failure what was linked is removed again and the error raised (the
+    caller writes the step whole)."""
     source, target = f"{previous.step}/{part}", f"{temp}/{part}"
     manifest = storage.read_file(f"{source}/{MANIFEST}", _MANIFEST_BYTES)
     if manifest is None or hashlib.sha256(manifest).digest() != previous.manifest:
         raise FileNotFoundError(f"step {previous.step}'s {part} is not the one written")
-    files = [f"{_DATA}/{name}" for name in storage.files_in(f"{source}/{_DATA}")]
+    files = list(previous.files)
     if not files:
         raise FileNotFoundError(f"step {previous.step} has no data files in {part}")
     done: list[str] = []
@@ -124,11 +142,21 @@ def link(storage: Storage, previous: Previous, temp: str, part: str) -> list[str
         with concurrent.futures.ThreadPoolExecutor(min(_LINKS_AT_ONCE, len(files))) as pool:
             list(pool.map(one, files))
         storage.write_file(storage.step_path(f"{target}/{MANIFEST}"), manifest)
+        done.append(MANIFEST)
+        storage.needed(target)
+    except _ocdbt.Damaged as e:
+        _unlink(storage, target, done)
+        raise OSError(f"step {previous.step}'s {part} is damaged: {e}") from e
     except BaseException:
-        for name in done:
-            storage.remove_file(f"{target}/{name}")
+        _unlink(storage, target, done)
         raise
     return files
+
+
+def _unlink(storage: Storage, target: str, done: list[str]) -> None:
+    """Remove what `link` put into the database `target` (the step is written whole)."""
+    for name in done:
+        storage.remove_file(f"{target}/{name}")
 
 
 def prune(storage: Storage, temp: str, part: str, linked: list[str]) -> int:

@@ -275,7 +275,8 @@ class Writer:
         if self._chain is not None and self._links is not None:
             links = self._links
             kept, linked = self._store.kept, bool(links.names)
-            self._chain.written(item.step, links.layout, kept, links.manifest, linked)
+            written = (links.manifest, links.files)
+            self._chain.written(item.step, links.layout, kept, written, linked)
         self._written(item, time.perf_counter() - start, checksum_s)
         try:  # what the log says never stops the writer (a thread that dies hangs saves)
             linked = None if self._chain is None else item.nbytes - self._store.written_bytes
@@ -461,14 +462,15 @@ class Writer:
 
     def _prune(self, temp: str) -> None:
         """Incremental saves, once this process's database is final: the linked files it
-        does not read removed, its manifest's digest kept (the next save links from it
-        only if it is still this one)."""
+        does not read removed, its manifest's digest and data files kept (the next save
+        links from it only if it is still this one, and links those files)."""
         links = self._links
         if links is None:
             return
         if links.names:
             _incremental.prune(self._storage, links.name, links.part, links.names)
         links.manifest = _incremental.manifest_digest(self._storage, links.name, links.part)
+        links.files = _incremental.files_of(self._storage, links.name, links.part)
 
     def _fence(self, final: str) -> None:
         """Object storage, before a step's files and its commit: this writer still
@@ -526,6 +528,7 @@ class _Links:
     part: str
     names: list[str]
     manifest: bytes = b""  # the digest of its database's manifest, once final
+    files: tuple[str, ...] = ()  # its database's data files, once final
 
 
 class SaveLog:
