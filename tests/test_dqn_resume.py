@@ -28,7 +28,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "dqn_worker.py")
 # gymnax 1.0.1 requires jax<0.12: CI's newest end (the newest JAX) runs without either.
 pytestmark = [
     needs("gymnax", "examples", "; gymnax 1.0.1 requires jax<0.12"),
-    needs("flashbax", "examples", "; it comes with gymnax, which requires jax<0.12"),
+    needs("flashbax", "examples", "; in the extra beside gymnax, which requires jax<0.12"),
 ]
 
 
