@@ -227,17 +227,23 @@ def _die_after(done):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def make_train(ckpt, *, saves=True):
-    """`train(state, start)`: the updates from `start` to NUM_UPDATES, one jitted call."""
+def make_train(ckpt, *, saves=True, killable=True):
+    """`train(state, start, end)`: the updates from `start` to `end`, one jitted call
+    (`state` donated). `saves`: `maybe_save` after every update; `killable`: the host
+    callback after every update that can kill the process (KILL)."""
 
     def body(i, state):
         state = update(state)
         if saves:
             ckpt.maybe_save(state, i + 1)  # after update i: i + 1 updates done
-        jax.debug.callback(_die_after, i + 1)
+        if killable:
+            jax.debug.callback(_die_after, i + 1)
         return state
 
-    return jax.jit(lambda state, start: jax.lax.fori_loop(start, NUM_UPDATES, body, state))
+    def train(state, start, end):
+        return jax.lax.fori_loop(start, end, body, state)
+
+    return jax.jit(train, donate_argnums=0)
 
 
 def like():
@@ -259,7 +265,7 @@ def run(directory, mode):
     with checkpointer(directory, mode) as ckpt:
         state, start = ckpt.restore_or_init(jax.jit(init), jax.random.key(0))
         began = time.perf_counter()
-        state = jax.block_until_ready(make_train(ckpt)(state, start))
+        state = jax.block_until_ready(make_train(ckpt)(state, start, NUM_UPDATES))
         ckpt.wait()
         wall = time.perf_counter() - began
     return state, ckpt.stats, wall
