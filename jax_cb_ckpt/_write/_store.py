@@ -38,7 +38,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -128,14 +128,7 @@ def _zarray_json(
 def chunks_of(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Chunk shape of a leaf written whole: split along the leading axes so that a
     chunk holds at most CHUNK_BYTES."""
-    chunks = [max(1, n) for n in shape]
-    for axis in range(len(shape)):
-        nbytes = itemsize * math.prod(chunks)
-        if nbytes <= CHUNK_BYTES:
-            break
-        per_row = nbytes // chunks[axis]
-        chunks[axis] = max(1, min(chunks[axis], CHUNK_BYTES // max(1, per_row)))
-    return tuple(chunks)
+    return _cut(shape, itemsize, CHUNK_BYTES, range(len(shape)))
 
 
 def chunks_to_link(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -147,8 +140,16 @@ def chunks_to_link(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     of the ring, falls in a few chunks, and the rest are linked."""
     nbytes = itemsize * math.prod(shape)
     target = min(CHUNK_BYTES, max(CHUNK_BYTES_FEWEST, nbytes // CHUNKS_PER_LEAF))
+    return _cut(shape, itemsize, target, sorted(range(len(shape)), key=lambda a: (-shape[a], a)))
+
+
+def _cut(
+    shape: tuple[int, ...], itemsize: int, target: int, axes: Iterable[int]
+) -> tuple[int, ...]:
+    """A chunk shape of at most `target` bytes (where the axes allow), each axis of
+    `axes` in turn cut until the chunk fits."""
     chunks = [max(1, n) for n in shape]
-    for axis in sorted(range(len(shape)), key=lambda a: (-shape[a], a)):
+    for axis in axes:
         nbytes = itemsize * math.prod(chunks)
         if nbytes <= target:
             break
