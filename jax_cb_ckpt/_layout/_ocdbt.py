@@ -155,14 +155,18 @@ class Database:
     def data_files(self) -> set[str]:
         """The data files the latest version needs (its B-tree's nodes, its values
         stored out of line, and the version tree nodes a writer of the next version
-        reads), relative to the database's folder; `Damaged` when a file is too short
-        for the values the index places in it (one size asked per file)."""
+        reads), relative to the database's folder; `Damaged` when a file of its own
+        (`d/`) is too short for the values the index places in it (one size asked per
+        file; a file of another database the root merged, `ocdbt.process_<i>/d/`, is
+        that process's to check)."""
         nodes = {path for path, _, _ in self._seen}
         ends: dict[str, int] = {}
         for v in self.values.values():
             if isinstance(v, Indirect):
                 ends[v.path] = max(ends.get(v.path, 0), v.offset + v.length)
         for path, end in ends.items():
+            if "/" in path.removeprefix("d/"):
+                continue  # another database's file (a process's, the root merged it)
             size = self.files.size(self._relative(path))
             if end > size:
                 raise Damaged(
