@@ -25,6 +25,7 @@ keeps in the file LOG the bytes it moved so far, "<to the server> <back to the c
 
 import asyncio
 import itertools
+import os
 import re
 import socket
 import struct
@@ -160,8 +161,9 @@ async def main(listen, target, log=None, period=0, deny=None, counting=False):
 
         def count(n):
             moved[direction] += n
-            with open(log, "w") as f:
+            with open(f"{log}.part", "w") as f:  # (replaced whole: never read half-written)
                 f.write(f"{moved[0]} {moved[1]}\n")
+            os.replace(f"{log}.part", log)
 
         return count
 

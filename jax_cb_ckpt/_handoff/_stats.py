@@ -41,7 +41,8 @@ class Stats:
         failed: saves the writer could not write (the first error is re-raised).
         crossings: times a device program handed data to the host (one per saving
             step, whatever the batch; the rest of the steps cross nothing).
-        bytes: bytes of array data written.
+        bytes: bytes of array data saved (the states' sizes; what incremental saves
+            wrote of them is each record's `written_bytes`).
         blocking_total_s / blocking_max_s: time the device waited inside the library's
             hand-off (copying into host buffers plus any back-pressure wait), summed and
             worst. JAX's own transfer of the arguments to the callback comes before it.

@@ -84,7 +84,8 @@ def check_library(url: str) -> None:
 def _missing_library(scheme: str) -> ConfigError:
     package, extra = _LIBRARIES[scheme]
     return ConfigError(
-        f"{where()}: a link in a {scheme}:// bucket is a server-side copy, made with "
+        f"{where()}: a link in {'an' if scheme == 's3' else 'a'} {scheme}:// bucket is a "
+        "server-side copy, made with "
         f"{package}, which is not installed. Fix: pip install 'jax-cb-ckpt[{extra}]'"
     )
 

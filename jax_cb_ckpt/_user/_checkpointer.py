@@ -99,7 +99,8 @@ class Checkpointer:
             intact step of either ([usage.md](usage.md#two-tiers-local-and-persistent)).
         incremental: a step links the chunks that did not change since the step before
             it; every step stays a whole Orbax checkpoint ([usage.md](usage.md#incremental-saves)).
-        full_every: incremental saves: every this many saves is written whole (None: never).
+        full_every: incremental saves: one save in this many is written whole (the 1st,
+            17th, ... with 16; None: only the first).
     """
 
     @_options.orbax_names
