@@ -440,9 +440,10 @@ class Writer:
         self, flat: dict[tuple[str, ...], Any], temp: str, index: int
     ) -> _store.Kept | None:
         """Incremental saves: link the previous step's database into this one's, where
-        the chain says to (`_incremental`); the previous step's digests, or None (this
-        step is written whole: no previous step of this layout, a whole one due, or its
-        files could not be linked)."""
+        the chain says to (`_incremental`); the copy of its chunks the writer kept, or
+        None (this step is written whole: no previous step of this layout, a whole one
+        due, or its files could not be linked; the kept copy is then let go before this
+        step's is made)."""
         self._links = None
         if self._chain is None:
             return None
@@ -451,12 +452,13 @@ class Writer:
         name, part = _incremental.relative(self.directory, temp), _incremental.part_of(index)
         self._links = _Links(layout, name, part, [])
         if previous is None:
-            self._chain.broken()  # (its copy of the chunks let go before this one's is made)
+            self._chain.broken()
             return None
         try:
             self._links.names = _incremental.link(self._storage, previous, name, part)
         except (OSError, _faults.StorageError) as e:
             logger.info("written whole: linking from step %d failed: %s", previous.step, e)
+            self._chain.broken()
             return None
         return previous.kept
 
