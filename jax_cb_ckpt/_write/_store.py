@@ -399,9 +399,7 @@ def _checksums(
             if kept is None:
                 leaf_sums[key] = checksum(block)
             else:
-                copy = np.array(block, order="C", copy=True)
-                kept[(name, key)] = (checksum(copy), copy)
-                leaf_sums[key] = kept[(name, key)][0]
+                leaf_sums[key] = _keep(kept, name, key, block)
     return time.perf_counter() - start
 
 
@@ -417,9 +415,15 @@ def _compare(kept: Kept, name: str, key: str, block: np.ndarray) -> bool:
         np.copyto(old[1], block, casting="no")
         kept[(name, key)] = (checksum(old[1]), old[1])
         return True
+    _keep(kept, name, key, block)
+    return True
+
+
+def _keep(kept: Kept, name: str, key: str, block: np.ndarray) -> int:
+    """Put a C-ordered copy of `block` with its checksum into `kept`; the checksum."""
     copy = np.array(block, order="C", copy=True)
     kept[(name, key)] = (checksum(copy), copy)
-    return True
+    return kept[(name, key)][0]
 
 
 def _same_bytes(copy: np.ndarray, block: np.ndarray) -> bool:
